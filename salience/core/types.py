@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
 
 __all__ = ["FinishReason", "SamplingOptions", "ScoredToken", "TokenEvent"]
 

@@ -1,0 +1,18 @@
+# Every target sets up .venv/ first (a no-op once done), so each works on a fresh machine.
+VENV := .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: setup serve test check
+setup:
+	@bash tools/setup_env.sh
+
+serve: setup
+	$(VENV)/bin/salience serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(ARGS)
+
+check: setup
+	$(VENV)/bin/ruff format --check salience tests tools
+	$(VENV)/bin/ruff check salience tests tools

@@ -1,0 +1,115 @@
+"""The `salience` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+from salience.core.home import configure_environment
+from salience.errors import SalienceError
+
+__all__ = ["main"]
+
+
+def _engine_arg(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = value
+    return key.replace("-", "_"), parsed
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="salience", description="Inference server over vLLM with concept readouts.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="load a model and serve it")
+    serve.add_argument("--model", help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("--served-model-name", help="name clients use (default: --model as given)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--lmtp-port", type=int, default=8080, help="LMTP WebSocket, /health and the page")
+    engine = serve.add_argument_group("engine")
+    engine.add_argument("--max-model-len", type=int)
+    engine.add_argument("--dtype", help="model dtype (default: float32 on CPU, the model's own on GPU)")
+    engine.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache size on CPU (GiB)")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--tensor-parallel-size", type=int, default=1)
+    engine.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    engine.add_argument("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
+    engine.add_argument("--compile", action="store_true", help="torch.compile the model: faster, slower to start")
+    engine.add_argument(
+        "--multiprocess",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run vLLM's worker in its own process (default: in-process on CPU)",
+    )
+    engine.add_argument(
+        "--engine-arg",
+        action="append",
+        type=_engine_arg,
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other vLLM engine argument (VALUE parsed as JSON when it is JSON)",
+    )
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from salience.core.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+    from salience.core.model_dir import inspect_model_folder
+    from salience.core.settings import EngineSettings
+    from salience.server import ServeOptions, serve
+
+    if args.model is None:
+        folder = inspect_model_folder(ensure_default_model())
+        name = args.served_model_name or DEFAULT_MODEL_NAME
+    else:
+        folder = inspect_model_folder(args.model)
+        name = args.served_model_name or args.model
+    settings = EngineSettings(
+        model=folder.path,
+        served_model_name=name,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        kv_cache_gib=args.kv_cache_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_prefix_caching=args.prefix_caching,
+        max_logprobs=args.max_logprobs,
+        compile=args.compile,
+        multiprocess=args.multiprocess,
+        engine_args=dict(args.engine_arg),
+    )
+    asyncio.run(serve(settings, ServeOptions(host=args.host, lmtp_port=args.lmtp_port)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    configure_environment()
+    from salience.logs import setup_logging
+
+    setup_logging(getattr(args, "log_level", "info"))
+    try:
+        return _serve(args)
+    except SalienceError as exc:
+        print(f"salience: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # the engine failed to start: one line, details with --log-level debug
+        print(f"salience: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        if os.environ.get("SALIENCE_TRACEBACK"):
+            raise
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

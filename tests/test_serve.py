@@ -1,0 +1,104 @@
+"""`salience serve` as a user runs it: a real process, real ports, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import free_port
+
+SALIENCE = str(Path(sys.executable).with_name("salience"))
+
+
+def get_health(port: int) -> tuple[int, dict] | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+    except OSError:
+        return None
+
+
+def test_serve_reports_ready_then_exits_cleanly_on_sigterm(tiny_model: Path) -> None:
+    port = free_port()
+    process = subprocess.Popen(
+        [SALIENCE, "serve", "--model", str(tiny_model), "--lmtp-port", str(port), "--max-model-len", "512"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            health = get_health(port)
+            if health is not None:
+                seen.append(health)
+                if health[0] == 200:
+                    break
+            assert process.poll() is None, process.stdout.read()
+            time.sleep(0.2)
+        assert seen and seen[-1] == (200, {"status": "ready", "model": str(tiny_model)})
+        assert all(code == 503 and body["status"] == "loading" for code, body in seen[:-1])
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert children, "vLLM's engine core runs in a child process"
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output
+    assert "msg=ready" in output and "msg=stopped" in output
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left running: {alive}"
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda d: d / "missing", "does not exist"),
+        (lambda d: (d / "file").write_text("x") and d / "file", "is not a folder"),
+        (lambda d: (d / "empty").mkdir() or d / "empty", "has no config.json"),
+        (lambda d: _folder(d, "{not json"), "cannot read"),
+        (lambda d: _folder(d, json.dumps({"architectures": ["NoSuchForCausalLM"]})), "NoSuchForCausalLM is not"),
+        (lambda d: _folder(d, json.dumps({"model_type": "llama"})), "names no architectures"),
+    ],
+)
+def test_bad_model_folder_ends_with_one_line_and_exit_code_2(tmp_path: Path, setup, message: str) -> None:
+    model = setup(tmp_path)
+    result = subprocess.run(
+        [SALIENCE, "serve", "--model", str(model), "--lmtp-port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("salience: error: ") and message in lines[-1]
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file")
+def test_unreadable_model_folder(tmp_path: Path) -> None:
+    model = _folder(tmp_path, "{}")
+    (model / "config.json").chmod(0)
+    result = subprocess.run([SALIENCE, "serve", "--model", str(model)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "permission denied" in result.stderr
+
+
+def _folder(root: Path, config: str) -> Path:
+    folder = root / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(config)
+    return folder
