@@ -34,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", help="name clients use (default: --model as given)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--lmtp-port", type=int, default=8080, help="LMTP WebSocket, /health and the page")
+    serve.add_argument("--lmtp-tcp-port", type=int, help="also serve LMTP over plain TCP, one message per line")
+    serve.add_argument(
+        "--model-alias", action="append", default=[], help="another model name clients may use (repeatable)"
+    )
     engine = serve.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=int)
     engine.add_argument("--dtype", help="model dtype (default: float32 on CPU, the model's own on GPU)")
@@ -87,7 +91,13 @@ def _serve(args: argparse.Namespace) -> int:
         multiprocess=args.multiprocess,
         engine_args=dict(args.engine_arg),
     )
-    asyncio.run(serve(settings, ServeOptions(host=args.host, lmtp_port=args.lmtp_port)))
+    options = ServeOptions(
+        host=args.host,
+        lmtp_port=args.lmtp_port,
+        lmtp_tcp_port=args.lmtp_tcp_port,
+        model_aliases=tuple(args.model_alias),
+    )
+    asyncio.run(serve(settings, options))
     return 0
 
 

@@ -11,6 +11,7 @@ Core code raises these; each frontend maps them to its wire form in one place
     ├── SessionBusy           a Generate is already running on the session
     ├── ResourceExhausted     server-side limits (sessions, stored tokens)
     ├── ModelError            the model folder cannot be served
+    ├── Unavailable           the model is loading or the server is stopping
     └── EngineError           the engine failed while serving a request
 """
 
@@ -26,6 +27,7 @@ __all__ = [
     "ResourceExhausted",
     "SalienceError",
     "SessionBusy",
+    "Unavailable",
 ]
 
 
@@ -62,4 +64,8 @@ class ModelError(SalienceError):
 
 
 class EngineError(SalienceError):
+    pass
+
+
+class Unavailable(SalienceError):
     pass

@@ -19,6 +19,8 @@ from salience.core.engine import Engine
 from salience.core.settings import EngineSettings
 from salience.core.status import ServerStatus
 from salience.lmtp.app import make_app
+from salience.lmtp.session import LmtpConfig
+from salience.lmtp.tcp import start_tcp_server
 
 __all__ = ["ServeOptions", "serve"]
 
@@ -29,6 +31,8 @@ log = logging.getLogger(__name__)
 class ServeOptions:
     host: str = "127.0.0.1"
     lmtp_port: int = 8080
+    lmtp_tcp_port: int | None = None
+    model_aliases: tuple[str, ...] = ()
 
 
 async def serve(settings: EngineSettings, options: ServeOptions) -> None:
@@ -39,11 +43,17 @@ async def serve(settings: EngineSettings, options: ServeOptions) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     status = ServerStatus(settings.served_model_name)
-    runner = web.AppRunner(make_app(status), access_log=None, handle_signals=False)
+    names = frozenset({settings.served_model_name, settings.model.name, *options.model_aliases})
+    lmtp = LmtpConfig(model_names=names)
+    runner = web.AppRunner(make_app(status, lmtp), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, options.host, options.lmtp_port)
     await site.start()
-    log.info("listening", extra={"url": f"http://{options.host}:{options.lmtp_port}/", "phase": "loading"})
+    log.info("listening", extra={"lmtp": f"ws://{options.host}:{options.lmtp_port}/", "phase": "loading"})
+    tcp = None
+    if options.lmtp_tcp_port is not None:
+        tcp = await start_tcp_server(status, lmtp, options.host, options.lmtp_tcp_port)
+        log.info("listening", extra={"lmtp_tcp": f"{options.host}:{options.lmtp_tcp_port}"})
 
     engine: Engine | None = None
     loading = asyncio.create_task(Engine.start(settings))
@@ -60,6 +70,8 @@ async def serve(settings: EngineSettings, options: ServeOptions) -> None:
     finally:
         stopped.cancel()
         status.stopping()
+        if tcp is not None:
+            tcp.close()
         await runner.cleanup()
         if engine is not None:
             engine.shutdown()

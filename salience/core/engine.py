@@ -160,7 +160,7 @@ class Engine:
         Closing the Generation (or cancelling the task iterating it) aborts the
         request in vLLM.
         """
-        prompt = self._check_tokens("prompt", prompt)
+        prompt = self.check_tokens("prompt", prompt)
         if not prompt:
             raise InvalidArgument("prompt is empty: at least one token is needed to generate from")
         if not isinstance(options.max_tokens, int) or options.max_tokens < 1:
@@ -173,8 +173,8 @@ class Engine:
         self, prompt: Sequence[int], continuation: Sequence[int], *, top_logprobs: int = 0
     ) -> list[ScoredToken]:
         """Logprob of each continuation token given the prompt and the tokens before it."""
-        prompt = self._check_tokens("prompt", prompt)
-        continuation = self._check_tokens("continuation", continuation)
+        prompt = self.check_tokens("prompt", prompt)
+        continuation = self.check_tokens("continuation", continuation)
         if not prompt:
             raise InvalidArgument("prompt is empty: the first token has no context to be scored in")
         if not continuation:
@@ -212,7 +212,8 @@ class Engine:
 
     # ---- validation ------------------------------------------------------------
 
-    def _check_tokens(self, what: str, ids: Sequence[int]) -> list[int]:
+    def check_tokens(self, what: str, ids: Sequence[int]) -> list[int]:
+        """The ids as a list, or InvalidArgument naming the first that is not in the vocabulary."""
         ids = list(ids)
         if all(type(t) is int for t in ids) and (not ids or (min(ids) >= 0 and max(ids) < self.vocab_size)):
             return ids
@@ -249,14 +250,14 @@ class Engine:
             raise InvalidArgument(f"seed must be a 64-bit integer, got {o.seed!r}")
         if type(o.priority) is not int or not -(2**31) <= o.priority < 2**31:
             raise InvalidArgument(f"priority must be a 32-bit integer, got {o.priority!r}")
-        stop = self._check_tokens("stop_token_ids", o.stop_token_ids)
-        bias_ids = self._check_tokens("logit_bias", list(o.logit_bias))
+        stop = self.check_tokens("stop_token_ids", o.stop_token_ids)
+        bias_ids = self.check_tokens("logit_bias", list(o.logit_bias))
         for token, bias in o.logit_bias.items():
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
                 raise InvalidArgument(f"logit_bias[{token}] must be a finite number, got {bias!r}")
         allowed = None
         if o.allowed_token_ids is not None:
-            allowed = self._check_tokens("allowed_token_ids", o.allowed_token_ids)
+            allowed = self.check_tokens("allowed_token_ids", o.allowed_token_ids)
             if not allowed:
                 raise InvalidArgument("allowed_token_ids is empty: no token could be sampled")
         # top_k == 1 is greedy whatever the temperature; running it as greedy keeps

@@ -1,14 +1,25 @@
-"""The aiohttp application: health endpoint now, the LMTP WebSocket and the page later."""
+"""The aiohttp application: LMTP over WebSocket at `/`, and `GET /health`."""
 
 from __future__ import annotations
 
-from aiohttp import web
+import asyncio
+import contextlib
+import weakref
+from collections.abc import AsyncIterator
+
+from aiohttp import WSCloseCode, WSMsgType, web
 
 from salience.core.status import Phase, ServerStatus
+from salience.lmtp.codec import MAX_LINE_BYTES
+from salience.lmtp.session import LmtpConfig, LmtpSession
 
-__all__ = ["STATUS", "make_app"]
+__all__ = ["LMTP_CONFIG", "STATUS", "make_app", "serve_session"]
 
 STATUS = web.AppKey("status", ServerStatus)
+
+
+LMTP_CONFIG = web.AppKey("lmtp_config", LmtpConfig)
+SOCKETS = web.AppKey("sockets", weakref.WeakSet[web.WebSocketResponse])
 
 
 async def health(request: web.Request) -> web.Response:
@@ -18,8 +29,64 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if status.phase is Phase.READY else 503)
 
 
-def make_app(status: ServerStatus) -> web.Application:
+async def serve_session(session: LmtpSession, lines: AsyncIterator[str | bytes], send, close) -> None:
+    """Drive one session over any line transport; the caller owns the transport."""
+    pump = asyncio.create_task(session.pump(send))
+
+    async def close_when_session_closes() -> None:
+        await session.closed.wait()
+        # Give queued errors a moment to go out before the transport closes.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(pump), 5)
+        await close()
+
+    watcher = asyncio.create_task(close_when_session_closes())
+    try:
+        async for line in lines:
+            session.receive(line)
+    finally:
+        session.close()
+        await session.wait_closed()
+        watcher.cancel()
+        pump.cancel()
+        await asyncio.gather(pump, watcher, return_exceptions=True)
+
+
+async def lmtp_websocket(request: web.Request) -> web.StreamResponse:
+    ws = web.WebSocketResponse(max_msg_size=MAX_LINE_BYTES)
+    if not ws.can_prepare(request).ok:
+        return web.Response(text="LMTP endpoint: connect with a WebSocket and send 'TYPE <json>' lines.\n")
+    await ws.prepare(request)
+    request.app[SOCKETS].add(ws)
+    session = LmtpSession(request.app[STATUS], request.app[LMTP_CONFIG])
+
+    async def lines() -> AsyncIterator[str | bytes]:
+        async for message in ws:
+            if message.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+                # One message per frame; a frame of several lines is read line by line.
+                data = message.data
+                for line in data.splitlines() if ("\n" if isinstance(data, str) else b"\n") in data else (data,):
+                    if line.strip():
+                        yield line
+
+    async def close() -> None:
+        await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"client is not reading")
+
+    await serve_session(session, lines(), ws.send_str, close)
+    return ws
+
+
+async def _close_sockets(app: web.Application) -> None:
+    for ws in list(app[SOCKETS]):
+        await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
+
+
+def make_app(status: ServerStatus, config: LmtpConfig) -> web.Application:
     app = web.Application()
     app[STATUS] = status
+    app[LMTP_CONFIG] = config
+    app[SOCKETS] = weakref.WeakSet()
+    app.router.add_get("/", lmtp_websocket)
     app.router.add_get("/health", health)
+    app.on_shutdown.append(_close_sockets)
     return app

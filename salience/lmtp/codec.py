@@ -1,0 +1,228 @@
+"""LMTP wire format, sans I/O: one message is one line `TYPE <json>`.
+
+`parse_client_line` turns a line into a typed message or raises LmtpError,
+which carries the stream_id when the line got far enough to name one, so the
+error can be routed to that stream. `token_frame` / `msg_frame` serialize
+server frames. Every transport (WebSocket, TCP) and the REPL use these.
+
+Validation here is about shape (types, ranges that hold for any model); what
+depends on the model (vocabulary, context length, top-k limit) is checked by
+the core engine, once for every frontend.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import orjson
+
+from salience.lmtp.messages import Cancel, ClientMessage, Detokenize, Generate, ModelInfo, Score, Tokenize
+
+__all__ = ["MAX_LINE_BYTES", "LmtpError", "msg_frame", "parse_client_line", "parse_server_line", "token_frame"]
+
+MAX_LINE_BYTES = 16 * 1024 * 1024
+_INT_LIMIT = 2**63
+
+
+class LmtpError(Exception):
+    """A line the server cannot act on; `stream_id` is None if the line named none."""
+
+    def __init__(self, message: str, *, stream_id: int | None = None, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.stream_id = stream_id
+        self.kind = kind
+
+
+# ---- field readers: each raises a message naming the field -------------------
+
+
+def _int(value: Any, name: str, low: int | None = None, high: int | None = None) -> int:
+    if type(value) is not int:
+        raise ValueError(f"{name} must be an integer, got {_show(value)}")
+    if not -_INT_LIMIT <= value < _INT_LIMIT:
+        raise ValueError(f"{name} is out of range: {value}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+    return value
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {_show(value)}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _bool(value: Any, name: str) -> bool:
+    if type(value) is not bool:
+        raise ValueError(f"{name} must be true or false, got {_show(value)}")
+    return value
+
+
+def _str(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {_show(value)}")
+    return value
+
+
+def _tokens(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a list of token ids, got {_show(value)}")
+    for i, token in enumerate(value):
+        if type(token) is not int or token < 0 or token >= _INT_LIMIT:
+            raise ValueError(f"{name}[{i}] must be a non-negative integer token id, got {_show(token)}")
+    return tuple(value)
+
+
+def _bias(value: Any, name: str) -> Mapping[int, float]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object of token id -> bias, got {_show(value)}")
+    bias = {}
+    for key, amount in value.items():
+        if not (key.isascii() and key.isdigit()):
+            raise ValueError(f"{name} key {key!r} is not a non-negative token id")
+        bias[int(key)] = _number(amount, f"{name}[{key}]")
+    return MappingProxyType(bias)
+
+
+def _show(value: Any) -> str:
+    text = orjson.dumps(value).decode() if isinstance(value, (dict, list, str, int, float, bool, type(None))) else "?"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+_Reader = Callable[[Any, str], Any]
+_GENERATE: dict[str, _Reader] = {
+    "stream_id": _int,
+    "prompt": _tokens,
+    "model": _str,
+    "max_tokens": lambda v, n: _int(v, n, 1),
+    "temperature": _number,
+    "top_p": _number,
+    "top_k": lambda v, n: _int(v, n, -1),
+    "seed": _int,
+    "logit_bias": _bias,
+    "top_logprobs": lambda v, n: _int(v, n, 0),
+    "repetition_penalty": _number,
+    "presence_penalty": _number,
+    "frequency_penalty": _number,
+    "length_penalty": _number,
+    "stop_token_ids": _tokens,
+    "priority": lambda v, n: _int(v, n, -(2**31), 2**31 - 1),
+    "ignore_eos": _bool,
+    "text": _bool,
+}
+_SCORE: dict[str, _Reader] = {
+    "stream_id": _int,
+    "prompt": _tokens,
+    "scored": _tokens,
+    "model": _str,
+    "top_logprobs": lambda v, n: _int(v, n, 0),
+    "text": _bool,
+}
+_TYPES: dict[str, tuple[type, dict[str, _Reader], frozenset[str]]] = {
+    "GENERATE": (Generate, _GENERATE, frozenset({"stream_id", "prompt"})),
+    "SCORE": (Score, _SCORE, frozenset({"stream_id", "prompt", "scored"})),
+    # LMQL sends {"stream_id", "model", "data": {"model": ...}}.
+    "MODEL_INFO": (ModelInfo, {"stream_id": _int, "model": _str, "data": lambda v, n: v}, frozenset()),
+    "CANCEL": (Cancel, {"stream_id": _int}, frozenset({"stream_id"})),
+    "TOKENIZE": (
+        Tokenize,
+        {"stream_id": _int, "text": _str, "add_special_tokens": _bool},
+        frozenset({"stream_id", "text"}),
+    ),
+    "DETOKENIZE": (Detokenize, {"stream_id": _int, "tokens": _tokens}, frozenset({"stream_id", "tokens"})),
+}
+MESSAGE_TYPES = tuple(_TYPES)
+
+
+def parse_client_line(line: str | bytes) -> ClientMessage:
+    """Parse one client line; raise LmtpError with a message fit to send back."""
+    if isinstance(line, str):
+        line = line.encode("utf-8", "surrogatepass")
+    if len(line) > MAX_LINE_BYTES:
+        raise LmtpError(f"message of {len(line)} bytes exceeds the limit of {MAX_LINE_BYTES}")
+    line = line.rstrip(b"\r\n")
+    kind_bytes, sep, body = line.partition(b" ")
+    try:
+        kind = kind_bytes.decode("ascii")
+    except UnicodeDecodeError:
+        raise LmtpError("message type is not ASCII: expected 'TYPE <json>'") from None
+    if not sep:
+        raise LmtpError(f"expected 'TYPE <json>', got {_preview(line)}")
+    if kind not in _TYPES:
+        raise LmtpError(f"unknown message type {kind!r}; known: {', '.join(_TYPES)}")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        data = _slow_json(body, kind, exc)
+    if not isinstance(data, dict):
+        raise LmtpError(f"{kind}: body must be a JSON object", kind=kind)
+    cls, readers, required = _TYPES[kind]
+    stream_id = data.get("stream_id")
+    stream_id = stream_id if type(stream_id) is int and -_INT_LIMIT <= stream_id < _INT_LIMIT else None
+    unknown = sorted(set(data) - set(readers))
+    if unknown:
+        raise LmtpError(
+            f"{kind}: unknown field {unknown[0]!r}; known: {', '.join(readers)}", stream_id=stream_id, kind=kind
+        )
+    missing = sorted(name for name in required if data.get(name) is None)
+    if missing:
+        raise LmtpError(f"{kind}: missing field {missing[0]!r}", stream_id=stream_id, kind=kind)
+    try:
+        fields = {name: readers[name](value, name) for name, value in data.items() if value is not None}
+    except ValueError as exc:
+        raise LmtpError(f"{kind}: {exc}", stream_id=stream_id, kind=kind) from None
+    fields.pop("data", None)
+    return cls(**fields)
+
+
+_STREAM_ID = re.compile(rb'"stream_id"\s*:\s*(-?\d{1,18})\b')
+
+
+def _slow_json(body: bytes, kind: str, error: Exception) -> Any:
+    """orjson rejects some valid JSON (1e999); else name the stream if we can, so its client hears."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        pass
+    found = _STREAM_ID.search(body)
+    stream_id = int(found.group(1)) if found else None
+    raise LmtpError(f"{kind}: body is not valid JSON ({error})", stream_id=stream_id, kind=kind)
+
+
+def _preview(line: bytes) -> str:
+    text = line[:40].decode("utf-8", "replace")
+    return repr(text + ("..." if len(line) > 40 else ""))
+
+
+def _frame(kind: str, payloads: Iterable[dict]) -> str:
+    return kind + " " + orjson.dumps(list(payloads)).decode()
+
+
+def token_frame(payloads: Iterable[dict]) -> str:
+    return _frame("TOKEN", payloads)
+
+
+def msg_frame(payloads: Iterable[dict]) -> str:
+    return _frame("MSG", payloads)
+
+
+def parse_server_line(line: str) -> tuple[str, list[dict]]:
+    """For clients (REPL, tests): split a server frame into its type and payloads."""
+    kind, sep, body = line.partition(" ")
+    if not sep:
+        raise LmtpError(f"expected 'TYPE <json>', got {line[:40]!r}")
+    payloads = orjson.loads(body)
+    if not isinstance(payloads, list):
+        raise LmtpError(f"{kind}: payload must be a list")
+    return kind, payloads

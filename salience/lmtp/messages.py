@@ -1,0 +1,77 @@
+"""LMTP messages as typed values: one frozen dataclass per client message type.
+
+Server-to-client frames are lists of JSON objects (`TOKEN [...]`, `MSG [...]`);
+they are plain dicts built by the session, since their shape is fixed by what
+LMQL reads (see docs/lmtp.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+__all__ = ["Cancel", "ClientMessage", "Detokenize", "Generate", "ModelInfo", "Score", "Tokenize"]
+
+
+def _empty() -> Mapping[int, float]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generate:
+    stream_id: int
+    prompt: tuple[int, ...]
+    model: str | None = None
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    logit_bias: Mapping[int, float] = field(default_factory=_empty)
+    top_logprobs: int = 1
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    length_penalty: float = 1.0  # accepted for LMQL; without beam search it has no effect (as in HF)
+    stop_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    ignore_eos: bool = False
+    text: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Score:
+    stream_id: int
+    prompt: tuple[int, ...]
+    scored: tuple[int, ...]
+    model: str | None = None
+    top_logprobs: int = 0
+    text: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    stream_id: int | None = None
+    model: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cancel:
+    stream_id: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tokenize:
+    stream_id: int
+    text: str
+    add_special_tokens: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Detokenize:
+    stream_id: int
+    tokens: tuple[int, ...]
+
+
+ClientMessage = Generate | Score | ModelInfo | Cancel | Tokenize | Detokenize

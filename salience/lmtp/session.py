@@ -1,0 +1,301 @@
+"""One LMTP connection: running streams, replies, and the outbound queue.
+
+Theory of operation. A transport adapter (WebSocket or TCP) feeds each
+received line to `receive` and runs `pump` to send frames. Every GENERATE or
+SCORE becomes a task that puts payloads on one outbound queue; `pump` takes
+whatever is queued at the moment it wakes and sends it as one frame per run
+of the same type, so tokens of different streams that are ready together
+share a frame and each stream's order is kept.
+
+The queue is bounded: a client that stops reading while its streams produce
+gets, once `max_pending` payloads wait, every stream ended with an error and
+the connection closed (`closed` is set; the adapter closes its transport).
+Closing the session (client gone, server stopping) cancels every stream,
+which aborts its engine request at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from salience.core.engine import Engine, Generation
+from salience.core.status import Phase, ServerStatus
+from salience.core.text import TextStream
+from salience.core.types import SamplingOptions
+from salience.errors import InvalidArgument, SalienceError, Unavailable
+from salience.lmtp.codec import LmtpError, msg_frame, parse_client_line, token_frame
+from salience.lmtp.messages import Cancel, ClientMessage, Detokenize, Generate, ModelInfo, Score, Tokenize
+
+__all__ = ["LmtpConfig", "LmtpSession", "SessionLimits"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionLimits:
+    max_pending: int = 65536  # payloads waiting for a client that does not read
+    send_timeout: float = 30.0  # seconds one frame may take to go out
+
+
+@dataclass(frozen=True, kw_only=True)
+class LmtpConfig:
+    model_names: frozenset[str]  # names a request may use for the served model
+    limits: SessionLimits = field(default_factory=SessionLimits)
+
+
+class LmtpSession:
+    def __init__(self, status: ServerStatus, config: LmtpConfig) -> None:
+        self._status = status
+        self._model_names = config.model_names
+        self._limits = config.limits
+        self._cancels: set[asyncio.Task] = set()
+        self._queue: deque[tuple[str, dict]] = deque()
+        self._wake = asyncio.Event()
+        self._streams: dict[int, asyncio.Task] = {}
+        self._generations: dict[int, Generation] = {}
+        self.closed = asyncio.Event()
+
+    # ---- input -------------------------------------------------------------------
+
+    def receive(self, line: str | bytes) -> None:
+        """Act on one client line; never raises for anything the client sent."""
+        if self.closed.is_set():
+            return
+        try:
+            message = parse_client_line(line)
+        except LmtpError as exc:
+            self._reject(exc.kind, exc.stream_id, exc.message)
+            return
+        self._dispatch(message)
+
+    def reject(self, message: str) -> None:
+        """Report a transport-level problem (e.g. an oversized line) to the client."""
+        self._msg({"stream_id": None, "error": message})
+
+    def _dispatch(self, message: ClientMessage) -> None:
+        match message:
+            case Generate() | Score():
+                self._start(message)
+            case Cancel(stream_id=stream_id):
+                generation = self._generations.get(stream_id)
+                if generation is not None:
+                    task = asyncio.create_task(generation.cancel())
+                    self._cancels.add(task)
+                    task.add_done_callback(self._cancels.discard)
+                elif stream_id not in self._streams:
+                    self._error(stream_id, f"CANCEL: stream {stream_id} is not running")
+            case ModelInfo(stream_id=stream_id):
+                self._msg({"stream_id": stream_id, "model_info": self._model_info()})
+            case Tokenize() | Detokenize():
+                self._tokenizer_reply(message)
+
+    def _reject(self, kind: str | None, stream_id: int | None, message: str) -> None:
+        # Stream errors go where LMQL's client looks for them, or it waits forever.
+        if kind in ("GENERATE", "SCORE") and stream_id is not None:
+            self._error(stream_id, message)
+        else:
+            self._msg({"stream_id": stream_id, "error": message})
+
+    # ---- streams -------------------------------------------------------------------
+
+    def _start(self, request: Generate | Score) -> None:
+        stream_id = request.stream_id
+        if stream_id in self._streams:
+            self._error(stream_id, f"stream_id {stream_id} is already running on this connection")
+            return
+        try:
+            engine = self._engine()
+            self._check_model(request.model)
+        except SalienceError as exc:
+            self._error(stream_id, str(exc))
+            return
+        run = self._generate if isinstance(request, Generate) else self._score
+        task = asyncio.create_task(self._guard(stream_id, run(engine, request)))
+        self._streams[stream_id] = task
+        task.add_done_callback(lambda _: self._streams.pop(stream_id, None))
+
+    async def _guard(self, stream_id: int, work: Awaitable[None]) -> None:
+        try:
+            await work
+        except SalienceError as exc:
+            self._error(stream_id, str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("stream failed", extra={"stream_id": stream_id})
+            self._error(stream_id, "internal server error")
+
+    async def _generate(self, engine: Engine, request: Generate) -> None:
+        generation = engine.generate(request.prompt, _options(request))
+        stream_id = request.stream_id
+        self._generations[stream_id] = generation
+        text = TextStream(engine.tokenizer, request.prompt) if request.text else None
+        ended = False
+        try:
+            async with generation:
+                async for event in generation:
+                    ended = event.finish_reason is not None
+                    payload = {
+                        "token": event.token_id,
+                        "stream_id": stream_id,
+                        "logprob": event.logprob,
+                        "finish_reason": event.finish_reason and event.finish_reason.value,
+                        # Truncated alternatives (-inf) cannot be sampled and have no JSON form.
+                        "top_logprobs": {str(t): lp for t, lp in event.top_logprobs if math.isfinite(lp)},
+                    }
+                    if text is not None:
+                        payload["text"] = text.push(event.token_id) + (text.flush() if ended else "")
+                    self._token(payload)
+        finally:
+            self._generations.pop(stream_id, None)
+        if not ended:  # cancelled after its last token went out: end the stream explicitly
+            reason = generation.finish_reason.value if generation.finish_reason else "cancelled"
+            self._token({"stream_id": stream_id, "finish_reason": reason})
+
+    async def _score(self, engine: Engine, request: Score) -> None:
+        scored = await engine.score(request.prompt, request.scored, top_logprobs=request.top_logprobs)
+        text = TextStream(engine.tokenizer, request.prompt) if request.text else None
+        payloads = []
+        for i, token in enumerate(scored):
+            last = i == len(scored) - 1
+            payload = {
+                "token": token.token_id,
+                "stream_id": request.stream_id,
+                "logprob": token.logprob,
+                "finish_reason": "length" if last else None,
+            }
+            if request.top_logprobs:
+                payload["top_logprobs"] = {str(t): lp for t, lp in token.top_logprobs if math.isfinite(lp)}
+            if text is not None:
+                payload["text"] = text.push(token.token_id) + (text.flush() if last else "")
+            payloads.append(payload)
+        if not payloads:
+            payloads.append({"stream_id": request.stream_id, "finish_reason": "length"})
+        for payload in payloads:
+            self._token(payload)
+
+    # ---- replies ---------------------------------------------------------------------
+
+    def _engine(self) -> Engine:
+        if self._status.phase is Phase.LOADING:
+            raise Unavailable("the model is still loading; retry when MODEL_INFO answers")
+        if self._status.phase is Phase.STOPPING or self._status.engine is None:
+            raise Unavailable("the server is shutting down")
+        return self._status.engine
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self._model_names:
+            raise InvalidArgument(f"model {model!r} is not served here; this server serves {self._status.model_name!r}")
+
+    def _model_info(self) -> dict | str:
+        engine = self._status.engine
+        if engine is None or self._status.phase is not Phase.READY:
+            return "<unavailable>"  # LMQL's client retries on this
+        return {
+            "model": self._status.model_name,
+            "model_type": "salience",
+            "max_model_len": engine.max_model_len,
+            "vocab_size": engine.vocab_size,
+            "max_logprobs": engine.max_logprobs,
+            "eos_token_id": engine.tokenizer.eos_token_id,
+        }
+
+    def _tokenizer_reply(self, request: Tokenize | Detokenize) -> None:
+        try:
+            engine = self._engine()
+            if isinstance(request, Tokenize):
+                tokens = engine.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+                reply = {"stream_id": request.stream_id, "tokens": list(tokens)}
+            else:
+                tokens = engine.check_tokens("tokens", request.tokens)
+                reply = {"stream_id": request.stream_id, "text": engine.tokenizer.decode(tokens)}
+        except SalienceError as exc:
+            reply = {"stream_id": request.stream_id, "error": str(exc)}
+        self._msg(reply)
+
+    # ---- output ------------------------------------------------------------------------
+
+    def _token(self, payload: dict) -> None:
+        self._put("TOKEN", payload)
+
+    def _error(self, stream_id: int, message: str) -> None:
+        self._put("TOKEN", {"stream_id": stream_id, "error": message}, force=True)
+
+    def _msg(self, payload: dict) -> None:
+        self._put("MSG", payload, force=True)
+
+    def _put(self, kind: str, payload: dict, force: bool = False) -> None:
+        if self.closed.is_set():
+            return
+        if len(self._queue) >= self._limits.max_pending and not force:
+            self._overflow()
+            return
+        self._queue.append((kind, payload))
+        self._wake.set()
+
+    def _overflow(self) -> None:
+        message = f"client is not reading: more than {self._limits.max_pending} messages are waiting; closing"
+        log.warning("slow client", extra={"pending": len(self._queue)})
+        for stream_id, task in list(self._streams.items()):
+            task.cancel()
+            self._error(stream_id, message)
+        self.closed.set()
+
+    async def pump(self, send: Callable[[str], Awaitable[None]]) -> None:
+        """Send queued payloads until the session closes; a send slower than the limit closes it."""
+        try:
+            while True:
+                if not self._queue:
+                    if self.closed.is_set():
+                        return
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                kind, run = self._queue[0][0], []
+                while self._queue and self._queue[0][0] == kind:
+                    run.append(self._queue.popleft()[1])
+                frame = token_frame(run) if kind == "TOKEN" else msg_frame(run)
+                try:
+                    await asyncio.wait_for(send(frame), self._limits.send_timeout)
+                except TimeoutError:
+                    log.warning("send timed out; closing", extra={"timeout": self._limits.send_timeout})
+                    self.close()
+                    return
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Cancel every stream (aborting its engine request) and stop accepting input."""
+        for task in list(self._streams.values()):
+            task.cancel()
+        self.closed.set()
+        self._wake.set()
+
+    async def wait_closed(self) -> None:
+        """Until every stream task has finished (their engine requests are aborted)."""
+        tasks = list(self._streams.values())
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _options(request: Generate) -> SamplingOptions:
+    return SamplingOptions(
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=max(request.top_k, 0),  # LMQL and vLLM spell "off" as -1 too
+        seed=request.seed,
+        stop_token_ids=request.stop_token_ids,
+        logit_bias=request.logit_bias,
+        repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        priority=request.priority,
+        logprobs=request.top_logprobs,
+        ignore_eos=request.ignore_eos,
+    )

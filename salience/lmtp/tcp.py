@@ -1,0 +1,49 @@
+"""LMTP over plain TCP: one message per line, so `nc` or any socket library can talk."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from salience.core.status import ServerStatus
+from salience.lmtp.app import serve_session
+from salience.lmtp.codec import MAX_LINE_BYTES
+from salience.lmtp.session import LmtpConfig, LmtpSession
+
+__all__ = ["start_tcp_server"]
+
+
+async def start_tcp_server(status: ServerStatus, config: LmtpConfig, host: str, port: int) -> asyncio.Server:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        session = LmtpSession(status, config)
+
+        async def lines() -> AsyncIterator[bytes]:
+            while True:
+                try:
+                    line = await reader.readuntil(b"\n")
+                except asyncio.IncompleteReadError as exc:
+                    if exc.partial.strip():
+                        yield exc.partial
+                    return
+                except asyncio.LimitOverrunError:
+                    session.reject(f"line exceeds the limit of {MAX_LINE_BYTES} bytes; closing")
+                    return
+                if line.strip():
+                    yield line
+
+        async def send(frame: str) -> None:
+            writer.write(frame.encode() + b"\n")
+            await writer.drain()
+
+        async def close() -> None:
+            writer.close()
+
+        try:
+            await serve_session(session, lines(), send, close)
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    return await asyncio.start_server(handle, host, port, limit=MAX_LINE_BYTES + 1)

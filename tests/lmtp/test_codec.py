@@ -1,0 +1,152 @@
+"""The LMTP codec alone: no sockets, no engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from salience.lmtp.codec import LmtpError, msg_frame, parse_client_line, parse_server_line, token_frame
+from salience.lmtp.messages import Cancel, Detokenize, Generate, ModelInfo, Score, Tokenize
+
+# What LMQL 0.7.3 sends, verbatim, and what it must parse to.
+VALID = [
+    (
+        'GENERATE {"max_tokens": 16, "temperature": 0.8, "logit_bias": {"79": 100, "90": 100}, '
+        '"top_logprobs": 1, "model": "NAME", "prompt": [0, 50, 27, 222], "stream_id": 1}',
+        Generate(
+            stream_id=1,
+            prompt=(0, 50, 27, 222),
+            model="NAME",
+            max_tokens=16,
+            temperature=0.8,
+            logit_bias={79: 100.0, 90: 100.0},
+            top_logprobs=1,
+        ),
+    ),
+    (
+        'GENERATE {"prompt": [1], "stream_id": 2, "top_p": 0.9, "top_k": -1, "repetition_penalty": 1.1, '
+        '"presence_penalty": 0.5, "frequency_penalty": 0.2, "length_penalty": 1.0, "seed": 3, "text": true}',
+        Generate(
+            stream_id=2,
+            prompt=(1,),
+            top_p=0.9,
+            top_k=-1,
+            repetition_penalty=1.1,
+            presence_penalty=0.5,
+            frequency_penalty=0.2,
+            seed=3,
+            text=True,
+        ),
+    ),
+    (
+        'SCORE {"model": "NAME", "prompt": [0, 1], "scored": [2, 3], "stream_id": 4}',
+        Score(stream_id=4, prompt=(0, 1), scored=(2, 3), model="NAME"),
+    ),
+    (
+        'MODEL_INFO {"stream_id": 5, "model": "NAME", "data": {"model": "NAME"}}',
+        ModelInfo(stream_id=5, model="NAME"),
+    ),
+    ('CANCEL {"stream_id": 6}', Cancel(stream_id=6)),
+    ('TOKENIZE {"stream_id": 7, "text": "héllo"}', Tokenize(stream_id=7, text="héllo")),
+    ('DETOKENIZE {"stream_id": 8, "tokens": [1, 2]}', Detokenize(stream_id=8, tokens=(1, 2))),
+    ('GENERATE {"prompt": [1], "stream_id": 9, "logit_bias": null}', Generate(stream_id=9, prompt=(1,))),
+]
+
+INVALID = [
+    ("GENERATE", None, "expected 'TYPE <json>'"),
+    ("", None, "expected 'TYPE <json>'"),
+    ("FROB {}", None, "unknown message type 'FROB'"),
+    ("GENERATE {", None, "not valid JSON"),
+    ('GENERATE {"stream_id": 12, "prompt": [1,', 12, "not valid JSON"),
+    ("GENERATE [1]", None, "must be a JSON object"),
+    ('GENERATE {"prompt": [1]}', None, "missing field 'stream_id'"),
+    ('GENERATE {"stream_id": 3}', 3, "missing field 'prompt'"),
+    ('GENERATE {"stream_id": 3, "prompt": [1, -2]}', 3, "prompt[1] must be a non-negative integer"),
+    ('GENERATE {"stream_id": 3, "prompt": [1.5]}', 3, "prompt[0]"),
+    ('GENERATE {"stream_id": 3, "prompt": "abc"}', 3, "prompt must be a list"),
+    ('GENERATE {"stream_id": 3, "prompt": [1], "temperature": "hot"}', 3, "temperature must be a number"),
+    ('GENERATE {"stream_id": 3, "prompt": [1], "temperature": 1e999}', 3, "temperature must be finite"),
+    ('GENERATE {"stream_id": 3, "prompt": [1], "max_tokens": 0}', 3, "max_tokens must be >= 1"),
+    ('GENERATE {"stream_id": 3, "prompt": [1], "max_tokens": 99999999999999999999}', 3, "max_tokens"),
+    ('GENERATE {"stream_id": 3, "prompt": [1], "logit_bias": {"x": 1}}', 3, "logit_bias key 'x'"),
+    ('GENERATE {"stream_id": 3, "prompt": [1], "logit_bias": {"-5": 1}}', 3, "logit_bias key '-5'"),
+    ('GENERATE {"stream_id": 3, "prompt": [1], "logit_bias": {"5": "lots"}}', 3, "logit_bias[5] must be a number"),
+    ('GENERATE {"stream_id": 3, "prompt": [1], "temprature": 1}', 3, "unknown field 'temprature'"),
+    ('GENERATE {"stream_id": true, "prompt": [1]}', None, "stream_id must be an integer"),
+    ('GENERATE {"stream_id": 3, "prompt": [1], "text": 1}', 3, "text must be true or false"),
+    ('SCORE {"stream_id": 3, "prompt": [1]}', 3, "missing field 'scored'"),
+    ('CANCEL {"stream_id": "a"}', None, "stream_id must be an integer"),
+    ("GENERATE \xff\xfe", None, "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize(("line", "expected"), VALID)
+@pytest.mark.parametrize("form", ["str", "bytes", "crlf"])
+def test_valid_lines_parse(line: str, expected, form: str) -> None:
+    data = {"str": line, "bytes": line.encode(), "crlf": line + "\r\n"}[form]
+    assert parse_client_line(data) == expected
+
+
+@pytest.mark.parametrize(("line", "stream_id", "message"), INVALID)
+def test_invalid_lines_raise_specific_errors(line: str, stream_id: int | None, message: str) -> None:
+    with pytest.raises(LmtpError) as info:
+        parse_client_line(line)
+    assert message in info.value.message
+    assert info.value.stream_id == stream_id
+
+
+def test_frames_round_trip() -> None:
+    payloads = [{"token": 5, "stream_id": 1, "logprob": -0.5, "finish_reason": None, "top_logprobs": {"5": -0.5}}]
+    assert parse_server_line(token_frame(payloads)) == ("TOKEN", payloads)
+    assert parse_server_line(msg_frame([{"stream_id": 2, "model_info": "x"}])) == (
+        "MSG",
+        [{"stream_id": 2, "model_info": "x"}],
+    )
+    assert "\n" not in token_frame([{"text": "a\nb"}])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_never_escape_as_anything_but_lmtp_errors(data: bytes) -> None:
+    try:
+        parse_client_line(data)
+    except LmtpError as exc:
+        assert exc.message
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+fields = st.sampled_from(
+    [
+        "stream_id",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "logit_bias",
+        "top_logprobs",
+        "model",
+        "scored",
+        "text",
+        "top_k",
+    ]
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from(["GENERATE", "SCORE", "MODEL_INFO", "CANCEL", "TOKENIZE"]), st.dictionaries(fields, json_values))
+def test_odd_but_valid_json_gets_a_message_or_an_error(kind: str, body: dict) -> None:
+    line = kind + " " + json.dumps(body)
+    try:
+        message = parse_client_line(line)
+    except LmtpError as exc:
+        assert exc.message.startswith(kind)
+        if type(body.get("stream_id")) is int and abs(body["stream_id"]) < 2**63:
+            assert exc.stream_id == body["stream_id"]
+    else:
+        assert type(message).__name__.upper().replace("INFO", "_INFO") == kind
