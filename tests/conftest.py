@@ -20,6 +20,7 @@ from salience.core.home import configure_environment
 
 configure_environment()  # before anything imports vllm or torch
 
+from salience.core import portable  # noqa: E402
 from salience.core.atomic import build_folder_once  # noqa: E402
 from salience.core.default_model import ensure_default_model  # noqa: E402
 from salience.core.engine import Engine  # noqa: E402
@@ -28,12 +29,13 @@ from salience.core.settings import EngineSettings  # noqa: E402
 from tests.reference import Reference  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
-TINY_BUILDER = Path(__file__).with_name("tiny_model.py")
+# The tiny model's cache key: every source its folder depends on.
+TINY_SOURCES = [Path(__file__).with_name("tiny_model.py"), Path(portable.__file__)]
 
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    key = hashlib.sha256(TINY_BUILDER.read_bytes()).hexdigest()[:12]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in TINY_SOURCES)).hexdigest()[:12]
     return build_folder_once(salience_home() / "test-models" / f"tiny-qwen2-{key}", build_tiny_model)
 
 
