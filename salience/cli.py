@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
         help="any other vLLM engine argument (VALUE parsed as JSON when it is JSON)",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    repl = commands.add_parser("repl", help="interactive prompt against a running server")
+    repl.add_argument("url", nargs="?", default="ws://127.0.0.1:8080/", help="LMTP WebSocket URL")
     return parser
 
 
@@ -107,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     from salience.logs import setup_logging
 
     setup_logging(getattr(args, "log_level", "info"))
+    if args.command == "repl":
+        from salience.lmtp.repl import run_repl
+
+        return run_repl(args.url)
     try:
         return _serve(args)
     except SalienceError as exc:

@@ -1,0 +1,105 @@
+"""A small asyncio LMTP client: what the REPL and benchmarks use, and what a script can copy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+
+from salience.lmtp.codec import parse_server_line
+
+__all__ = ["LmtpClient", "LmtpStreamError"]
+
+
+class LmtpStreamError(Exception):
+    """The server ended a stream (or answered a request) with an error."""
+
+
+class LmtpClient:
+    """One WebSocket connection; streams and requests are told apart by stream_id."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse, session: aiohttp.ClientSession) -> None:
+        self._ws = ws
+        self._session = session
+        self._ids = itertools.count(1)
+        self._streams: dict[int, asyncio.Queue[dict | None]] = {}
+        self._replies: dict[int, asyncio.Future[dict]] = {}
+        self._reader = asyncio.create_task(self._read())
+
+    @classmethod
+    async def connect(cls, url: str, headers: dict[str, str] | None = None) -> LmtpClient:
+        session = aiohttp.ClientSession(headers=headers)
+        try:
+            ws = await session.ws_connect(url, max_msg_size=0)
+        except BaseException:
+            await session.close()
+            raise
+        return cls(ws, session)
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+        await self._ws.close()
+        await self._session.close()
+
+    async def _read(self) -> None:
+        try:
+            async for message in self._ws:
+                if message.type != aiohttp.WSMsgType.TEXT:
+                    continue
+                kind, payloads = parse_server_line(message.data)
+                for payload in payloads:
+                    stream_id = payload.get("stream_id")
+                    if kind == "TOKEN" and stream_id in self._streams:
+                        self._streams[stream_id].put_nowait(payload)
+                    elif kind == "MSG" and stream_id in self._replies:
+                        self._replies.pop(stream_id).set_result(payload)
+        finally:
+            for queue in self._streams.values():
+                queue.put_nowait(None)
+            for future in self._replies.values():
+                if not future.done():
+                    future.set_exception(ConnectionError("connection closed"))
+
+    async def _send(self, kind: str, payload: dict[str, Any]) -> None:
+        await self._ws.send_str(kind + " " + orjson.dumps(payload).decode())
+
+    async def request(self, kind: str, **fields: Any) -> dict:
+        """Send a message answered by one MSG payload (MODEL_INFO, TOKENIZE, ...)."""
+        stream_id = self.next_stream_id()
+        future = asyncio.get_running_loop().create_future()
+        self._replies[stream_id] = future
+        await self._send(kind, {"stream_id": stream_id, **fields})
+        reply = await future
+        if reply.get("error"):
+            raise LmtpStreamError(reply["error"])
+        return reply
+
+    def next_stream_id(self) -> int:
+        return next(self._ids)
+
+    async def stream(self, kind: str, *, stream_id: int | None = None, **fields: Any) -> AsyncIterator[dict]:
+        """Send GENERATE or SCORE and yield its TOKEN payloads; the last has a finish_reason."""
+        stream_id = stream_id if stream_id is not None else self.next_stream_id()
+        queue: asyncio.Queue[dict | None] = asyncio.Queue()
+        self._streams[stream_id] = queue
+        await self._send(kind, {"stream_id": stream_id, **fields})
+        try:
+            while (payload := await queue.get()) is not None:
+                if payload.get("error"):
+                    raise LmtpStreamError(payload["error"])
+                yield payload
+                if payload.get("finish_reason"):
+                    return
+            raise ConnectionError("connection closed mid-stream")
+        finally:
+            del self._streams[stream_id]
+
+    async def cancel(self, stream_id: int) -> None:
+        await self._send("CANCEL", {"stream_id": stream_id})

@@ -1,0 +1,182 @@
+"""`salience repl`: type a prompt, watch the text stream in.
+
+Parameters follow the prompt as `key=value` pairs, as in LMQL's own client
+(`Hello there max_tokens=5 temperature=1.2`); values are read as JSON where
+they parse, never evaluated. The prompt is tokenized by the server (TOKENIZE),
+so no tokenizer is needed here. Ctrl-C stops the running stream (CANCEL) and
+keeps the REPL; Ctrl-D leaves. Line editing and history come from readline.
+
+Theory of operation: input() blocks in the main thread (so readline works);
+each request runs on one persistent event loop that also owns the connection.
+A Ctrl-C during a request interrupts run_until_complete, which leaves the task
+running, so we send CANCEL and let the stream finish on its own terms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import sys
+from typing import Any
+
+from salience.core.home import salience_home
+from salience.lmtp.client import LmtpClient, LmtpStreamError
+
+__all__ = ["parse_line", "run_repl"]
+
+HELP = """\
+  PROMPT [key=value ...]     generate from PROMPT (e.g. max_tokens=32 temperature=0 top_k=40 seed=1)
+  /score PROMPT || CONT      logprob of each token of CONT after PROMPT
+  /top K                     show the K most likely alternatives of each generated token (0: off)
+  /set key=value ...         change the defaults for every generation
+  /info                      what the server serves
+  /help, /quit               this text; leave (Ctrl-D works too)
+  Ctrl-C stops the running generation."""
+
+
+def parse_line(line: str) -> tuple[str, dict[str, Any]]:
+    """Split 'prompt words key=value ...' into the prompt and the parameters."""
+    words = line.split(" ")
+    params: dict[str, Any] = {}
+    while words and "=" in words[-1] and not words[-1].startswith("="):
+        key, _, raw = words.pop().partition("=")
+        try:
+            params[key] = json.loads(raw)
+        except ValueError:
+            params[key] = raw
+    return " ".join(words), dict(reversed(params.items()))
+
+
+class Repl:
+    def __init__(self, client: LmtpClient, loop: asyncio.AbstractEventLoop) -> None:
+        self.client = client
+        self.loop = loop
+        self.defaults: dict[str, Any] = {"max_tokens": 64, "temperature": 0.0}
+        self.top = 0
+
+    def run(self, coroutine) -> Any:
+        return self.loop.run_until_complete(coroutine)
+
+    def handle(self, line: str) -> bool:
+        """Act on one line; False means leave."""
+        line = line.strip()
+        if not line:
+            return True
+        command, _, rest = line.partition(" ")
+        if command in ("/quit", "/exit"):
+            return False
+        if command == "/help":
+            print(HELP)
+        elif command == "/top":
+            self.top = int(rest or 0)
+        elif command == "/set":
+            self.defaults.update(parse_line("x " + rest)[1])
+            print(" ".join(f"{k}={json.dumps(v)}" for k, v in self.defaults.items()))
+        elif command == "/info":
+            print(json.dumps(self.run(self.client.request("MODEL_INFO"))["model_info"], indent=2))
+        elif command == "/score":
+            prompt, sep, continuation = rest.partition("||")
+            if not sep:
+                print("usage: /score PROMPT || CONTINUATION")
+            else:
+                self.stream("SCORE", prompt.rstrip(), {"scored_text": continuation.strip(" ")})
+        else:
+            prompt, params = parse_line(line)
+            self.stream("GENERATE", prompt, params)
+        return True
+
+    def stream(self, kind: str, prompt: str, params: dict[str, Any]) -> None:
+        stream_id = self.client.next_stream_id()
+        task = self.loop.create_task(self._stream(kind, stream_id, prompt, params))
+        while True:
+            try:
+                self.run(asyncio.shield(task))
+                return
+            except KeyboardInterrupt:
+                self.run(self.client.cancel(stream_id))
+            except LmtpStreamError as exc:
+                print(f"\n[error] {exc}")
+                return
+
+    async def _tokens(self, text: str) -> list[int]:
+        return (await self.client.request("TOKENIZE", text=text))["tokens"]
+
+    async def _stream(self, kind: str, stream_id: int, prompt: str, params: dict[str, Any]) -> None:
+        fields: dict[str, Any] = {"prompt": await self._tokens(prompt), "text": True}
+        if kind == "SCORE":
+            fields["scored"] = await self._tokens(params["scored_text"])
+            fields["top_logprobs"] = self.top
+        else:
+            fields |= self.defaults | params
+            fields.setdefault("top_logprobs", self.top)
+        payloads = []
+        async for payload in self.client.stream(kind, stream_id=stream_id, **fields):
+            payloads.append(payload)
+            if kind == "GENERATE" and not self.top:
+                print(payload.get("text", ""), end="", flush=True)
+        if kind == "SCORE" or self.top:
+            for payload in payloads:
+                if "token" in payload:
+                    print(_describe(payload))
+        if kind == "SCORE":
+            print(f"total logprob {sum(p['logprob'] for p in payloads if 'token' in p):.4f}")
+        print(f"\n[{payloads[-1]['finish_reason']}]")
+
+
+def _describe(payload: dict) -> str:
+    alternatives = ", ".join(f"{t}:{math.exp(lp):.3f}" for t, lp in payload.get("top_logprobs", {}).items())
+    line = f"{payload['token']:>7} {payload.get('text', '')!r:<16} logprob {payload['logprob']:9.4f}"
+    return line + (f"  top {alternatives}" if alternatives else "")
+
+
+def _setup_readline() -> None:
+    try:
+        import readline
+    except ImportError:  # no line editing on this platform
+        return
+    import atexit
+
+    history = salience_home() / "repl_history"
+    with contextlib.suppress(OSError):
+        readline.read_history_file(history)
+    readline.set_history_length(1000)
+    atexit.register(lambda: history.parent.mkdir(parents=True, exist_ok=True) or readline.write_history_file(history))
+
+
+def run_repl(url: str) -> int:
+    loop = asyncio.new_event_loop()
+    try:
+        client = loop.run_until_complete(LmtpClient.connect(url))
+    except OSError as exc:
+        print(f"salience: error: cannot connect to {url}: {exc}", file=sys.stderr)
+        return 2
+    repl = Repl(client, loop)
+    try:
+        name = repl.run(client.request("MODEL_INFO"))["model_info"]
+    except LmtpStreamError as exc:
+        name = f"<{exc}>"
+    print(f"connected to {url} ({name['model'] if isinstance(name, dict) else name}); /help for commands")
+    _setup_readline()
+    try:
+        while True:
+            try:
+                line = input(">>> ")
+            except KeyboardInterrupt:
+                print()
+                continue
+            except EOFError:
+                print()
+                return 0
+            try:
+                if not repl.handle(line):
+                    return 0
+            except (LmtpStreamError, ValueError) as exc:
+                print(f"[error] {exc}")
+            except ConnectionError as exc:
+                print(f"[connection lost] {exc}")
+                return 1
+    finally:
+        loop.run_until_complete(client.close())
+        loop.close()

@@ -1,0 +1,104 @@
+"""`salience repl` driven through a real pseudo-terminal against the tiny model's server."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+from salience.lmtp.repl import parse_line
+from tests.lmtp.conftest import LmtpServer
+
+SALIENCE = str(Path(sys.executable).with_name("salience"))
+
+
+class Terminal:
+    def __init__(self, args: list[str]) -> None:
+        self.master, slave = pty.openpty()
+        self.process = subprocess.Popen(
+            args,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            start_new_session=True,
+            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+            env=os.environ | {"TERM": "dumb"},
+        )
+        os.close(slave)
+        self.output = ""
+        self.cursor = 0
+
+    def _read_until(self, pattern: str, timeout: float) -> str:
+        """Output from the last match up to the end of the next match of pattern."""
+        deadline = time.monotonic() + timeout
+        start = self.cursor
+        while not (match := re.search(pattern, self.output[start:])):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{pattern!r} not seen; output so far:\n{self.output}")
+            if not select.select([self.master], [], [], 0.2)[0]:
+                continue
+            try:
+                self.output += os.read(self.master, 65536).decode(errors="replace")
+            except OSError:
+                raise AssertionError(f"terminal closed; output:\n{self.output}") from None
+        self.cursor = start + match.end()
+        return self.output[start : self.cursor]
+
+    async def expect(self, pattern: str, timeout: float = 60) -> str:
+        return await asyncio.to_thread(self._read_until, pattern, timeout)
+
+    def send(self, text: str) -> None:
+        os.write(self.master, text.encode())
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        os.close(self.master)
+
+
+def test_parse_line_reads_trailing_parameters_as_lmql_does() -> None:
+    assert parse_line("Hello there max_tokens=5 temperature=1.2") == (
+        "Hello there",
+        {"max_tokens": 5, "temperature": 1.2},
+    )
+    assert parse_line("a=b is not a parameter here") == ("a=b is not a parameter here", {})
+    assert parse_line("x stop=abc") == ("x", {"stop": "abc"})
+
+
+async def test_repl_generates_scores_cancels_and_survives_errors(lmtp_server: LmtpServer) -> None:
+    url = lmtp_server.url.replace("http://", "ws://")
+    terminal = Terminal([SALIENCE, "repl", url])
+    try:
+        await terminal.expect(r"connected to .*tiny.*\n.*>>> ")
+        terminal.send("def hello(x): max_tokens=6 ignore_eos=true\r")
+        out = await terminal.expect(r"\[length\]")
+        assert "[length]" in out
+        await terminal.expect(">>> ")
+
+        terminal.send("def f max_tokens=2000 ignore_eos=true\r")
+        await terminal.expect(r"def f.*\n.+", timeout=30)  # tokens are streaming
+        terminal.send("\x03")
+        await terminal.expect(r"\[cancelled\]")
+        await terminal.expect(">>> ")
+        assert lmtp_server.engine.num_unfinished_requests() == 0
+
+        terminal.send("/score def || hello\r")
+        out = await terminal.expect(r"total logprob (-?\d+\.\d+)")
+        assert "logprob" in out
+
+        terminal.send("oops temperature=-3\r")
+        await terminal.expect(r"\[error\] temperature must be >= 0")
+        terminal.send("/quit\r")
+        await asyncio.to_thread(terminal.process.wait, 30)
+        assert terminal.process.returncode == 0
+    finally:
+        terminal.close()
