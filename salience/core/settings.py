@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from salience.core.concepts import ConceptSet
+
 __all__ = ["EngineSettings"]
 
 
@@ -30,4 +32,5 @@ class EngineSettings:
     compile: bool = False  # torch.compile: faster decode, slower start, no readout hooks
     multiprocess: bool | None = None  # None: in-process worker on CPU, vLLM's default on GPU
     seed: int = 0
+    concepts: ConceptSet | None = None  # readouts on (forward hooks, eager mode) when set
     engine_args: dict[str, Any] = field(default_factory=dict)

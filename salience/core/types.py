@@ -55,6 +55,7 @@ class TokenEvent:
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...]
     finish_reason: FinishReason | None = None
+    readout: tuple[float, ...] | None = None  # [n_layers * n_concepts], row-major, if asked for
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,3 +66,4 @@ class ScoredToken:
     position: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    readout: tuple[float, ...] | None = None

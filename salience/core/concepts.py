@@ -1,0 +1,145 @@
+"""Concept sets: named directions in the residual stream, per layer.
+
+File format (safetensors): one float32 tensor `layer.<L>` of shape
+[n_concepts, hidden_size] per readout layer, and string metadata:
+
+    salience.format     "concept-set/1"
+    concepts            JSON list of concept names (row order)
+    layers              JSON list of layer indices (ascending)
+    hidden_size         int
+    num_layers          the model's number of decoder layers
+    model_fingerprint   see `model_fingerprint`
+    provenance          JSON object: how the vectors were built
+
+Vectors are used exactly as stored: a builder normalises them, a reader never does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from salience.errors import ModelError
+
+__all__ = ["ConceptSet", "ReadoutManifest", "model_fingerprint"]
+
+FORMAT = "concept-set/1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadoutManifest:
+    """What every frontend tells clients about readouts (the seed proto's ReadoutManifest)."""
+
+    concepts: tuple[str, ...]
+    layers: tuple[int, ...]
+    hidden_size: int
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConceptSet:
+    concepts: tuple[str, ...]
+    vectors: dict[int, torch.Tensor]  # layer -> [n_concepts, hidden_size] float32
+    hidden_size: int
+    num_layers: int
+    model_fingerprint: str
+    provenance: dict = field(default_factory=dict)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted(self.vectors))
+
+    @property
+    def manifest(self) -> ReadoutManifest:
+        return ReadoutManifest(concepts=self.concepts, layers=self.layers, hidden_size=self.hidden_size)
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {f"layer.{layer}": v.to(torch.float32).contiguous() for layer, v in self.vectors.items()}
+        metadata = {
+            "salience.format": FORMAT,
+            "concepts": json.dumps(list(self.concepts)),
+            "layers": json.dumps(list(self.layers)),
+            "hidden_size": str(self.hidden_size),
+            "num_layers": str(self.num_layers),
+            "model_fingerprint": self.model_fingerprint,
+            "provenance": json.dumps(self.provenance),
+        }
+        save_file(tensors, str(path), metadata=metadata)
+
+    @classmethod
+    def load(cls, path: Path) -> ConceptSet:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                meta = handle.metadata() or {}
+                if meta.get("salience.format") != FORMAT:
+                    raise ModelError(f"{path} is not a Salience concept set ({FORMAT})")
+                concepts = tuple(json.loads(meta["concepts"]))
+                layers = [int(layer) for layer in json.loads(meta["layers"])]
+                vectors = {layer: handle.get_tensor(f"layer.{layer}").to(torch.float32) for layer in layers}
+                concept_set = cls(
+                    concepts=concepts,
+                    vectors=vectors,
+                    hidden_size=int(meta["hidden_size"]),
+                    num_layers=int(meta["num_layers"]),
+                    model_fingerprint=meta["model_fingerprint"],
+                    provenance=json.loads(meta.get("provenance") or "{}"),
+                )
+        except ModelError:
+            raise
+        except (OSError, KeyError, ValueError, RuntimeError) as exc:
+            raise ModelError(f"cannot read concept set {path}: {exc}") from None
+        for layer, matrix in vectors.items():
+            if tuple(matrix.shape) != (len(concepts), concept_set.hidden_size):
+                raise ModelError(
+                    f"{path}: layer {layer} holds {tuple(matrix.shape)}, expected "
+                    f"({len(concepts)}, {concept_set.hidden_size})"
+                )
+        return concept_set
+
+    def check_model(self, model_dir: Path) -> None:
+        """Refuse a set built for another model, naming what differs."""
+        hidden, layers = _model_shape(model_dir)
+        if self.hidden_size != hidden:
+            raise ModelError(f"concept set hidden_size {self.hidden_size} != model hidden_size {hidden}")
+        if self.num_layers != layers:
+            raise ModelError(f"concept set is for a {self.num_layers}-layer model; this model has {layers} layers")
+        bad = [layer for layer in self.layers if not 0 <= layer < layers]
+        if bad:
+            raise ModelError(f"concept set names layers {bad} outside 0..{layers - 1}")
+        fingerprint = model_fingerprint(model_dir)
+        if self.model_fingerprint != fingerprint:
+            raise ModelError(
+                f"concept set was built for model {self.model_fingerprint[:12]}, this model is {fingerprint[:12]}"
+            )
+
+
+def _text_config(model_dir: Path) -> dict:
+    config = json.loads((model_dir / "config.json").read_text())
+    return config.get("text_config") or config
+
+
+def _model_shape(model_dir: Path) -> tuple[int, int]:
+    config = _text_config(model_dir)
+    return int(config["hidden_size"]), int(config["num_hidden_layers"])
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Identifies the weights cheaply: shape settings plus the first embedding rows."""
+    from safetensors import safe_open
+
+    digest = hashlib.sha256(json.dumps(_model_shape(model_dir)).encode())
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            name = next((k for k in handle.keys() if k.endswith("embed_tokens.weight")), None)  # noqa: SIM118
+            if name is not None:
+                digest.update(handle.get_slice(name)[:4].to(torch.float32).numpy().tobytes())
+                break
+    return digest.hexdigest()

@@ -1,0 +1,101 @@
+"""Engine side of concept readouts: ask the worker for captured blocks, hand them out.
+
+Readouts are captured in the worker (readout_worker.py) as a step runs and
+fetched with `collective_rpc` between steps. Many generations want theirs at
+about the same moment (one engine step serves them all), so fetches coalesce:
+a generation that needs data joins the fetch in flight, or starts one that
+takes every registered key at once.
+
+Position semantics: the residual at position p exists once token p has been
+fed through the model. For a prompt position that is the prefill; for a
+decoded token it is the step *after* it was sampled. So a decoded token's
+event is held back one step until its readout has been captured, and the last
+token of a generation, never fed back, carries no readout: get it by reading
+out prompt + completion (`Engine.readout`), or from the next turn's prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from salience.core.concepts import ConceptSet
+from salience.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+__all__ = ["ReadoutHub", "check_ranges"]
+
+Readout = tuple[float, ...]
+
+
+def check_ranges(ranges: Sequence[tuple[int, int]]) -> list[list[int]]:
+    checked = []
+    for i, pair in enumerate(ranges):
+        try:
+            start, end = pair
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"readout range {i} must be [start, end]") from None
+        if type(start) is not int or type(end) is not int or not 0 <= start < end < 2**62:
+            raise InvalidArgument(f"readout range {i} must satisfy 0 <= start < end, got [{start!r}, {end!r}]")
+        checked.append([start, end])
+    return checked
+
+
+class ReadoutHub:
+    def __init__(self, llm: AsyncLLM, concepts: ConceptSet) -> None:
+        self._llm = llm
+        self.manifest = concepts.manifest
+        self.width = len(concepts.layers) * len(concepts.concepts)
+        self._buffers: dict[str, dict[int, Readout]] = {}
+        self._dropped: set[str] = set()
+        self._inflight: asyncio.Task | None = None
+
+    @staticmethod
+    async def install(llm: AsyncLLM, concepts: ConceptSet) -> ReadoutHub:
+        layers = list(concepts.layers)
+        blobs = [concepts.vectors[layer].contiguous().numpy().astype(np.float32).tobytes() for layer in layers]
+        await llm.collective_rpc("salience_readout_setup", args=(layers, blobs, concepts.hidden_size))
+        return ReadoutHub(llm, concepts)
+
+    def register(self, key: str) -> None:
+        self._buffers[key] = {}
+
+    def release(self, key: str) -> None:
+        """The request is over (finished, failed or aborted): forget its blocks here and in the worker."""
+        self._buffers.pop(key, None)
+        self._dropped.add(key)
+
+    async def take(self, key: str, positions: Sequence[int]) -> dict[int, Readout]:
+        """Readouts at `positions` (those captured by now), removed from the buffer."""
+        buffer = self._buffers[key]
+        for _ in range(3):  # a fetch already in flight may predate the step we wait for
+            if all(p in buffer for p in positions):
+                break
+            await self._fetch()
+        return {p: buffer.pop(p) for p in positions if p in buffer}
+
+    async def stored_in_worker(self) -> int:
+        await self._fetch()
+        return (await self._llm.collective_rpc("salience_readout_stored"))[0]
+
+    async def _fetch(self) -> None:
+        if self._inflight is None or self._inflight.done():
+            self._inflight = asyncio.create_task(self._fetch_now())
+        await asyncio.shield(self._inflight)
+
+    async def _fetch_now(self) -> None:
+        keys, dropped = list(self._buffers), list(self._dropped)
+        self._dropped.clear()
+        taken = (await self._llm.collective_rpc("salience_readout_take", args=(keys, dropped)))[0]
+        for key, (positions, values) in taken.items():
+            buffer = self._buffers.get(key)
+            if buffer is None:
+                continue
+            rows = np.frombuffer(values, dtype=np.float32).reshape(-1, self.width)
+            for position, row in zip(np.frombuffer(positions, dtype=np.int64).tolist(), rows, strict=True):
+                buffer[position] = tuple(row.tolist())  # a recomputed position (preemption) wins

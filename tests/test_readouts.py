@@ -1,0 +1,193 @@
+"""Concept readouts on the tiny model against a transformers float32 reference."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+
+from salience.core.concepts import ConceptSet, model_fingerprint
+from salience.core.engine import Engine
+from salience.core.types import SamplingOptions
+from salience.errors import InvalidArgument, ModelError
+from tests.conftest import start_engine
+from tests.reference import Reference
+
+LAYERS = (0, 2, 3)  # 3 is the last layer: read before the final norm
+NAMES = ("alpha", "beta", "gamma", "delta", "epsilon")
+PROMPTS = [[0, *range(60 + 11 * i, 90 + 11 * i)] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def concepts(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> ConceptSet:
+    generator = torch.Generator().manual_seed(1)
+    vectors = {}
+    for layer in LAYERS:
+        v = torch.randn(len(NAMES), 128, generator=generator)
+        vectors[layer] = v / v.norm(dim=1, keepdim=True)
+    built = ConceptSet(
+        concepts=NAMES,
+        vectors=vectors,
+        hidden_size=128,
+        num_layers=4,
+        model_fingerprint=model_fingerprint(tiny_model),
+        provenance={"method": "random unit vectors", "seed": 1},
+    )
+    path = tmp_path_factory.mktemp("concepts") / "tiny.safetensors"
+    built.save(path)
+    loaded = ConceptSet.load(path)
+    loaded.check_model(tiny_model)
+    return loaded
+
+
+@pytest_asyncio.fixture(scope="module")
+async def engine(tiny_model: Path, concepts: ConceptSet) -> AsyncIterator[Engine]:
+    engine = await start_engine(tiny_model, max_model_len=1024, concepts=concepts)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> Reference:
+    return Reference(tiny_model)
+
+
+def expected(reference: Reference, concepts: ConceptSet, ids: list[int]) -> torch.Tensor:
+    """[positions, layers * concepts]: residual after each layer (hooked, no final norm) · concept."""
+    residuals = reference.residuals(ids, concepts.layers)
+    rows = [residuals[layer] @ concepts.vectors[layer].double().T for layer in concepts.layers]
+    return torch.stack(rows, dim=1).reshape(len(ids), -1)
+
+
+def assert_close(readout, reference_row: torch.Tensor) -> None:
+    got = torch.tensor(readout, dtype=torch.float64)
+    scale = reference_row.abs().max()
+    assert float((got - reference_row).abs().max() / scale) < 1e-4
+
+
+async def test_prompt_and_decoded_positions_match_reference(
+    engine: Engine, reference: Reference, concepts: ConceptSet
+) -> None:
+    prompt = PROMPTS[0]
+    generation = engine.generate(
+        prompt, SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True), readout_ranges=[(0, 2000)]
+    )
+    events = [e async for e in generation]
+    ids = prompt + [e.token_id for e in events]
+    want = expected(reference, concepts, ids)
+    assert sorted(generation.prompt_readouts) == list(range(len(prompt)))
+    for position, readout in generation.prompt_readouts.items():
+        assert len(readout) == len(LAYERS) * len(NAMES)
+        assert_close(readout, want[position])
+    for event in events[:-1]:
+        assert_close(event.readout, want[event.position])
+    assert events[-1].readout is None  # never fed through the model
+    last = await engine.readout(ids, [(len(ids) - 1, len(ids))])
+    assert_close(last[len(ids) - 1], want[len(ids) - 1])
+
+
+async def test_only_requested_positions_and_none_without_ranges(engine: Engine) -> None:
+    prompt = PROMPTS[1]
+    generation = engine.generate(
+        prompt, SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True), readout_ranges=[(3, 5), (33, 34)]
+    )
+    events = [e async for e in generation]
+    assert sorted(generation.prompt_readouts) == [3, 4]
+    assert [e.position for e in events if e.readout is not None] == [33]
+    plain = [e async for e in engine.generate(prompt, SamplingOptions(max_tokens=3, temperature=0.0))]
+    assert all(e.readout is None for e in plain)
+
+
+async def test_score_readouts(engine: Engine, reference: Reference, concepts: ConceptSet) -> None:
+    ids = PROMPTS[2]
+    scored = await engine.score(ids[:10], ids[10:], readout_ranges=[(0, len(ids))])
+    want = expected(reference, concepts, ids)
+    for token in scored:
+        assert_close(token.readout, want[token.position])
+
+
+async def test_eight_concurrent_requests_see_only_their_own(
+    engine: Engine, reference: Reference, concepts: ConceptSet
+) -> None:
+    async def run(i: int):
+        ranges = [(i, i + 5 + i), (len(PROMPTS[i]) + 1, len(PROMPTS[i]) + 3)]  # different per request
+        generation = engine.generate(
+            PROMPTS[i], SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True), readout_ranges=ranges
+        )
+        return generation, [e async for e in generation]
+
+    for i, (generation, events) in enumerate(await asyncio.gather(*(run(i) for i in range(8)))):
+        ids = PROMPTS[i] + [e.token_id for e in events]
+        want = expected(reference, concepts, ids)
+        assert sorted(generation.prompt_readouts) == list(range(i, i + 5 + i))
+        for position, readout in generation.prompt_readouts.items():
+            assert_close(readout, want[position])
+        decoded = {e.position: e.readout for e in events if e.readout is not None}
+        assert sorted(decoded) == [len(PROMPTS[i]) + 1, len(PROMPTS[i]) + 2]
+        for position, readout in decoded.items():
+            assert_close(readout, want[position])
+
+
+async def test_prefix_cache_hit_still_gives_every_position(
+    engine: Engine, reference: Reference, concepts: ConceptSet
+) -> None:
+    prompt = [0, *[(7 * j) % 1900 + 5 for j in range(600)]]  # several 128-token KV blocks
+    options = SamplingOptions(max_tokens=2, temperature=0.0, ignore_eos=True)
+    [e async for e in engine.generate(prompt, options)]
+    cached = engine.generate(prompt, options)
+    [e async for e in cached]
+    assert cached.cached_tokens >= 512  # a request without prompt readouts keeps the cache
+    generation = engine.generate(prompt, options, readout_ranges=[(0, 600)])
+    [e async for e in generation]
+    want = expected(reference, concepts, prompt)
+    assert sorted(generation.prompt_readouts) == list(range(600))
+    for position in (0, 127, 128, 300, 599):
+        assert_close(generation.prompt_readouts[position], want[position])
+
+
+async def test_state_is_freed_however_requests_end(engine: Engine) -> None:
+    options = SamplingOptions(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def finish(i: int) -> None:
+        [e async for e in engine.generate(PROMPTS[i % 8], options, readout_ranges=[(0, 100)])]
+
+    async def abandon(i: int) -> None:
+        generation = engine.generate(PROMPTS[i % 8], SamplingOptions(max_tokens=500), readout_ranges=[(0, 900)])
+        await anext(generation)
+        await generation.aclose()
+
+    for start in range(0, 600, 60):
+        await asyncio.gather(*(finish(i) for i in range(start, start + 50)), *(abandon(i) for i in range(10)))
+    await asyncio.sleep(0.2)
+    assert engine.num_unfinished_requests() == 0
+    assert await engine.readouts.stored_in_worker() == 0
+
+
+async def test_bad_ranges(engine: Engine) -> None:
+    with pytest.raises(InvalidArgument, match="readout range 0"):
+        engine.generate([0, 1], SamplingOptions(), readout_ranges=[(5, 2)])
+    with pytest.raises(InvalidArgument, match="readout range 1"):
+        engine.generate([0, 1], SamplingOptions(), readout_ranges=[(0, 1), (-1, 3)])
+
+
+async def test_no_concept_set_means_no_readouts(tiny_engine: Engine) -> None:
+    with pytest.raises(InvalidArgument, match="no concept set loaded"):
+        tiny_engine.generate([0, 1], SamplingOptions(), readout_ranges=[(0, 1)])
+
+
+def test_mismatched_concept_sets_are_refused(concepts: ConceptSet, default_model: Path, tiny_model: Path) -> None:
+    with pytest.raises(ModelError, match="hidden_size 128 != model hidden_size 576"):
+        concepts.check_model(default_model)
+    other = ConceptSet(
+        concepts=NAMES,
+        vectors=concepts.vectors,
+        hidden_size=128,
+        num_layers=4,
+        model_fingerprint="0" * 64,
+    )
+    with pytest.raises(ModelError, match="built for model 000000000000"):
+        other.check_model(tiny_model)
