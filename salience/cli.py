@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import sys
+from pathlib import Path
 
 from salience.core.home import configure_environment
 from salience.errors import SalienceError
@@ -61,7 +62,23 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="any other vLLM engine argument (VALUE parsed as JSON when it is JSON)",
     )
+    serve.add_argument(
+        "--concepts", type=Path, help="concept set for readouts (default model: the built-in set, built once)"
+    )
+    serve.add_argument(
+        "--no-readouts", dest="readouts", action="store_false", help="no concept set, no hooks: full speed"
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    concepts = commands.add_parser("concepts", help="build or inspect concept sets").add_subparsers(
+        dest="concepts_command", required=True
+    )
+    build = concepts.add_parser("build", help="derive concept vectors from contrastive example texts")
+    build.add_argument("spec", type=Path, help="JSON or YAML spec (see salience/concept_specs/default.yaml)")
+    build.add_argument("--model", type=Path, help="model folder (default: the embedded model)")
+    build.add_argument("-o", "--output", type=Path, required=True)
+    show = concepts.add_parser("show", help="print a concept set's manifest and provenance")
+    show.add_argument("file", type=Path)
 
     repl = commands.add_parser("repl", help="interactive prompt against a running server")
     repl.add_argument("url", nargs="?", default="ws://127.0.0.1:8080/", help="LMTP WebSocket URL")
@@ -80,6 +97,13 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         folder = inspect_model_folder(args.model)
         name = args.served_model_name or args.model
+    concept_set = None
+    if args.readouts and (args.concepts is not None or args.model is None):
+        from salience.core.concepts import ConceptSet
+
+        path = args.concepts or _default_concepts(folder.path)
+        concept_set = ConceptSet.load(path)
+        concept_set.check_model(folder.path)
     settings = EngineSettings(
         model=folder.path,
         served_model_name=name,
@@ -93,6 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
         compile=args.compile,
         multiprocess=args.multiprocess,
         engine_args=dict(args.engine_arg),
+        concepts=concept_set,
     )
     options = ServeOptions(
         host=args.host,
@@ -101,6 +126,39 @@ def _serve(args: argparse.Namespace) -> int:
         model_aliases=tuple(args.model_alias),
     )
     asyncio.run(serve(settings, options))
+    return 0
+
+
+def _default_concepts(model: Path) -> Path:
+    """The built-in concept set for the default model, built once into the cache."""
+    from salience.core.atomic import build_folder_once
+    from salience.core.concept_builder import build_concept_set, load_spec
+    from salience.core.home import salience_home
+
+    spec_path = Path(__file__).with_name("concept_specs") / "default.yaml"
+    spec = load_spec(spec_path)
+
+    def build(folder: Path) -> None:
+        built = asyncio.run(build_concept_set(spec, model, source=str(spec_path)))
+        built.save(folder / "concepts.safetensors")
+
+    target = salience_home() / "concepts" / f"{model.name}-{spec['name']}"
+    return build_folder_once(target, build) / "concepts.safetensors"
+
+
+def _concepts(args: argparse.Namespace) -> int:
+    from salience.core.concept_builder import build_concept_set, describe, load_spec
+    from salience.core.concepts import ConceptSet
+    from salience.core.default_model import ensure_default_model
+    from salience.core.model_dir import inspect_model_folder
+
+    if args.concepts_command == "show":
+        print(describe(ConceptSet.load(args.file)))
+        return 0
+    model = inspect_model_folder(args.model or ensure_default_model()).path
+    built = asyncio.run(build_concept_set(load_spec(args.spec), model, source=str(args.spec)))
+    built.save(args.output)
+    print(describe(built))
     return 0
 
 
@@ -115,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_repl(args.url)
     try:
-        return _serve(args)
+        return _concepts(args) if args.command == "concepts" else _serve(args)
     except SalienceError as exc:
         print(f"salience: error: {exc}", file=sys.stderr)
         return 2

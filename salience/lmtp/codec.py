@@ -95,6 +95,19 @@ def _bias(value: Any, name: str) -> Mapping[int, float]:
     return MappingProxyType(bias)
 
 
+def _ranges(value: Any, name: str) -> tuple[tuple[int, int], ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a list of [start, end] position ranges, got {_show(value)}")
+    ranges = []
+    for i, pair in enumerate(value):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(type(x) is int for x in pair)):
+            raise ValueError(f"{name}[{i}] must be [start, end] with integer positions, got {_show(pair)}")
+        if not 0 <= pair[0] < pair[1] < _INT_LIMIT:
+            raise ValueError(f"{name}[{i}] must satisfy 0 <= start < end, got {_show(pair)}")
+        ranges.append((pair[0], pair[1]))
+    return tuple(ranges)
+
+
 def _show(value: Any) -> str:
     text = orjson.dumps(value).decode() if isinstance(value, (dict, list, str, int, float, bool, type(None))) else "?"
     return text if len(text) <= 40 else text[:37] + "..."
@@ -120,6 +133,7 @@ _GENERATE: dict[str, _Reader] = {
     "priority": lambda v, n: _int(v, n, -(2**31), 2**31 - 1),
     "ignore_eos": _bool,
     "text": _bool,
+    "readout": _ranges,
 }
 _SCORE: dict[str, _Reader] = {
     "stream_id": _int,
@@ -128,6 +142,7 @@ _SCORE: dict[str, _Reader] = {
     "model": _str,
     "top_logprobs": lambda v, n: _int(v, n, 0),
     "text": _bool,
+    "readout": _ranges,
 }
 _TYPES: dict[str, tuple[type, dict[str, _Reader], frozenset[str]]] = {
     "GENERATE": (Generate, _GENERATE, frozenset({"stream_id", "prompt"})),

@@ -38,6 +38,7 @@ class Generate:
     priority: int = 0
     ignore_eos: bool = False
     text: bool = False
+    readout: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +49,7 @@ class Score:
     model: str | None = None
     top_logprobs: int = 0
     text: bool = False
+    readout: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,7 @@ which aborts its engine request at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 from collections import deque
@@ -131,7 +132,7 @@ class LmtpSession:
             self._error(stream_id, "internal server error")
 
     async def _generate(self, engine: Engine, request: Generate) -> None:
-        generation = engine.generate(request.prompt, _options(request))
+        generation = engine.generate(request.prompt, _options(request), readout_ranges=request.readout)
         stream_id = request.stream_id
         self._generations[stream_id] = generation
         text = TextStream(engine.tokenizer, request.prompt) if request.text else None
@@ -139,6 +140,8 @@ class LmtpSession:
         try:
             async with generation:
                 async for event in generation:
+                    if event.position == len(request.prompt):  # first event: prompt readouts are in
+                        self._prompt_readouts(stream_id, request.prompt, generation.prompt_readouts)
                     ended = event.finish_reason is not None
                     payload = {
                         "token": event.token_id,
@@ -150,6 +153,10 @@ class LmtpSession:
                     }
                     if text is not None:
                         payload["text"] = text.push(event.token_id) + (text.flush() if ended else "")
+                    if request.readout:
+                        payload["position"] = event.position
+                        if event.readout is not None:
+                            payload["readout"] = event.readout
                     self._token(payload)
         finally:
             self._generations.pop(stream_id, None)
@@ -158,7 +165,13 @@ class LmtpSession:
             self._token({"stream_id": stream_id, "finish_reason": reason})
 
     async def _score(self, engine: Engine, request: Score) -> None:
-        scored = await engine.score(request.prompt, request.scored, top_logprobs=request.top_logprobs)
+        scored = await engine.score(
+            request.prompt, request.scored, top_logprobs=request.top_logprobs, readout_ranges=request.readout
+        )
+        if request.readout:
+            covered = [(s, min(e, len(request.prompt))) for s, e in request.readout if s < len(request.prompt)]
+            readouts = await engine.readout(request.prompt, covered) if covered else {}
+            self._prompt_readouts(request.stream_id, request.prompt, readouts)
         text = TextStream(engine.tokenizer, request.prompt) if request.text else None
         payloads = []
         for i, token in enumerate(scored):
@@ -173,11 +186,29 @@ class LmtpSession:
                 payload["top_logprobs"] = {str(t): lp for t, lp in token.top_logprobs if math.isfinite(lp)}
             if text is not None:
                 payload["text"] = text.push(token.token_id) + (text.flush() if last else "")
+            if request.readout:
+                payload["position"] = token.position
+                if token.readout is not None:
+                    payload["readout"] = token.readout
             payloads.append(payload)
         if not payloads:
             payloads.append({"stream_id": request.stream_id, "finish_reason": "length"})
         for payload in payloads:
             self._token(payload)
+
+    def _prompt_readouts(self, stream_id: int, prompt: tuple[int, ...], readouts: dict) -> None:
+        """Prompt positions' readouts go first, as payloads marked "prompt": true."""
+        for position in sorted(readouts):
+            self._token(
+                {
+                    "stream_id": stream_id,
+                    "token": prompt[position],
+                    "position": position,
+                    "prompt": True,
+                    "finish_reason": None,
+                    "readout": readouts[position],
+                }
+            )
 
     # ---- replies ---------------------------------------------------------------------
 
@@ -203,6 +234,7 @@ class LmtpSession:
             "vocab_size": engine.vocab_size,
             "max_logprobs": engine.max_logprobs,
             "eos_token_id": engine.tokenizer.eos_token_id,
+            "readout_manifest": dataclasses.asdict(engine.readouts.manifest) if engine.readouts else None,
         }
 
     def _tokenizer_reply(self, request: Tokenize | Detokenize) -> None:
