@@ -191,3 +191,61 @@ def test_mismatched_concept_sets_are_refused(concepts: ConceptSet, default_model
     )
     with pytest.raises(ModelError, match="built for model 000000000000"):
         other.check_model(tiny_model)
+
+
+async def test_readouts_over_lmtp(engine: Engine, concepts: ConceptSet) -> None:
+    from aiohttp import web
+
+    from salience.core.status import ServerStatus
+    from salience.lmtp.app import make_app
+    from salience.lmtp.client import LmtpClient
+    from salience.lmtp.session import LmtpConfig
+    from tests.conftest import free_port
+
+    status = ServerStatus("tiny")
+    status.ready(engine)
+    runner = web.AppRunner(make_app(status, LmtpConfig(model_names=frozenset({"tiny"}))))
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    client = await LmtpClient.connect(f"ws://127.0.0.1:{port}/")
+    try:
+        info = (await client.request("MODEL_INFO"))["model_info"]["readout_manifest"]
+        assert info == {"concepts": list(NAMES), "layers": list(LAYERS), "hidden_size": 128, "dtype": "float32"}
+        prompt = PROMPTS[3]
+        fields = {
+            "prompt": prompt,
+            "max_tokens": 5,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "readout": [[2, 4], [31, 40]],
+        }
+        payloads = [p async for p in client.stream("GENERATE", **fields)]
+        assert [(p["position"], p.get("prompt", False)) for p in payloads] == [
+            (2, True),
+            (3, True),
+            (31, False),
+            (32, False),
+            (33, False),
+            (34, False),
+            (35, False),
+        ]
+        ids = prompt + [p["token"] for p in payloads if not p.get("prompt")]
+        direct = await engine.readout(ids, [(0, len(ids))])
+        for payload in payloads[:-1]:
+            assert payload["readout"] == pytest.approx(direct[payload["position"]], rel=1e-5, abs=1e-5)
+        assert "readout" not in payloads[-1]  # the last token was never fed through the model
+
+        scored = [p async for p in client.stream("SCORE", prompt=prompt[:20], scored=prompt[20:], readout=[[18, 22]])]
+        assert [(p["position"], p.get("prompt", False)) for p in scored if "readout" in p] == [
+            (18, True),
+            (19, True),
+            (20, False),
+            (21, False),
+        ]
+        for payload in scored:
+            if "readout" in payload:
+                assert payload["readout"] == pytest.approx(direct[payload["position"]], rel=1e-5, abs=1e-5)
+    finally:
+        await client.close()
+        await runner.cleanup()
