@@ -32,7 +32,8 @@ class LogfmtFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        fields.update((k, v) for k, v in record.__dict__.items() if k not in _RESERVED)
+        # Extra fields given by the caller; vLLM stamps every record with vllm_* ones.
+        fields.update((k, v) for k, v in record.__dict__.items() if k not in _RESERVED and not k.startswith("vllm_"))
         line = " ".join(f"{k}={_quote(v)}" for k, v in fields.items())
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
