@@ -249,3 +249,31 @@ async def test_readouts_over_lmtp(engine: Engine, concepts: ConceptSet) -> None:
     finally:
         await client.close()
         await runner.cleanup()
+
+
+async def test_multiprocess_layout_and_chunked_prefill(
+    tiny_model: Path, concepts: ConceptSet, reference: Reference
+) -> None:
+    """vLLM's default three-process layout, with prompts prefilled in 64-token chunks."""
+    chunked = await start_engine(
+        tiny_model,
+        max_model_len=1024,
+        concepts=concepts,
+        multiprocess=True,
+        engine_args={"enable_chunked_prefill": True, "max_num_batched_tokens": 64},
+    )
+    try:
+        prompt = [0, *[(13 * j) % 1900 + 7 for j in range(300)]]
+        generation = chunked.generate(
+            prompt, SamplingOptions(max_tokens=5, temperature=0.0, ignore_eos=True), readout_ranges=[(0, 400)]
+        )
+        events = [e async for e in generation]
+        ids = prompt + [e.token_id for e in events]
+        want = expected(reference, concepts, ids)
+        assert sorted(generation.prompt_readouts) == list(range(len(prompt)))
+        for position in (0, 63, 64, 65, 200, 300):
+            assert_close(generation.prompt_readouts[position], want[position])
+        for event in events[:-1]:
+            assert_close(event.readout, want[event.position])
+    finally:
+        chunked.shutdown()

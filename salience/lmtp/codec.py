@@ -21,7 +21,16 @@ from typing import Any
 
 import orjson
 
-from salience.lmtp.messages import Cancel, ClientMessage, Detokenize, Generate, ModelInfo, Score, Tokenize
+from salience.lmtp.messages import (
+    Cancel,
+    ClientMessage,
+    Detokenize,
+    Generate,
+    ModelInfo,
+    Score,
+    Status,
+    Tokenize,
+)
 
 __all__ = ["MAX_LINE_BYTES", "LmtpError", "msg_frame", "parse_client_line", "parse_server_line", "token_frame"]
 
@@ -150,6 +159,7 @@ _TYPES: dict[str, tuple[type, dict[str, _Reader], frozenset[str]]] = {
     # LMQL sends {"stream_id", "model", "data": {"model": ...}}.
     "MODEL_INFO": (ModelInfo, {"stream_id": _int, "model": _str, "data": lambda v, n: v}, frozenset()),
     "CANCEL": (Cancel, {"stream_id": _int}, frozenset({"stream_id"})),
+    "STATUS": (Status, {"stream_id": _int}, frozenset({"stream_id"})),
     "TOKENIZE": (
         Tokenize,
         {"stream_id": _int, "text": _str, "add_special_tokens": _bool},

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-__all__ = ["Cancel", "ClientMessage", "Detokenize", "Generate", "ModelInfo", "Score", "Tokenize"]
+__all__ = ["Cancel", "ClientMessage", "Detokenize", "Generate", "ModelInfo", "Score", "Status", "Tokenize"]
 
 
 def _empty() -> Mapping[int, float]:
@@ -64,6 +64,13 @@ class Cancel:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Status:
+    """Ask for the server's state and be told of every change (loading, ready, stopping)."""
+
+    stream_id: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class Tokenize:
     stream_id: int
     text: str
@@ -76,4 +83,4 @@ class Detokenize:
     tokens: tuple[int, ...]
 
 
-ClientMessage = Generate | Score | ModelInfo | Cancel | Tokenize | Detokenize
+ClientMessage = Generate | Score | ModelInfo | Cancel | Status | Tokenize | Detokenize

@@ -30,7 +30,7 @@ from salience.core.text import TextStream
 from salience.core.types import SamplingOptions
 from salience.errors import InvalidArgument, SalienceError, Unavailable
 from salience.lmtp.codec import LmtpError, msg_frame, parse_client_line, token_frame
-from salience.lmtp.messages import Cancel, ClientMessage, Detokenize, Generate, ModelInfo, Score, Tokenize
+from salience.lmtp.messages import Cancel, ClientMessage, Detokenize, Generate, ModelInfo, Score, Status, Tokenize
 
 __all__ = ["LmtpConfig", "LmtpSession", "SessionLimits"]
 
@@ -55,6 +55,7 @@ class LmtpSession:
         self._model_names = config.model_names
         self._limits = config.limits
         self._cancels: set[asyncio.Task] = set()
+        self._watcher: asyncio.Task | None = None
         self._queue: deque[tuple[str, dict]] = deque()
         self._wake = asyncio.Event()
         self._streams: dict[int, asyncio.Task] = {}
@@ -92,6 +93,10 @@ class LmtpSession:
                     self._error(stream_id, f"CANCEL: stream {stream_id} is not running")
             case ModelInfo(stream_id=stream_id):
                 self._msg({"stream_id": stream_id, "model_info": self._model_info()})
+            case Status(stream_id=stream_id):
+                self._status_reply(stream_id)
+                if self._watcher is None:
+                    self._watcher = asyncio.create_task(self._watch_status(stream_id))
             case Tokenize() | Detokenize():
                 self._tokenizer_reply(message)
 
@@ -212,6 +217,14 @@ class LmtpSession:
 
     # ---- replies ---------------------------------------------------------------------
 
+    def _status_reply(self, stream_id: int) -> None:
+        self._msg({"stream_id": stream_id, "status": self._status.phase.value, "model": self._status.model_name})
+
+    async def _watch_status(self, stream_id: int) -> None:
+        while True:
+            await self._status.changed.wait()
+            self._status_reply(stream_id)
+
     def _engine(self) -> Engine:
         if self._status.phase is Phase.LOADING:
             raise Unavailable("the model is still loading; retry when MODEL_INFO answers")
@@ -305,6 +318,8 @@ class LmtpSession:
         """Cancel every stream (aborting its engine request) and stop accepting input."""
         for task in list(self._streams.values()):
             task.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
         self.closed.set()
         self._wake.set()
 

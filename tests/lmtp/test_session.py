@@ -1,0 +1,90 @@
+"""Session behaviour without a transport: flow control and system messages."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from salience.core.engine import Engine
+from salience.core.status import ServerStatus
+from salience.lmtp.session import LmtpConfig, LmtpSession, SessionLimits
+
+
+def generate(stream_id: int, max_tokens: int = 1500) -> str:
+    body = {"prompt": [0, 5, 6, 7], "stream_id": stream_id, "max_tokens": max_tokens, "ignore_eos": True}
+    return "GENERATE " + json.dumps(body)
+
+
+async def wait_until(condition, timeout: float = 30) -> None:
+    for _ in range(int(timeout / 0.05)):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def session_for(engine: Engine, limits: SessionLimits) -> LmtpSession:
+    status = ServerStatus("tiny")
+    status.ready(engine)
+    return LmtpSession(status, LmtpConfig(model_names=frozenset({"tiny"}), limits=limits))
+
+
+async def test_a_client_that_never_reads_gets_its_streams_ended_and_the_engine_emptied(tiny_engine: Engine) -> None:
+    session = session_for(tiny_engine, SessionLimits(max_pending=200, send_timeout=600))
+    stuck = asyncio.Event()
+    frames: list[str] = []
+
+    async def send(frame: str) -> None:  # the first frame goes out, then the client stops reading
+        frames.append(frame)
+        await stuck.wait()
+
+    pump = asyncio.create_task(session.pump(send))
+    for stream_id in range(4):
+        session.receive(generate(stream_id))
+    await asyncio.wait_for(session.closed.wait(), 60)
+    await session.wait_closed()
+    await wait_until(lambda: tiny_engine.num_unfinished_requests() == 0)
+    queued = [payload for kind, payload in session._queue if kind == "TOKEN"]
+    assert len(queued) <= 200 + 4  # bounded: the limit plus one error per stream
+    errors = {p["stream_id"]: p["error"] for p in queued if "error" in p}
+    assert set(errors) == {0, 1, 2, 3} and all("not reading" in e for e in errors.values())
+    pump.cancel()
+
+
+async def test_a_frame_that_cannot_be_sent_in_time_closes_the_session(tiny_engine: Engine) -> None:
+    session = session_for(tiny_engine, SessionLimits(max_pending=10**6, send_timeout=0.5))
+
+    async def send(frame: str) -> None:
+        await asyncio.Event().wait()
+
+    pump = asyncio.create_task(session.pump(send))
+    session.receive(generate(1))
+    await asyncio.wait_for(pump, 30)
+    assert session.closed.is_set()
+    await session.wait_closed()
+    await wait_until(lambda: tiny_engine.num_unfinished_requests() == 0)
+
+
+async def test_status_messages_follow_the_server_lifecycle(tiny_engine: Engine) -> None:
+    status = ServerStatus("tiny")
+    session = LmtpSession(status, LmtpConfig(model_names=frozenset({"tiny"})))
+    sent: list[str] = []
+
+    async def send(frame: str) -> None:
+        sent.append(frame)
+
+    pump = asyncio.create_task(session.pump(send))
+    session.receive('STATUS {"stream_id": 9}')
+    session.receive(generate(1, 4))  # while loading: a clear error, not a hang
+    await wait_until(lambda: len(sent) >= 2)
+    status.ready(tiny_engine)
+    await wait_until(lambda: len(sent) >= 3)
+    status.stopping()
+    await wait_until(lambda: len(sent) >= 4)
+    messages = [json.loads(frame.partition(" ")[2]) for frame in sent]
+    assert messages[0] == [{"stream_id": 9, "status": "loading", "model": "tiny"}]
+    assert "still loading" in messages[1][0]["error"] and messages[1][0]["stream_id"] == 1
+    assert messages[2] == [{"stream_id": 9, "status": "ready", "model": "tiny"}]
+    assert messages[3] == [{"stream_id": 9, "status": "stopping", "model": "tiny"}]
+    session.close()
+    await pump
