@@ -8,6 +8,18 @@ from pathlib import Path
 import torch
 
 
+def assert_logprobs_match(events, logprobs: torch.Tensor, tolerance: float = 1e-4) -> None:
+    """Each event's logprob and top-k alternatives equal the reference row that predicted it."""
+    import pytest
+
+    for event in events:
+        row = logprobs[event.position - 1]
+        assert event.logprob == pytest.approx(float(row[event.token_id]), abs=tolerance)
+        expected = row.topk(len(event.top_logprobs))
+        assert [t for t, _ in event.top_logprobs] == expected.indices.tolist()
+        assert [lp for _, lp in event.top_logprobs] == pytest.approx(expected.values.tolist(), abs=tolerance)
+
+
 class Reference:
     def __init__(self, model_dir: Path) -> None:
         from transformers import AutoModelForCausalLM

@@ -14,7 +14,7 @@ from salience.core.atomic import build_folder_once
 from salience.core.engine import Engine
 from salience.core.types import SamplingOptions
 from tests.conftest import start_engine
-from tests.reference import Reference
+from tests.reference import Reference, assert_logprobs_match
 
 TOL = 1e-4
 
@@ -57,13 +57,7 @@ async def test_greedy_text_matches_reference_token_for_token(engine: Engine, ref
     tokens = [e.token_id for e in events]
     assert tokens == reference.greedy(prompt, 32)
     assert "Paris" in tokenizer.decode(tokens)
-    logprobs = reference.logprobs(prompt + tokens)
-    for event in events:
-        row = logprobs[event.position - 1]
-        assert event.logprob == pytest.approx(float(row[event.token_id]), abs=TOL)
-        top = row.topk(5)
-        assert [t for t, _ in event.top_logprobs] == top.indices.tolist()
-        assert [lp for _, lp in event.top_logprobs] == pytest.approx(top.values.tolist(), abs=TOL)
+    assert_logprobs_match(events, reference.logprobs(prompt + tokens))
 
 
 async def test_score_matches_reference(engine: Engine, reference: Reference, tokenizer) -> None:

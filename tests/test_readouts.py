@@ -150,21 +150,31 @@ async def test_prefix_cache_hit_still_gives_every_position(
 
 
 async def test_state_is_freed_however_requests_end(engine: Engine) -> None:
+    """10,000 requests that finish, are abandoned mid-stream, or fail: nothing stays behind."""
     options = SamplingOptions(max_tokens=2, temperature=0.0, ignore_eos=True)
 
     async def finish(i: int) -> None:
-        [e async for e in engine.generate(PROMPTS[i % 8], options, readout_ranges=[(0, 100)])]
+        [e async for e in engine.generate(PROMPTS[i % 8][:8], options, readout_ranges=[(0, 100)])]
 
     async def abandon(i: int) -> None:
-        generation = engine.generate(PROMPTS[i % 8], SamplingOptions(max_tokens=500), readout_ranges=[(0, 900)])
+        generation = engine.generate(PROMPTS[i % 8][:8], SamplingOptions(max_tokens=500), readout_ranges=[(0, 900)])
         await anext(generation)
         await generation.aclose()
 
-    for start in range(0, 600, 60):
-        await asyncio.gather(*(finish(i) for i in range(start, start + 50)), *(abandon(i) for i in range(10)))
+    async def fail(i: int) -> None:
+        with pytest.raises(InvalidArgument):
+            await engine.score([0, 1], [engine.vocab_size], readout_ranges=[(0, 2)])
+
+    for start in range(0, 10_000, 200):
+        await asyncio.gather(
+            *(finish(i) for i in range(start, start + 160)),
+            *(abandon(i) for i in range(start, start + 30)),
+            *(fail(i) for i in range(start, start + 10)),
+        )
     await asyncio.sleep(0.2)
     assert engine.num_unfinished_requests() == 0
     assert await engine.readouts.stored_in_worker() == 0
+    assert engine.readouts.tracked() == 0
 
 
 async def test_bad_ranges(engine: Engine) -> None:

@@ -79,6 +79,10 @@ class ReadoutHub:
             await self._fetch()
         return {p: buffer.pop(p) for p in positions if p in buffer}
 
+    def tracked(self) -> int:
+        """Requests whose readouts this side still buffers."""
+        return len(self._buffers)
+
     async def stored_in_worker(self) -> int:
         await self._fetch()
         return (await self._llm.collective_rpc("salience_readout_stored"))[0]

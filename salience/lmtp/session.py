@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from salience.core.engine import Engine, Generation
 from salience.core.status import Phase, ServerStatus
 from salience.core.text import TextStream
-from salience.core.types import SamplingOptions
+from salience.core.types import SamplingOptions, ScoredToken, TokenEvent
 from salience.errors import InvalidArgument, SalienceError, Unavailable
 from salience.lmtp.codec import LmtpError, msg_frame, parse_client_line, token_frame
 from salience.lmtp.messages import Cancel, ClientMessage, Detokenize, Generate, ModelInfo, Score, Status, Tokenize
@@ -148,21 +148,8 @@ class LmtpSession:
                     if event.position == len(request.prompt):  # first event: prompt readouts are in
                         self._prompt_readouts(stream_id, request.prompt, generation.prompt_readouts)
                     ended = event.finish_reason is not None
-                    payload = {
-                        "token": event.token_id,
-                        "stream_id": stream_id,
-                        "logprob": event.logprob,
-                        "finish_reason": event.finish_reason and event.finish_reason.value,
-                        # Truncated alternatives (-inf) cannot be sampled and have no JSON form.
-                        "top_logprobs": {str(t): lp for t, lp in event.top_logprobs if math.isfinite(lp)},
-                    }
-                    if text is not None:
-                        payload["text"] = text.push(event.token_id) + (text.flush() if ended else "")
-                    if request.readout:
-                        payload["position"] = event.position
-                        if event.readout is not None:
-                            payload["readout"] = event.readout
-                    self._token(payload)
+                    finish = event.finish_reason and event.finish_reason.value
+                    self._token(_payload(stream_id, event, finish, top=True, text=text, readout=bool(request.readout)))
         finally:
             self._generations.pop(stream_id, None)
         if not ended:  # cancelled after its last token went out: end the stream explicitly
@@ -178,24 +165,17 @@ class LmtpSession:
             readouts = await engine.readout(request.prompt, covered) if covered else {}
             self._prompt_readouts(request.stream_id, request.prompt, readouts)
         text = TextStream(engine.tokenizer, request.prompt) if request.text else None
-        payloads = []
-        for i, token in enumerate(scored):
-            last = i == len(scored) - 1
-            payload = {
-                "token": token.token_id,
-                "stream_id": request.stream_id,
-                "logprob": token.logprob,
-                "finish_reason": "length" if last else None,
-            }
-            if request.top_logprobs:
-                payload["top_logprobs"] = {str(t): lp for t, lp in token.top_logprobs if math.isfinite(lp)}
-            if text is not None:
-                payload["text"] = text.push(token.token_id) + (text.flush() if last else "")
-            if request.readout:
-                payload["position"] = token.position
-                if token.readout is not None:
-                    payload["readout"] = token.readout
-            payloads.append(payload)
+        payloads = [
+            _payload(
+                request.stream_id,
+                token,
+                "length" if i == len(scored) - 1 else None,
+                top=request.top_logprobs > 0,
+                text=text,
+                readout=bool(request.readout),
+            )
+            for i, token in enumerate(scored)
+        ]
         if not payloads:
             payloads.append({"stream_id": request.stream_id, "finish_reason": "length"})
         for payload in payloads:
@@ -328,6 +308,33 @@ class LmtpSession:
         tasks = list(self._streams.values())
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _payload(
+    stream_id: int,
+    token: TokenEvent | ScoredToken,
+    finish_reason: str | None,
+    *,
+    top: bool,
+    text: TextStream | None,
+    readout: bool,
+) -> dict:
+    """One TOKEN payload: the fields LMQL reads, plus the extensions the request asked for."""
+    payload = {
+        "token": token.token_id,
+        "stream_id": stream_id,
+        "logprob": token.logprob,
+        "finish_reason": finish_reason,
+    }
+    if top:  # truncated alternatives (-inf) cannot be sampled and have no JSON form
+        payload["top_logprobs"] = {str(t): lp for t, lp in token.top_logprobs if math.isfinite(lp)}
+    if text is not None:
+        payload["text"] = text.push(token.token_id) + (text.flush() if finish_reason else "")
+    if readout:
+        payload["position"] = token.position
+        if token.readout is not None:
+            payload["readout"] = token.readout
+    return payload
 
 
 def _options(request: Generate) -> SamplingOptions:
