@@ -18,6 +18,7 @@ way. Scored (prompt) tokens carry the model's plain log_softmax.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -25,7 +26,7 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from salience.core.readout_worker import TAG
@@ -89,6 +90,30 @@ def _engine_args(settings: EngineSettings, cpu: bool):
     return AsyncEngineArgs(**kwargs)
 
 
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _split_cores(ranks: int) -> str:
+    """The allowed cores in `ranks` contiguous groups, in VLLM_CPU_OMP_THREADS_BIND's syntax ("0|1")."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise ModelError(f"tensor_parallel_size {ranks} needs at least {ranks} cores; {len(cores)} are available")
+    size = len(cores) // ranks
+    groups = [cores[i * size : (i + 1) * size] for i in range(ranks)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
 def _model_max_len(settings: EngineSettings) -> int:
     if settings.max_model_len:
         return settings.max_model_len
@@ -119,16 +144,23 @@ class Engine:
         """Load the model and warm it up; only then is the engine ready to serve."""
         started = time.monotonic()
         cpu = _is_cpu()
-        if cpu:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
         multiprocess = settings.multiprocess if settings.multiprocess is not None else not cpu
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
+        if cpu:
+            env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
+            if settings.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                # vllm-cpu binds each rank to a NUMA node; on one node it refuses to
+                # start unless told which cores each rank gets.
+                env["VLLM_CPU_OMP_THREADS_BIND"] = _split_cores(settings.tensor_parallel_size)
+                env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         args = _engine_args(settings, cpu)
 
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        # Loading takes tens of seconds: keep the event loop free (health checks).
-        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        # vLLM's processes read these at start; scoped so the next engine starts clean.
+        with _environment(env):
+            # Loading takes tens of seconds: keep the event loop free (health checks).
+            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         engine = cls(llm, settings)
         try:
             if settings.concepts is not None:

@@ -49,14 +49,14 @@ class ReadoutWorker:
     """Mixed into vLLM's worker class; methods are called through collective_rpc."""
 
     def salience_readout_setup(self, layers: list[int], vectors: list[bytes], hidden: int) -> list[int]:
-        if getattr(self, "rank", 0) != 0:
+        self._ro_store: dict[str, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
+        if getattr(self, "rank", 0) != 0:  # the residual is replicated: rank 0 alone captures
             return []
         self._ro_layers = [int(layer) for layer in layers]
         self._ro_matrices = [
             torch.from_numpy(np.frombuffer(blob, dtype=np.float32).reshape(-1, hidden).copy()).T.contiguous()
             for blob in vectors
         ]  # each [hidden, n_concepts]
-        self._ro_store: dict[str, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
         self._ro_step: list[tuple[str, int, int]] = []  # (key, first row in selection, count)
         self._ro_rows: torch.Tensor | None = None
         self._ro_positions: np.ndarray | None = None
