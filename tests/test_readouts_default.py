@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def test_default_set_has_recognisable_concepts(concepts: ConceptSet) -> None:
 
 
 async def test_readouts_match_reference_on_the_default_model(
-    engine: Engine, concepts: ConceptSet, default_model: Path
+    engine: Engine, concepts: ConceptSet, reference: Reference
 ) -> None:
     prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)
     generation = engine.generate(
@@ -46,14 +47,81 @@ async def test_readouts_match_reference_on_the_default_model(
     )
     events = [e async for e in generation]
     ids = prompt + [e.token_id for e in events]
-    residuals = Reference(default_model).residuals(ids, concepts.layers)
-    want = torch.stack([residuals[layer] @ concepts.vectors[layer].double().T for layer in concepts.layers], dim=1)
     got = {**generation.prompt_readouts, **{e.position: e.readout for e in events if e.readout is not None}}
     assert sorted(got) == list(range(len(ids) - 1))
-    for position, readout in got.items():
+    assert_matches(got, ids, reference, concepts)
+
+
+@pytest.fixture(scope="module")
+def reference(default_model: Path) -> Reference:
+    return Reference(default_model)
+
+
+def assert_matches(readouts: dict, ids: list[int], reference: Reference, concepts: ConceptSet) -> None:
+    residuals = reference.residuals(ids, concepts.layers)
+    want = torch.stack([residuals[layer] @ concepts.vectors[layer].double().T for layer in concepts.layers], dim=1)
+    for position, readout in readouts.items():
         row = want[position].reshape(-1)
         error = (torch.tensor(readout, dtype=torch.float64) - row).abs().max() / row.abs().max()
         assert float(error) < 1e-4, (position, float(error))
+
+
+async def test_eight_concurrent_requests_and_a_prefix_cache_hit(
+    engine: Engine, concepts: ConceptSet, reference: Reference
+) -> None:
+    texts = [
+        f"Story {i}: once upon a time a {animal} lived by the river."
+        for i, animal in enumerate(["fox", "cat", "owl", "bear", "frog", "wolf", "hare", "duck"])
+    ]
+    prompts = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    options = SamplingOptions(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+    async def run(i: int):
+        ranges = [(i % 3, 6 + i), (len(prompts[i]) + 1, len(prompts[i]) + 3)]
+        generation = engine.generate(prompts[i], options, readout_ranges=ranges)
+        events = [e async for e in generation]
+        return generation, events
+
+    results = await asyncio.gather(*(run(i) for i in range(8)))
+    for i, (generation, events) in enumerate(results):
+        ids = prompts[i] + [e.token_id for e in events]
+        readouts = {**generation.prompt_readouts, **{e.position: e.readout for e in events if e.readout}}
+        assert sorted(readouts) == [*range(i % 3, 6 + i), len(prompts[i]) + 1, len(prompts[i]) + 2]
+        assert_matches(readouts, ids, reference, concepts)
+
+    long = engine.tokenizer.encode(" ".join(texts * 6), add_special_tokens=False)
+    [e async for e in engine.generate(long, options)]
+    cached = engine.generate(long, options)
+    [e async for e in cached]
+    assert cached.cached_tokens >= 128
+    hit = engine.generate(long, options, readout_ranges=[(0, len(long))])
+    [e async for e in hit]
+    assert sorted(hit.prompt_readouts) == list(range(len(long)))
+    assert_matches({p: hit.prompt_readouts[p] for p in (0, 127, 128, len(long) - 1)}, long, reference, concepts)
+
+
+async def test_chunked_prefill_on_the_default_model(
+    default_model: Path, concepts: ConceptSet, reference: Reference
+) -> None:
+    chunked = await start_engine(
+        default_model,
+        max_model_len=1024,
+        concepts=concepts,
+        engine_args={"enable_chunked_prefill": True, "max_num_batched_tokens": 32},
+    )
+    try:
+        prompt = chunked.tokenizer.encode("Chunked prefill splits this prompt. " * 8, add_special_tokens=False)
+        assert len(prompt) > 64
+        generation = chunked.generate(
+            prompt, SamplingOptions(max_tokens=3, temperature=0.0, ignore_eos=True), readout_ranges=[(0, 200)]
+        )
+        events = [e async for e in generation]
+        ids = prompt + [e.token_id for e in events]
+        readouts = {**generation.prompt_readouts, **{e.position: e.readout for e in events if e.readout}}
+        assert sorted(readouts) == list(range(len(ids) - 1))
+        assert_matches(readouts, ids, reference, concepts)
+    finally:
+        chunked.shutdown()
 
 
 # Held-out texts (not in the spec), one pair per concept: the first should score higher.
