@@ -167,7 +167,6 @@ _TYPES: dict[str, tuple[type, dict[str, _Reader], frozenset[str]]] = {
     ),
     "DETOKENIZE": (Detokenize, {"stream_id": _int, "tokens": _tokens}, frozenset({"stream_id", "tokens"})),
 }
-MESSAGE_TYPES = tuple(_TYPES)
 
 
 def parse_client_line(line: str | bytes) -> ClientMessage:
