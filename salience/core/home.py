@@ -10,6 +10,7 @@ tests' conftest.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 __all__ = ["configure_environment", "salience_home"]
@@ -25,7 +26,12 @@ def configure_environment() -> Path:
     home.mkdir(parents=True, exist_ok=True)
     ipc = home / "ipc"
     ipc.mkdir(exist_ok=True)
+    tmp = home / "tmp"
+    tmp.mkdir(exist_ok=True)
     defaults = {
+        # torch writes precompiled headers (150 MB) to <tempdir>/torchinductor_<user>
+        # whatever TORCHINDUCTOR_CACHE_DIR says.
+        "TMPDIR": tmp,
         "VLLM_CACHE_ROOT": home / "vllm",
         "VLLM_CONFIG_ROOT": home / "vllm-config",
         "VLLM_RPC_BASE_PATH": ipc,
@@ -43,4 +49,5 @@ def configure_environment() -> Path:
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, str(value))
+    tempfile.tempdir = None  # forget a temp dir chosen before TMPDIR was set
     return home
