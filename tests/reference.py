@@ -62,3 +62,17 @@ class Reference:
             for handle in handles:
                 handle.remove()
         return captured
+
+
+def reference_readouts(reference: Reference, concepts, ids: Sequence[int]) -> torch.Tensor:
+    """[positions, layers * concepts]: each layer's output (no final norm) · each concept vector."""
+    residuals = reference.residuals(ids, concepts.layers)
+    rows = [residuals[layer] @ concepts.vectors[layer].double().T for layer in concepts.layers]
+    return torch.stack(rows, dim=1).reshape(len(ids), -1)
+
+
+def assert_readout_close(readout, reference_row: torch.Tensor) -> None:
+    """Within 1e-4 relative: max error over layers and concepts / max magnitude at the position."""
+    got = torch.tensor(readout, dtype=torch.float64)
+    error = float((got - reference_row).abs().max() / reference_row.abs().max())
+    assert error < 1e-4, error

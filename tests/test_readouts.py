@@ -15,7 +15,7 @@ from salience.core.engine import Engine
 from salience.core.types import SamplingOptions
 from salience.errors import InvalidArgument, ModelError
 from tests.conftest import start_engine
-from tests.reference import Reference
+from tests.reference import Reference, assert_readout_close, reference_readouts
 
 LAYERS = (0, 2, 3)  # 3 is the last layer: read before the final norm
 NAMES = ("alpha", "beta", "gamma", "delta", "epsilon")
@@ -56,19 +56,6 @@ def reference(tiny_model: Path) -> Reference:
     return Reference(tiny_model)
 
 
-def expected(reference: Reference, concepts: ConceptSet, ids: list[int]) -> torch.Tensor:
-    """[positions, layers * concepts]: residual after each layer (hooked, no final norm) · concept."""
-    residuals = reference.residuals(ids, concepts.layers)
-    rows = [residuals[layer] @ concepts.vectors[layer].double().T for layer in concepts.layers]
-    return torch.stack(rows, dim=1).reshape(len(ids), -1)
-
-
-def assert_close(readout, reference_row: torch.Tensor) -> None:
-    got = torch.tensor(readout, dtype=torch.float64)
-    scale = reference_row.abs().max()
-    assert float((got - reference_row).abs().max() / scale) < 1e-4
-
-
 async def test_prompt_and_decoded_positions_match_reference(
     engine: Engine, reference: Reference, concepts: ConceptSet
 ) -> None:
@@ -78,16 +65,16 @@ async def test_prompt_and_decoded_positions_match_reference(
     )
     events = [e async for e in generation]
     ids = prompt + [e.token_id for e in events]
-    want = expected(reference, concepts, ids)
+    want = reference_readouts(reference, concepts, ids)
     assert sorted(generation.prompt_readouts) == list(range(len(prompt)))
     for position, readout in generation.prompt_readouts.items():
         assert len(readout) == len(LAYERS) * len(NAMES)
-        assert_close(readout, want[position])
+        assert_readout_close(readout, want[position])
     for event in events[:-1]:
-        assert_close(event.readout, want[event.position])
+        assert_readout_close(event.readout, want[event.position])
     assert events[-1].readout is None  # never fed through the model
     last = await engine.readout(ids, [(len(ids) - 1, len(ids))])
-    assert_close(last[len(ids) - 1], want[len(ids) - 1])
+    assert_readout_close(last[len(ids) - 1], want[len(ids) - 1])
 
 
 async def test_only_requested_positions_and_none_without_ranges(engine: Engine) -> None:
@@ -105,9 +92,9 @@ async def test_only_requested_positions_and_none_without_ranges(engine: Engine) 
 async def test_score_readouts(engine: Engine, reference: Reference, concepts: ConceptSet) -> None:
     ids = PROMPTS[2]
     scored = await engine.score(ids[:10], ids[10:], readout_ranges=[(0, len(ids))])
-    want = expected(reference, concepts, ids)
+    want = reference_readouts(reference, concepts, ids)
     for token in scored:
-        assert_close(token.readout, want[token.position])
+        assert_readout_close(token.readout, want[token.position])
 
 
 async def test_eight_concurrent_requests_see_only_their_own(
@@ -122,14 +109,14 @@ async def test_eight_concurrent_requests_see_only_their_own(
 
     for i, (generation, events) in enumerate(await asyncio.gather(*(run(i) for i in range(8)))):
         ids = PROMPTS[i] + [e.token_id for e in events]
-        want = expected(reference, concepts, ids)
+        want = reference_readouts(reference, concepts, ids)
         assert sorted(generation.prompt_readouts) == list(range(i, i + 5 + i))
         for position, readout in generation.prompt_readouts.items():
-            assert_close(readout, want[position])
+            assert_readout_close(readout, want[position])
         decoded = {e.position: e.readout for e in events if e.readout is not None}
         assert sorted(decoded) == [len(PROMPTS[i]) + 1, len(PROMPTS[i]) + 2]
         for position, readout in decoded.items():
-            assert_close(readout, want[position])
+            assert_readout_close(readout, want[position])
 
 
 async def test_prefix_cache_hit_still_gives_every_position(
@@ -143,10 +130,10 @@ async def test_prefix_cache_hit_still_gives_every_position(
     assert cached.cached_tokens >= 512  # a request without prompt readouts keeps the cache
     generation = engine.generate(prompt, options, readout_ranges=[(0, 600)])
     [e async for e in generation]
-    want = expected(reference, concepts, prompt)
+    want = reference_readouts(reference, concepts, prompt)
     assert sorted(generation.prompt_readouts) == list(range(600))
     for position in (0, 127, 128, 300, 599):
-        assert_close(generation.prompt_readouts[position], want[position])
+        assert_readout_close(generation.prompt_readouts[position], want[position])
 
 
 async def test_state_is_freed_however_requests_end(engine: Engine) -> None:
@@ -279,12 +266,12 @@ async def test_multiprocess_layout_and_chunked_prefill(
         )
         events = [e async for e in generation]
         ids = prompt + [e.token_id for e in events]
-        want = expected(reference, concepts, ids)
+        want = reference_readouts(reference, concepts, ids)
         assert sorted(generation.prompt_readouts) == list(range(len(prompt)))
         for position in (0, 63, 64, 65, 200, 300):
-            assert_close(generation.prompt_readouts[position], want[position])
+            assert_readout_close(generation.prompt_readouts[position], want[position])
         for event in events[:-1]:
-            assert_close(event.readout, want[event.position])
+            assert_readout_close(event.readout, want[event.position])
     finally:
         chunked.shutdown()
 
@@ -300,10 +287,10 @@ async def test_tensor_parallel_two_ranks(tiny_model: Path, concepts: ConceptSet,
         events = [e async for e in generation]
         ids = prompt + [e.token_id for e in events]
         assert [e.token_id for e in events] == reference.greedy(prompt, 6)
-        want = expected(reference, concepts, ids)
+        want = reference_readouts(reference, concepts, ids)
         readouts = {**generation.prompt_readouts, **{e.position: e.readout for e in events if e.readout is not None}}
         assert sorted(readouts) == list(range(len(ids) - 1))
         for position, readout in readouts.items():
-            assert_close(readout, want[position])
+            assert_readout_close(readout, want[position])
     finally:
         parallel.shutdown()

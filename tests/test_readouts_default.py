@@ -15,7 +15,7 @@ from salience.core.concepts import ConceptSet
 from salience.core.engine import Engine
 from salience.core.types import SamplingOptions
 from tests.conftest import start_engine
-from tests.reference import Reference
+from tests.reference import Reference, assert_readout_close, reference_readouts
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +58,9 @@ def reference(default_model: Path) -> Reference:
 
 
 def assert_matches(readouts: dict, ids: list[int], reference: Reference, concepts: ConceptSet) -> None:
-    residuals = reference.residuals(ids, concepts.layers)
-    want = torch.stack([residuals[layer] @ concepts.vectors[layer].double().T for layer in concepts.layers], dim=1)
+    want = reference_readouts(reference, concepts, ids)
     for position, readout in readouts.items():
-        row = want[position].reshape(-1)
-        error = (torch.tensor(readout, dtype=torch.float64) - row).abs().max() / row.abs().max()
-        assert float(error) < 1e-4, (position, float(error))
+        assert_readout_close(readout, want[position])
 
 
 async def test_eight_concurrent_requests_and_a_prefix_cache_hit(
