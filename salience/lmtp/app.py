@@ -1,4 +1,4 @@
-"""The aiohttp application: LMTP over WebSocket at `/`, and `GET /health`."""
+"""The aiohttp application: LMTP over WebSocket at `/`, `GET /health`, and the browser page at `/ui/`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from salience.core.status import Phase, ServerStatus
 from salience.lmtp.codec import MAX_LINE_BYTES
 from salience.lmtp.session import LmtpConfig, LmtpSession
+from salience.ui import UI_PATH, add_routes
 
 __all__ = ["LMTP_CONFIG", "STATUS", "make_app", "serve_session"]
 
@@ -55,7 +56,7 @@ async def serve_session(session: LmtpSession, lines: AsyncIterator[str | bytes],
 async def lmtp_websocket(request: web.Request) -> web.StreamResponse:
     ws = web.WebSocketResponse(max_msg_size=MAX_LINE_BYTES)
     if not ws.can_prepare(request).ok:
-        return web.Response(text="LMTP endpoint: connect with a WebSocket and send 'TYPE <json>' lines.\n")
+        raise web.HTTPFound(UI_PATH)  # a browser opening the server's address gets the page
     await ws.prepare(request)
     request.app[SOCKETS].add(ws)
     session = LmtpSession(request.app[STATUS], request.app[LMTP_CONFIG])
@@ -88,5 +89,6 @@ def make_app(status: ServerStatus, config: LmtpConfig) -> web.Application:
     app[SOCKETS] = weakref.WeakSet()
     app.router.add_get("/", lmtp_websocket)
     app.router.add_get("/health", health)
+    add_routes(app)
     app.on_shutdown.append(_close_sockets)
     return app

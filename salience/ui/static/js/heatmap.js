@@ -1,0 +1,214 @@
+// Concept readouts as a heatmap: tokens across, concepts down, one layer at a time.
+//
+// A readout arrives flat and layer-major (`readout[i * nConcepts + k]` is layer
+// `layers[i]`, concept `concepts[k]`, see docs/readouts.md). Cells show the server's
+// numbers unrounded (`data-value`, the focus line, tooltips); only the colour is scaled.
+// The scale is symmetric around 0 and ends at the 98th percentile of |value| in the
+// layer, so one outlier (the first token's attention sink) does not wash out the rest.
+
+import { showToken } from "./vocab.js";
+
+const NEGATIVE = [33, 102, 172];
+const POSITIVE = [178, 24, 43];
+
+/** Colour for a value on a scale of ±`scale`: blue below 0, white at 0, red above. */
+export function valueColor(value, scale) {
+  const t = Math.max(-1, Math.min(1, value / scale));
+  const end = t < 0 ? NEGATIVE : POSITIVE;
+  const mix = end.map((c) => Math.round(255 + (c - 255) * Math.abs(t)));
+  return `rgb(${mix.join(" ")})`;
+}
+
+export class Heatmap {
+  #concepts;
+  #layers;
+  #columns = new Map(); // position -> {position, label, prompt, readout}
+  #layer = 0;
+  #line = null; // concept index whose line is shown
+  #active = { row: 0, col: 0 };
+  #pending = false;
+
+  /** @param {{concepts: string[], layers: number[]}} manifest from MODEL_INFO's readout_manifest */
+  constructor(manifest) {
+    this.#concepts = manifest.concepts;
+    this.#layers = manifest.layers;
+    this.#layer = manifest.layers.length - 1;
+    this.element = document.createElement("section");
+    this.element.className = "readouts";
+    this.element.innerHTML = `
+      <div class="readout-controls">
+        <label>layer <select class="layer"></select></label>
+        <div class="legend" aria-label="colour scale"><span class="lo"></span><span class="ramp"></span><span class="hi"></span></div>
+      </div>
+      <div class="heatmap-scroll"><table class="heatmap" tabindex="0" aria-label="concept readouts: arrow keys move between cells"></table></div>
+      <p class="cell-info" aria-live="polite">Hover a cell or focus the table and use the arrow keys; click a concept for its line.</p>
+      <figure class="concept-line" hidden></figure>`;
+    const select = this.element.querySelector(".layer");
+    select.append(...this.#layers.map((layer, i) => new Option(String(layer), String(i), false, i === this.#layer)));
+    select.addEventListener("change", () => {
+      this.#layer = Number(select.value);
+      this.#render();
+    });
+    const table = this.element.querySelector(".heatmap");
+    table.addEventListener("keydown", (event) => this.#key(event));
+    table.addEventListener("focus", () => this.#describe());
+    table.addEventListener("mouseover", (event) => {
+      const cell = event.target.closest("td");
+      if (cell) this.#describe(cell);
+    });
+    table.addEventListener("click", (event) => {
+      const button = event.target.closest("button[data-concept]");
+      if (button) this.#toggleLine(Number(button.dataset.concept));
+    });
+  }
+
+  /** Create or update the column at `position` with the fields given ({label, prompt, readout}). */
+  set(position, fields) {
+    const column = this.#columns.get(position) ?? { position, label: "", prompt: false };
+    for (const [key, value] of Object.entries(fields)) if (value !== undefined) column[key] = value;
+    this.#columns.set(position, column);
+    this.#schedule();
+  }
+
+  #schedule() {
+    if (this.#pending) return;
+    this.#pending = true;
+    requestAnimationFrame(() => {
+      this.#pending = false;
+      this.#render();
+    });
+  }
+
+  #sorted() {
+    return [...this.#columns.values()].sort((a, b) => a.position - b.position);
+  }
+
+  #value(column, k) {
+    return column.readout?.[this.#layer * this.#concepts.length + k];
+  }
+
+  #scale(columns) {
+    const magnitudes = columns
+      .flatMap((column) => this.#concepts.map((_, k) => Math.abs(this.#value(column, k) ?? NaN)))
+      .filter(Number.isFinite)
+      .sort((a, b) => a - b);
+    const scale = magnitudes[Math.floor(0.98 * (magnitudes.length - 1))];
+    return scale > 0 ? scale : 1;
+  }
+
+  #render() {
+    const columns = this.#sorted();
+    const scale = this.#scale(columns);
+    const table = this.element.querySelector(".heatmap");
+    const head = document.createElement("thead");
+    const headRow = head.insertRow();
+    headRow.append(document.createElement("td"));
+    for (const column of columns) {
+      const th = document.createElement("th");
+      th.scope = "col";
+      th.className = column.prompt ? "prompt" : "";
+      th.textContent = showToken(column.label);
+      th.title = `position ${column.position}${column.prompt ? " (prompt)" : ""}`;
+      headRow.append(th);
+    }
+    const body = document.createElement("tbody");
+    this.#concepts.forEach((concept, k) => {
+      const tr = body.insertRow();
+      const th = document.createElement("th");
+      th.scope = "row";
+      th.innerHTML = `<button type="button" data-concept="${k}" aria-pressed="${this.#line === k}"></button>`;
+      th.firstChild.textContent = concept;
+      tr.append(th);
+      columns.forEach((column, col) => {
+        const td = tr.insertCell();
+        const value = this.#value(column, k);
+        td.dataset.row = k;
+        td.dataset.col = col;
+        td.dataset.position = column.position;
+        if (value === undefined) {
+          td.className = "none";
+          td.title = "no readout: this token has not been through the model";
+        } else {
+          td.dataset.value = String(value);
+          td.style.background = valueColor(value, scale);
+          td.title = `${concept} · ${showToken(column.label)} · layer ${this.#layers[this.#layer]}: ${value}`;
+        }
+      });
+    });
+    table.replaceChildren(head, body);
+    this.#legend(scale);
+    this.#markActive();
+    this.#drawLine(columns);
+  }
+
+  #legend(scale) {
+    const legend = this.element.querySelector(".legend");
+    const ramp = [-1, -0.5, 0, 0.5, 1].map((t) => valueColor(t * scale, scale)).join(", ");
+    legend.querySelector(".ramp").style.background = `linear-gradient(to right, ${ramp})`;
+    legend.querySelector(".lo").textContent = `≤ −${scale.toPrecision(3)}`;
+    legend.querySelector(".hi").textContent = `≥ +${scale.toPrecision(3)}`;
+  }
+
+  #key(event) {
+    const moves = { ArrowLeft: [0, -1], ArrowRight: [0, 1], ArrowUp: [-1, 0], ArrowDown: [1, 0] };
+    if (event.key === "Enter") {
+      this.#toggleLine(this.#active.row);
+      event.preventDefault();
+      return;
+    }
+    const move = moves[event.key];
+    if (!move) return;
+    event.preventDefault();
+    const columns = this.#columns.size;
+    this.#active = {
+      row: Math.max(0, Math.min(this.#concepts.length - 1, this.#active.row + move[0])),
+      col: Math.max(0, Math.min(columns - 1, this.#active.col + move[1])),
+    };
+    this.#markActive();
+    this.#describe();
+  }
+
+  #markActive() {
+    const table = this.element.querySelector(".heatmap");
+    table.querySelector("td.active")?.classList.remove("active");
+    const cell = table.querySelector(`td[data-row="${this.#active.row}"][data-col="${this.#active.col}"]`);
+    cell?.classList.add("active");
+    cell?.scrollIntoView({ block: "nearest", inline: "nearest" });
+  }
+
+  #describe(cell = this.element.querySelector("td.active")) {
+    if (!cell) return;
+    const info = this.element.querySelector(".cell-info");
+    const column = this.#sorted()[Number(cell.dataset.col)];
+    const where = `${this.#concepts[cell.dataset.row]} at position ${column.position} (${showToken(column.label)}), layer ${this.#layers[this.#layer]}`;
+    info.textContent = `${where}: ${cell.dataset.value ?? "no readout"}`;
+  }
+
+  #toggleLine(k) {
+    this.#line = this.#line === k ? null : k;
+    this.#render();
+  }
+
+  #drawLine(columns) {
+    const figure = this.element.querySelector(".concept-line");
+    figure.hidden = this.#line === null;
+    if (this.#line === null) return;
+    const points = columns
+      .map((column, x) => ({ x, column, value: this.#value(column, this.#line) }))
+      .filter((point) => point.value !== undefined);
+    const values = points.map((point) => point.value);
+    const lo = Math.min(0, ...values);
+    const hi = Math.max(0, ...values);
+    const width = Math.max(columns.length - 1, 1);
+    const y = (value) => (hi === lo ? 50 : 95 - (90 * (value - lo)) / (hi - lo));
+    const svg = `<svg viewBox="-1 0 ${width + 2} 100" preserveAspectRatio="none" role="img">
+      <line class="zero" x1="-1" x2="${width + 1}" y1="${y(0)}" y2="${y(0)}"></line>
+      <polyline points="${points.map((point) => `${point.x},${y(point.value)}`).join(" ")}"></polyline></svg>`;
+    const concept = this.#concepts[this.#line];
+    figure.innerHTML = `<figcaption></figcaption>${svg}`;
+    const range = values.length ? `: min ${Math.min(...values)}, max ${Math.max(...values)}` : "";
+    figure.querySelector("figcaption").textContent =
+      `${concept}, layer ${this.#layers[this.#layer]}, over ${points.length} tokens${range}`;
+    figure.querySelector("svg").setAttribute("aria-label", `${concept} over the tokens`);
+  }
+}

@@ -1,0 +1,96 @@
+// The page: connection indicator, auth token, the request form, and the panes.
+
+import { LmtpClient } from "./lmtp.js";
+import { Pane } from "./pane.js";
+import { Vocab } from "./vocab.js";
+
+const TOKEN_KEY = "salience-token";
+const $ = (selector) => document.querySelector(selector);
+
+// A token passed as ?token= (a link from whoever runs the server) moves into sessionStorage
+// and out of the address bar.
+const given = new URL(location.href);
+if (given.searchParams.has("token")) {
+  sessionStorage.setItem(TOKEN_KEY, given.searchParams.get("token"));
+  given.searchParams.delete("token");
+  history.replaceState(null, "", given);
+}
+
+/** The LMTP WebSocket is `/` on the server that served this page; browsers pass the token in the URL. */
+function socketUrl() {
+  const url = new URL("/", location.href);
+  url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  if (token) url.searchParams.set("token", token);
+  return url.href;
+}
+
+const client = new LmtpClient(socketUrl);
+const vocab = new Vocab(client);
+const LABELS = {
+  connecting: "connecting…",
+  loading: "loading model…",
+  ready: "ready",
+  stopping: "server shutting down",
+  lost: "connection lost",
+  unauthorized: "unauthorized",
+};
+
+client.addEventListener("state", ({ detail: { state, detail } }) => {
+  const indicator = $("#connection");
+  indicator.dataset.state = state;
+  indicator.textContent = LABELS[state] + (detail ? ` — ${detail}` : "");
+  const ready = state === "ready";
+  for (const button of document.querySelectorAll("#request button")) button.disabled = !ready;
+  if (ready) {
+    const info = client.modelInfo;
+    $("#model").textContent = `${info.model} · context ${info.max_model_len} · top-k ≤ ${info.max_logprobs}`;
+    $("#readouts").disabled = !info.readout_manifest;
+    $("#readouts").checked &&= Boolean(info.readout_manifest);
+  }
+  if (state === "unauthorized") $("#auth").open = true;
+});
+
+$("#token").value = sessionStorage.getItem(TOKEN_KEY) ?? "";
+$("#auth-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  sessionStorage.setItem(TOKEN_KEY, $("#token").value);
+  client.connect();
+});
+
+/** Sampling fields as typed: an empty field is left out (the server's default); the server validates. */
+function params() {
+  const params = {};
+  for (const name of ["temperature", "top_p", "top_k", "max_tokens", "seed"]) {
+    const value = $(`#${name}`).value.trim();
+    if (value !== "") params[name] = Number(value);
+  }
+  return params;
+}
+
+function start(mode) {
+  const info = client.modelInfo;
+  const request = {
+    mode,
+    text: $("#prompt").value,
+    params: params(),
+    topLogprobs: Number($("#top_logprobs").value),
+    manifest: $("#readouts").checked ? info.readout_manifest : null,
+  };
+  const pane = new Pane({ client, vocab, tip: $("#tip"), request });
+  $("#panes").prepend(pane.element);
+  pane.run();
+}
+
+$("#request").addEventListener("submit", (event) => {
+  event.preventDefault();
+  start(event.submitter?.value ?? "generate");
+});
+$("#prompt").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && (event.ctrlKey || event.metaKey) && client.state === "ready") {
+    event.preventDefault();
+    start("generate");
+  }
+});
+
+client.connect();

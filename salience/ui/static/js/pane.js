@@ -1,0 +1,171 @@
+// One generation (or one scored text) in its own pane: its tokens, its readouts, its errors.
+//
+// The LMTP exchange of a generation with readouts:
+//   TOKENIZE {"text": prompt}                       -> MSG {"tokens": [...]}
+//   GENERATE {"prompt": tokens, "text": true, "top_logprobs": k, "readout": [[0, end]], ...}
+//     -> TOKEN {"prompt": true, "position", "readout"}  one per prompt position, first
+//     -> TOKEN {"token", "text", "logprob", "top_logprobs", "position", "readout"}  per token
+//   CANCEL {"stream_id"} (Stop)                     -> last TOKEN has finish_reason "cancelled"
+//   SCORE prompt + completion with "readout" on the last position: the last generated token
+//     never went through the model during generation, so this is the only way to read it out.
+// Score mode reads a text the user wrote: SCORE its first token as prompt and the rest as
+// `scored`, which gives every token a logprob, alternatives and a readout.
+
+import { Heatmap } from "./heatmap.js";
+import { TokenStrip } from "./tokens.js";
+
+let panes = 0;
+
+export class Pane {
+  #client;
+  #vocab;
+  #request;
+  #strip;
+  #heatmap = null;
+  #streamId = null;
+  #prompt = [];
+  #generated = [];
+
+  /**
+   * @param request {{mode: "generate" | "score", text: string, params: object, topLogprobs: number,
+   *                  manifest: object | null}} manifest null: no readouts
+   */
+  constructor({ client, vocab, tip, request }) {
+    this.#client = client;
+    this.#vocab = vocab;
+    this.#request = request;
+    const n = ++panes;
+    this.element = document.createElement("article");
+    this.element.className = "pane";
+    this.element.setAttribute("aria-labelledby", `pane-${n}`);
+    this.element.innerHTML = `
+      <header>
+        <h2 id="pane-${n}">#${n} ${request.mode}</h2>
+        <span class="state" role="status"></span>
+        <button type="button" class="stop" disabled>Stop</button>
+        <button type="button" class="close" aria-label="close pane #${n}">×</button>
+      </header>
+      <p class="error" role="alert" hidden></p>
+      <div class="stream"></div>
+      <details class="protocol"><summary>LMTP messages sent</summary><pre></pre></details>`;
+    this.#strip = new TokenStrip(this.element.querySelector(".stream"), vocab, tip);
+    if (request.manifest) {
+      this.#heatmap = new Heatmap(request.manifest);
+      this.element.querySelector(".stream").after(this.#heatmap.element);
+    }
+    this.element.querySelector(".stop").addEventListener("click", () => this.stop());
+    this.element.querySelector(".close").addEventListener("click", () => {
+      this.stop();
+      this.element.remove();
+    });
+  }
+
+  async run() {
+    this.#state("tokenizing");
+    try {
+      this.#prompt = (await this.#ask("TOKENIZE", { text: this.#request.text })).tokens;
+      if (this.#prompt.length === 0) throw new Error("the prompt is empty");
+      if (this.#heatmap) this.#labelPrompt();
+      if (this.#request.mode === "generate") this.#generate();
+      else await this.#score();
+    } catch (error) {
+      this.#fail(error.message);
+    }
+  }
+
+  stop() {
+    if (this.#streamId !== null) this.#client.cancel(this.#streamId);
+  }
+
+  #generate() {
+    const { params, topLogprobs, text } = this.#request;
+    const body = { prompt: this.#prompt, ...params, top_logprobs: topLogprobs, text: true };
+    if (this.#heatmap) body.readout = [[0, this.#prompt.length + (params.max_tokens ?? 16)]];
+    this.#strip.addContext(text);
+    this.#start("GENERATE", body, () => this.#readLastToken());
+  }
+
+  async #score() {
+    const [first] = await this.#vocab.texts(this.#prompt.slice(0, 1));
+    this.#strip.add({ token: this.#prompt[0], text: first, logprob: null });
+    const body = { prompt: this.#prompt.slice(0, 1), scored: this.#prompt.slice(1), top_logprobs: this.#request.topLogprobs };
+    if (this.#heatmap) body.readout = [[0, this.#prompt.length]];
+    this.#start("SCORE", { ...body, text: true });
+  }
+
+  /** The last generated token's readout, from a SCORE of prompt + completion. */
+  #readLastToken() {
+    const tokens = [...this.#prompt, ...this.#generated];
+    if (!this.#heatmap || this.#generated.length === 0) return;
+    const last = tokens.length - 1;
+    const body = { prompt: tokens.slice(0, last), scored: [tokens[last]], readout: [[last, last + 1]] };
+    this.#log("SCORE", body);
+    this.#client.stream("SCORE", body, (payload) => {
+      if (payload.error != null) this.#fail(payload.error);
+      else if (payload.readout) this.#heatmap.set(payload.position, { readout: payload.readout });
+    });
+  }
+
+  #start(type, body, onEnd = () => {}) {
+    this.#log(type, body);
+    this.#streamId = this.#client.stream(type, body, (payload) => {
+      if (this.#receive(payload)) {
+        this.#streamId = null;
+        this.element.querySelector(".stop").disabled = true;
+        onEnd();
+      }
+    });
+    this.element.querySelector(".stop").disabled = type !== "GENERATE";
+    this.#state("streaming");
+  }
+
+  /** Handle one TOKEN payload; true when it ends the stream. */
+  #receive(payload) {
+    if (payload.error != null) {
+      this.#fail(payload.error);
+      return false;
+    }
+    if (payload.prompt) {
+      this.#heatmap?.set(payload.position, { prompt: true, readout: payload.readout });
+      return false;
+    }
+    if (payload.token != null) {
+      const { token, text, logprob, top_logprobs: alternatives } = payload;
+      this.#strip.add({ token, text, logprob, alternatives });
+      if (this.#request.mode === "generate") this.#generated.push(token);
+      this.#heatmap?.set(payload.position, { label: text, readout: payload.readout });
+      this.#state(`streaming · ${this.#strip.length} tokens`);
+    }
+    if (payload.finish_reason == null) return false;
+    const reason = payload.finish_reason === "cancelled" ? "stopped" : `done (${payload.finish_reason})`;
+    this.#state(`${reason} · ${this.#strip.length} tokens`);
+    return true;
+  }
+
+  async #labelPrompt() {
+    const texts = await this.#vocab.texts(this.#prompt).catch(() => []);
+    texts.forEach((label, position) => this.#heatmap.set(position, { label, prompt: true }));
+  }
+
+  #ask(type, body) {
+    this.#log(type, body);
+    return this.#client.request(type, body);
+  }
+
+  #log(type, body) {
+    this.element.querySelector(".protocol pre").textContent += `${type} ${JSON.stringify(body)}\n`;
+  }
+
+  #state(text) {
+    this.element.querySelector(".state").textContent = text;
+  }
+
+  #fail(message) {
+    this.#streamId = null;
+    this.element.querySelector(".stop").disabled = true;
+    const error = this.element.querySelector(".error");
+    error.hidden = false;
+    error.textContent = message;
+    this.#state("error");
+  }
+}
