@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup serve test check
+.PHONY: setup serve test check proto
 setup:
 	@bash tools/setup_env.sh
 
@@ -16,3 +16,6 @@ test: setup
 check: setup
 	$(VENV)/bin/ruff format --check salience tests tools
 	$(VENV)/bin/ruff check salience tests tools
+
+proto: setup
+	$(PY) tools/gen_proto.py

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from salience.auth import AUTH_TOKEN_ENV, token_from_environment
 from salience.core.home import configure_environment
 from salience.errors import SalienceError
 
@@ -36,8 +37,21 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--lmtp-port", type=int, default=8080, help="LMTP WebSocket, /health and the page")
     serve.add_argument("--lmtp-tcp-port", type=int, help="also serve LMTP over plain TCP, one message per line")
+    serve.add_argument("--grpc-port", type=int, default=50051, help="the salience.v1 gRPC service")
+    serve.add_argument("--no-grpc", dest="grpc", action="store_false", help="serve no gRPC")
     serve.add_argument(
         "--model-alias", action="append", default=[], help="another model name clients may use (repeatable)"
+    )
+    serve.add_argument(
+        "--auth-token",
+        default=token_from_environment(),
+        help=f"bearer token every client must present (default: ${AUTH_TOKEN_ENV}; unset: open)",
+    )
+    sessions = serve.add_argument_group("sessions")
+    sessions.add_argument("--session-ttl", type=float, default=1800.0, help="seconds an idle session is kept")
+    sessions.add_argument("--max-sessions", type=int, default=4096)
+    sessions.add_argument(
+        "--max-session-tokens", type=int, default=50_000_000, help="tokens stored across all sessions"
     )
     engine = serve.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=int)
@@ -88,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     from salience.core.default_model import DEFAULT_MODEL_NAME, ensure_default_model
     from salience.core.model_dir import inspect_model_folder
+    from salience.core.sessions import SessionLimits
     from salience.core.settings import EngineSettings
     from salience.server import ServeOptions, serve
 
@@ -123,7 +138,12 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host,
         lmtp_port=args.lmtp_port,
         lmtp_tcp_port=args.lmtp_tcp_port,
+        grpc_port=args.grpc_port if args.grpc else None,
         model_aliases=tuple(args.model_alias),
+        auth_token=args.auth_token or None,
+        sessions=SessionLimits(
+            ttl=args.session_ttl, max_sessions=args.max_sessions, max_tokens=args.max_session_tokens
+        ),
     )
     asyncio.run(serve(settings, options))
     return 0

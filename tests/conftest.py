@@ -20,8 +20,11 @@ from salience.core.home import configure_environment
 
 configure_environment()  # before anything imports vllm or torch
 
+import torch  # noqa: E402
+
 from salience.core import portable  # noqa: E402
 from salience.core.atomic import build_folder_once  # noqa: E402
+from salience.core.concepts import ConceptSet, model_fingerprint  # noqa: E402
 from salience.core.default_model import ensure_default_model  # noqa: E402
 from salience.core.engine import Engine  # noqa: E402
 from salience.core.home import salience_home  # noqa: E402
@@ -55,6 +58,33 @@ async def tiny_engine(tiny_model: Path) -> AsyncIterator[Engine]:
     engine = await start_engine(tiny_model, max_model_len=2048, max_logprobs=20)
     yield engine
     engine.shutdown()
+
+
+TINY_LAYERS = (0, 2, 3)  # 3 is the last layer: read before the final norm
+TINY_CONCEPTS = ("alpha", "beta", "gamma", "delta", "epsilon")
+
+
+@pytest.fixture(scope="session")
+def tiny_concepts(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> ConceptSet:
+    """Random unit vectors at three of the tiny model's four layers, saved and loaded back."""
+    generator = torch.Generator().manual_seed(1)
+    vectors = {}
+    for layer in TINY_LAYERS:
+        v = torch.randn(len(TINY_CONCEPTS), 128, generator=generator)
+        vectors[layer] = v / v.norm(dim=1, keepdim=True)
+    built = ConceptSet(
+        concepts=TINY_CONCEPTS,
+        vectors=vectors,
+        hidden_size=128,
+        num_layers=4,
+        model_fingerprint=model_fingerprint(tiny_model),
+        provenance={"method": "random unit vectors", "seed": 1},
+    )
+    path = tmp_path_factory.mktemp("concepts") / "tiny.safetensors"
+    built.save(path)
+    loaded = ConceptSet.load(path)
+    loaded.check_model(tiny_model)
+    return loaded
 
 
 @pytest.fixture(scope="module")

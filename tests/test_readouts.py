@@ -8,40 +8,20 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-import torch
 
-from salience.core.concepts import ConceptSet, model_fingerprint
+from salience.core.concepts import ConceptSet
 from salience.core.engine import Engine
 from salience.core.types import SamplingOptions
 from salience.errors import InvalidArgument, ModelError
-from tests.conftest import start_engine
+from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
 from tests.reference import Reference, assert_readout_close, reference_readouts
 
-LAYERS = (0, 2, 3)  # 3 is the last layer: read before the final norm
-NAMES = ("alpha", "beta", "gamma", "delta", "epsilon")
 PROMPTS = [[0, *range(60 + 11 * i, 90 + 11 * i)] for i in range(8)]
 
 
 @pytest.fixture(scope="module")
-def concepts(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> ConceptSet:
-    generator = torch.Generator().manual_seed(1)
-    vectors = {}
-    for layer in LAYERS:
-        v = torch.randn(len(NAMES), 128, generator=generator)
-        vectors[layer] = v / v.norm(dim=1, keepdim=True)
-    built = ConceptSet(
-        concepts=NAMES,
-        vectors=vectors,
-        hidden_size=128,
-        num_layers=4,
-        model_fingerprint=model_fingerprint(tiny_model),
-        provenance={"method": "random unit vectors", "seed": 1},
-    )
-    path = tmp_path_factory.mktemp("concepts") / "tiny.safetensors"
-    built.save(path)
-    loaded = ConceptSet.load(path)
-    loaded.check_model(tiny_model)
-    return loaded
+def concepts(tiny_concepts: ConceptSet) -> ConceptSet:
+    return tiny_concepts
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -68,11 +48,11 @@ async def test_prompt_and_decoded_positions_match_reference(
     want = reference_readouts(reference, concepts, ids)
     assert sorted(generation.prompt_readouts) == list(range(len(prompt)))
     for position, readout in generation.prompt_readouts.items():
-        assert len(readout) == len(LAYERS) * len(NAMES)
+        assert len(readout) == len(TINY_LAYERS) * len(TINY_CONCEPTS)
         assert_readout_close(readout, want[position])
-    for event in events[:-1]:
+    # The last token, never fed back, is read out by one more pass that reuses the prefix cache.
+    for event in events:
         assert_readout_close(event.readout, want[event.position])
-    assert events[-1].readout is None  # never fed through the model
     last = await engine.readout(ids, [(len(ids) - 1, len(ids))])
     assert_readout_close(last[len(ids) - 1], want[len(ids) - 1])
 
@@ -180,7 +160,7 @@ def test_mismatched_concept_sets_are_refused(concepts: ConceptSet, default_model
     with pytest.raises(ModelError, match="hidden_size 128 != model hidden_size 576"):
         concepts.check_model(default_model)
     other = ConceptSet(
-        concepts=NAMES,
+        concepts=TINY_CONCEPTS,
         vectors=concepts.vectors,
         hidden_size=128,
         num_layers=4,
@@ -201,14 +181,19 @@ async def test_readouts_over_lmtp(engine: Engine, concepts: ConceptSet) -> None:
 
     status = ServerStatus("tiny")
     status.ready(engine)
-    runner = web.AppRunner(make_app(status, LmtpConfig(model_names=frozenset({"tiny"}))))
+    runner = web.AppRunner(make_app(status, LmtpConfig()))
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     client = await LmtpClient.connect(f"ws://127.0.0.1:{port}/")
     try:
         info = (await client.request("MODEL_INFO"))["model_info"]["readout_manifest"]
-        assert info == {"concepts": list(NAMES), "layers": list(LAYERS), "hidden_size": 128, "dtype": "float32"}
+        assert info == {
+            "concepts": list(TINY_CONCEPTS),
+            "layers": list(TINY_LAYERS),
+            "hidden_size": 128,
+            "dtype": "float32",
+        }
         prompt = PROMPTS[3]
         fields = {
             "prompt": prompt,
@@ -229,9 +214,8 @@ async def test_readouts_over_lmtp(engine: Engine, concepts: ConceptSet) -> None:
         ]
         ids = prompt + [p["token"] for p in payloads if not p.get("prompt")]
         direct = await engine.readout(ids, [(0, len(ids))])
-        for payload in payloads[:-1]:
+        for payload in payloads:
             assert payload["readout"] == pytest.approx(direct[payload["position"]], rel=1e-5, abs=1e-5)
-        assert "readout" not in payloads[-1]  # the last token was never fed through the model
 
         scored = [p async for p in client.stream("SCORE", prompt=prompt[:20], scored=prompt[20:], readout=[[18, 22]])]
         assert [(p["position"], p.get("prompt", False)) for p in scored if "readout" in p] == [
@@ -270,7 +254,7 @@ async def test_multiprocess_layout_and_chunked_prefill(
         assert sorted(generation.prompt_readouts) == list(range(len(prompt)))
         for position in (0, 63, 64, 65, 200, 300):
             assert_readout_close(generation.prompt_readouts[position], want[position])
-        for event in events[:-1]:
+        for event in events:
             assert_readout_close(event.readout, want[event.position])
     finally:
         chunked.shutdown()
@@ -289,7 +273,7 @@ async def test_tensor_parallel_two_ranks(tiny_model: Path, concepts: ConceptSet,
         assert [e.token_id for e in events] == reference.greedy(prompt, 6)
         want = reference_readouts(reference, concepts, ids)
         readouts = {**generation.prompt_readouts, **{e.position: e.readout for e in events if e.readout is not None}}
-        assert sorted(readouts) == list(range(len(ids) - 1))
+        assert sorted(readouts) == list(range(len(ids)))
         for position, readout in readouts.items():
             assert_readout_close(readout, want[position])
     finally:

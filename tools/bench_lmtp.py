@@ -120,7 +120,7 @@ async def main() -> None:
     bias = {eos: -100.0}
     status = ServerStatus(name)
     status.ready(engine)
-    runner = web.AppRunner(make_app(status, LmtpConfig(model_names=frozenset({name}))))
+    runner = web.AppRunner(make_app(status, LmtpConfig()))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -26,13 +26,13 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from salience.core.readout_worker import TAG
 from salience.core.readouts import ReadoutHub, check_ranges
 from salience.core.settings import EngineSettings
-from salience.core.types import FinishReason, SamplingOptions, ScoredToken, TokenEvent
+from salience.core.types import FinishReason, SamplingOptions, ScoredToken, TokenEvent, covers
 from salience.errors import ContextOverflow, EngineError, InvalidArgument, ModelError
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["Engine", "Generation"]
+__all__ = ["Engine", "Generation", "PromptScores"]
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ class Engine:
         self.model_name = settings.served_model_name
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
+        self.hidden_size: int = model_config.get_hidden_size()
         self.max_logprobs: int = settings.max_logprobs
         self.tokenizer = llm.get_tokenizer()
         self.readouts: ReadoutHub | None = None
@@ -202,8 +203,13 @@ class Engine:
         *,
         request_id: str | None = None,
         readout_ranges: Sequence[tuple[int, int]] = (),
+        prompt_logprobs: int | None = None,
     ) -> Generation:
         """Start decoding after `prompt`; iterate the result for TokenEvents.
+
+        With `prompt_logprobs` (top-k, 0 for the token's own only) the prompt
+        positions are scored too, in the same pass: `Generation.prompt` has them
+        once the first event is out.
 
         Raises InvalidArgument or ContextOverflow before anything is submitted.
         Closing the Generation (or cancelling the task iterating it) aborts the
@@ -216,23 +222,34 @@ class Engine:
             raise InvalidArgument(f"max_tokens must be a positive integer, got {options.max_tokens!r}")
         self._check_room(len(prompt), options.max_tokens, "max_tokens")
         params = self._sampling_params(options)
+        if prompt_logprobs is not None:
+            self.check_top_k(prompt_logprobs)
+            params.prompt_logprobs = prompt_logprobs
         request_id = request_id or uuid.uuid4().hex
         ranges = self._ask_readouts(params, request_id, readout_ranges, len(prompt))
-        return Generation(self._llm, prompt, params, request_id, options.priority, self.readouts, ranges)
+        return Generation(
+            self._llm, prompt, params, request_id, options.priority, self.readouts, ranges, self._read_one
+        )
+
+    async def _read_one(self, tokens: list[int], position: int) -> tuple[float, ...] | None:
+        if len(tokens) >= self.max_model_len:  # no room for the pass's one decode step
+            return None
+        return (await self.readout(tokens, [(position, position + 1)])).get(position)
 
     def _ask_readouts(
         self, params: SamplingParams, key: str, ranges: Sequence[tuple[int, int]], prompt_len: int
     ) -> list[list[int]]:
         """Tag the request for the worker's hooks. Positions vLLM would serve from its
         prefix cache are never computed, so a request that wants prompt positions
-        reads no cache; requests that want none keep the cache."""
+        reads no cache; requests that want none keep the cache. vLLM always
+        computes the last prompt position, so wanting only that one keeps it too."""
         if not ranges:
             return []
         if self.readouts is None:
             raise InvalidArgument("readouts were asked for, but the server has no concept set loaded")
         checked = check_ranges(ranges)
         params.extra_args = {TAG: [key, checked]}
-        if any(start < prompt_len for start, _ in checked):
+        if any(start < prompt_len - 1 for start, _ in checked):
             params.skip_reading_prefix_cache = True
         return checked
 
@@ -246,44 +263,30 @@ class Engine:
     ) -> list[ScoredToken]:
         """Logprob of each continuation token given the prompt and the tokens before it,
         with its readout where `readout_ranges` cover its position."""
-        prompt = self.check_tokens("prompt", prompt)
-        continuation = self.check_tokens("continuation", continuation)
-        if not prompt:
-            raise InvalidArgument("prompt is empty: the first token has no context to be scored in")
+        prompt, continuation = self.check_scoring(prompt, continuation)
         if not continuation:
             return []
-        self._check_top_k(top_logprobs)
-        ids = prompt + continuation
-        final, readouts = await self._prefill(ids, top_logprobs, readout_ranges)
-        assert final.prompt_logprobs is not None
-        scored = []
-        for position in range(len(prompt), len(ids)):
-            entry = final.prompt_logprobs[position]
-            token = ids[position]
-            scored.append(
-                ScoredToken(
-                    token_id=token,
-                    position=position,
-                    logprob=entry[token].logprob,
-                    top_logprobs=_top(entry, top_logprobs),
-                    readout=readouts.get(position),
-                )
-            )
-        return scored
+        scores = await self.prefill(prompt + continuation, top_logprobs=top_logprobs, readout_ranges=readout_ranges)
+        return [scores.at(position) for position in range(len(prompt), len(scores.tokens))]
 
     async def readout(self, tokens: Sequence[int], ranges: Sequence[tuple[int, int]]) -> dict[int, tuple[float, ...]]:
-        """Readouts of `tokens` at the positions `ranges` cover, computing nothing else.
+        """Readouts of `tokens` at the positions `ranges` cover, computing nothing else."""
+        return (await self.prefill(tokens, readout_ranges=ranges)).readouts
 
-        This is how a client gets the readout of a generation's last token: read out
-        prompt + completion."""
-        tokens = self.check_tokens("tokens", tokens)
-        if not tokens:
-            raise InvalidArgument("tokens is empty")
-        return (await self._prefill(tokens, None, ranges))[1]
-
-    async def _prefill(
-        self, ids: list[int], prompt_logprobs: int | None, ranges: Sequence[tuple[int, int]]
-    ) -> tuple[RequestOutput, dict[int, tuple[float, ...]]]:
+    async def prefill(
+        self,
+        tokens: Sequence[int],
+        *,
+        top_logprobs: int | None = None,
+        readout_ranges: Sequence[tuple[int, int]] = (),
+    ) -> PromptScores:
+        """Run `tokens` through the model once: every position's logprob (with
+        `top_logprobs` alternatives; None computes none) and the readouts `readout_ranges` cover."""
+        ids = self.check_tokens("tokens", tokens)
+        if not ids:
+            raise InvalidArgument("tokens is empty: nothing to run through the model")
+        if top_logprobs is not None:
+            self.check_top_k(top_logprobs)
         # vLLM always decodes at least one token after the prompt.
         self._check_room(len(ids), 1, "one decode step")
         from vllm import SamplingParams
@@ -292,12 +295,12 @@ class Engine:
         params = SamplingParams(
             max_tokens=1,
             temperature=0.0,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=top_logprobs,
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         key = uuid.uuid4().hex
-        checked = self._ask_readouts(params, key, ranges, len(ids))
+        checked = self._ask_readouts(params, key, readout_ranges, len(ids))
         if checked:
             assert self.readouts is not None
             self.readouts.register(key)
@@ -305,12 +308,13 @@ class Engine:
             outputs = [out async for out in _guarded(self._llm.generate(_tokens_prompt(ids), params, key))]
             readouts = {}
             if checked:
-                wanted = [p for p in range(len(ids)) if any(s <= p < e for s, e in checked)]
+                wanted = [p for p in range(len(ids)) if covers(checked, p)]
                 readouts = await self.readouts.take(key, wanted)
         finally:
             if checked:
                 self.readouts.release(key)
-        return outputs[-1], readouts  # FINAL_ONLY: exactly one output
+        # FINAL_ONLY: exactly one output
+        return PromptScores(ids, outputs[-1].prompt_logprobs, top_logprobs or 0, readouts)
 
     # ---- validation ------------------------------------------------------------
 
@@ -322,13 +326,20 @@ class Engine:
         index, bad = next((i, t) for i, t in enumerate(ids) if type(t) is not int or not 0 <= t < self.vocab_size)
         raise InvalidArgument(f"{what}[{index}] = {bad!r} is not a token id of this model (0..{self.vocab_size - 1})")
 
+    def check_scoring(self, prompt: Sequence[int], continuation: Sequence[int]) -> tuple[list[int], list[int]]:
+        prompt = self.check_tokens("prompt", prompt)
+        continuation = self.check_tokens("continuation", continuation)
+        if not prompt:
+            raise InvalidArgument("prompt is empty: the first token has no context to be scored in")
+        return prompt, continuation
+
     def _check_room(self, used: int, more: int, what: str) -> None:
         if used + more > self.max_model_len:
             raise ContextOverflow(
                 f"{used} tokens plus {what} ({more}) exceed the model's context of {self.max_model_len} tokens"
             )
 
-    def _check_top_k(self, k: int) -> None:
+    def check_top_k(self, k: int) -> None:
         if not isinstance(k, int) or k < 0 or k > self.max_logprobs:
             raise InvalidArgument(f"top logprobs must be an integer in 0..{self.max_logprobs}, got {k!r}")
 
@@ -337,7 +348,7 @@ class Engine:
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
-        self._check_top_k(o.logprobs)
+        self.check_top_k(o.logprobs)
         for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(o, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -385,6 +396,29 @@ class Engine:
             )
         except (ValueError, VLLMClientError) as exc:  # vLLM's own range checks (penalties, ...)
             raise InvalidArgument(str(exc)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptScores:
+    """What a pass over a token list computed: vLLM's per-position logprob entries
+    (None where none were asked for) and readouts by position."""
+
+    tokens: list[int]
+    entries: list | None
+    top_k: int
+    readouts: dict[int, tuple[float, ...]]
+
+    def at(self, position: int) -> ScoredToken:
+        """Position's token scored given the tokens before it; position 0 has no logprob."""
+        token = self.tokens[position]
+        entry = self.entries[position] if self.entries is not None else None
+        return ScoredToken(
+            token_id=token,
+            position=position,
+            logprob=entry[token].logprob if entry else None,
+            top_logprobs=_top(entry, self.top_k) if entry else (),
+            readout=self.readouts.get(position),
+        )
 
 
 def _tokens_prompt(ids: list[int]):
@@ -440,9 +474,11 @@ class Generation:
     is how many prompt tokens vLLM served from its prefix cache.
 
     With readouts, each event is held back one engine step, until the token has
-    been fed through the model and its readout captured (see readouts.py); the
-    last token carries none. `prompt_readouts` holds the prompt positions'
-    readouts once the first event is out.
+    been fed through the model and its readout captured (see readouts.py). The
+    last token is never fed back, so when it is covered one more pass reads it
+    out (prompt + completion: the prefix cache leaves one position to compute).
+    `prompt_readouts` holds the prompt positions' readouts, and `prompt_scores()`
+    the prompt's logprobs as well, once the first event is out.
     """
 
     def __init__(
@@ -454,6 +490,7 @@ class Generation:
         priority: int,
         hub: ReadoutHub | None = None,
         ranges: list[list[int]] | None = None,
+        read_last: Callable[[list[int], int], Awaitable[tuple[float, ...] | None]] | None = None,
     ):
         self.request_id = request_id
         self.prompt_tokens = len(prompt)
@@ -461,6 +498,10 @@ class Generation:
         self.finish_reason: FinishReason | None = None
         self.prompt_readouts: dict[int, tuple[float, ...]] = {}
         self._llm = llm
+        self._tokens = list(prompt)  # prompt + completion so far
+        self._prompt_entries: list | None = None
+        self._prompt_top_k = params.prompt_logprobs or 0
+        self._read_last = read_last
         self._top_k = params.logprobs or 0
         self._next_position = len(prompt)
         self._pending: deque[TokenEvent] = deque()
@@ -496,7 +537,13 @@ class Generation:
         return self._pending.popleft()
 
     def _covered(self, position: int) -> bool:
-        return any(start <= position < end for start, end in self._ranges)
+        return covers(self._ranges, position)
+
+    def prompt_scores(self) -> PromptScores:
+        """The prompt positions' logprobs (if asked for) and readouts."""
+        return PromptScores(
+            self._tokens[: self.prompt_tokens], self._prompt_entries, self._prompt_top_k, self.prompt_readouts
+        )
 
     async def _with_readouts(self, events: list[TokenEvent], first: bool) -> None:
         assert self._hub is not None
@@ -510,6 +557,12 @@ class Generation:
         prompt = [p for p in range(self.prompt_tokens) if self._covered(p)] if first else []
         got = await self._hub.take(self.request_id, prompt + wanted) if prompt or wanted else {}
         self.prompt_readouts.update((p, got[p]) for p in prompt if p in got)
+        if finished and ready and self._read_last is not None and self.finish_reason is not FinishReason.CANCELLED:
+            last = ready[-1].position
+            if self._covered(last) and last not in got:
+                readout = await self._read_last(self._tokens[: last + 1], last)
+                if readout is not None:
+                    got[last] = readout
         self._pending.extend(dataclasses.replace(e, readout=got[e.position]) if e.position in got else e for e in ready)
 
     async def cancel(self) -> None:
@@ -530,6 +583,7 @@ class Generation:
     def _absorb(self, out: RequestOutput) -> list[TokenEvent]:
         if self.cached_tokens is None:
             self.cached_tokens = out.num_cached_tokens or 0
+            self._prompt_entries = out.prompt_logprobs
         completion = out.outputs[0]
         logprobs = completion.logprobs
         events = []
@@ -544,6 +598,7 @@ class Generation:
                 )
             )
             self._next_position += 1
+        self._tokens += completion.token_ids
         if out.finished:
             reason = completion.finish_reason
             if reason not in _FINISH:

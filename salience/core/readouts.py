@@ -9,9 +9,9 @@ takes every registered key at once.
 Position semantics: the residual at position p exists once token p has been
 fed through the model. For a prompt position that is the prefill; for a
 decoded token it is the step *after* it was sampled. So a decoded token's
-event is held back one step until its readout has been captured, and the last
-token of a generation, never fed back, carries no readout: get it by reading
-out prompt + completion (`Engine.readout`), or from the next turn's prefill.
+event is held back one step until its readout has been captured; the last
+token of a generation, never fed back, is read out by one more pass
+(`Generation`).
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-__all__ = ["FinishReason", "SamplingOptions", "ScoredToken", "TokenEvent"]
+__all__ = ["FinishReason", "SamplingOptions", "ScoredToken", "TokenEvent", "covers"]
 
 
 class FinishReason(enum.Enum):
@@ -60,10 +60,16 @@ class TokenEvent:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScoredToken:
-    """A continuation token's logprob under the model given everything before it."""
+    """A token's logprob under the model given everything before it (None at position 0,
+    or where no logprobs were asked for)."""
 
     token_id: int
     position: int
-    logprob: float
+    logprob: float | None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     readout: tuple[float, ...] | None = None
+
+
+def covers(ranges: Sequence[Sequence[int]], position: int) -> bool:
+    """Whether any [start, end) range holds position."""
+    return any(start <= position < end for start, end in ranges)

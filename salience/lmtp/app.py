@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from salience.auth import bearer_matches
+from salience.core.sessions import SessionStore
 from salience.core.status import Phase, ServerStatus
 from salience.lmtp.codec import MAX_LINE_BYTES
 from salience.lmtp.session import LmtpConfig, LmtpSession
@@ -17,9 +19,11 @@ from salience.ui import UI_PATH, add_routes
 __all__ = ["LMTP_CONFIG", "STATUS", "make_app", "serve_session"]
 
 STATUS = web.AppKey("status", ServerStatus)
+AUTH_CLOSE_CODE = 4401  # WebSocket close code for a missing or wrong token (4000-4999: application codes)
 
 
 LMTP_CONFIG = web.AppKey("lmtp_config", LmtpConfig)
+SESSIONS = web.AppKey("sessions", SessionStore)
 SOCKETS = web.AppKey("sockets", weakref.WeakSet[web.WebSocketResponse])
 
 
@@ -58,8 +62,15 @@ async def lmtp_websocket(request: web.Request) -> web.StreamResponse:
     if not ws.can_prepare(request).ok:
         raise web.HTTPFound(UI_PATH)  # a browser opening the server's address gets the page
     await ws.prepare(request)
+    config = request.app[LMTP_CONFIG]
+    if config.auth_token and not bearer_matches(
+        config.auth_token, request.headers.get("Authorization"), request.query.get("token")
+    ):
+        # Close after the upgrade, not a 401 before it: browsers see close codes, never HTTP statuses.
+        await ws.close(code=AUTH_CLOSE_CODE, message=b"unauthorized: missing or wrong token")
+        return ws
     request.app[SOCKETS].add(ws)
-    session = LmtpSession(request.app[STATUS], request.app[LMTP_CONFIG])
+    session = LmtpSession(request.app[STATUS], config, request.app[SESSIONS])
 
     async def lines() -> AsyncIterator[str | bytes]:
         async for message in ws:
@@ -82,10 +93,12 @@ async def _close_sockets(app: web.Application) -> None:
         await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
 
 
-def make_app(status: ServerStatus, config: LmtpConfig) -> web.Application:
+def make_app(status: ServerStatus, config: LmtpConfig, sessions: SessionStore | None = None) -> web.Application:
+    """The app; `sessions` is shared with the other frontends (by default the app has its own)."""
     app = web.Application()
     app[STATUS] = status
     app[LMTP_CONFIG] = config
+    app[SESSIONS] = sessions if sessions is not None else SessionStore(status.serving_engine)
     app[SOCKETS] = weakref.WeakSet()
     app.router.add_get("/", lmtp_websocket)
     app.router.add_get("/health", health)

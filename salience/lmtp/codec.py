@@ -24,10 +24,15 @@ import orjson
 from salience.lmtp.messages import (
     Cancel,
     ClientMessage,
+    CloseSession,
     Detokenize,
+    DumpSession,
+    ForkSession,
     Generate,
     ModelInfo,
+    OpenSession,
     Score,
+    SessionGenerate,
     Status,
     Tokenize,
 )
@@ -153,6 +158,22 @@ _SCORE: dict[str, _Reader] = {
     "text": _bool,
     "readout": _ranges,
 }
+_SESSION_GENERATE: dict[str, _Reader] = {
+    "stream_id": _int,
+    "session_id": _str,
+    "offset": lambda v, n: _int(v, n, 0),
+    "truncating": _bool,
+    "append": _tokens,
+    "max_tokens": lambda v, n: _int(v, n, 0),
+    "logprobs": _ranges,
+    "top_logprobs": lambda v, n: _int(v, n, 0),
+    "readout": _ranges,
+    **{
+        name: _GENERATE[name]
+        for name in ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "priority", "text")
+    },
+}
+_SESSION_ID = {"stream_id": _int, "session_id": _str}
 _TYPES: dict[str, tuple[type, dict[str, _Reader], frozenset[str]]] = {
     "GENERATE": (Generate, _GENERATE, frozenset({"stream_id", "prompt"})),
     "SCORE": (Score, _SCORE, frozenset({"stream_id", "prompt", "scored"})),
@@ -166,6 +187,15 @@ _TYPES: dict[str, tuple[type, dict[str, _Reader], frozenset[str]]] = {
         frozenset({"stream_id", "text"}),
     ),
     "DETOKENIZE": (Detokenize, {"stream_id": _int, "tokens": _tokens}, frozenset({"stream_id", "tokens"})),
+    "OPEN_SESSION": (OpenSession, {"stream_id": _int, "model": _str}, frozenset({"stream_id"})),
+    "CLOSE_SESSION": (CloseSession, _SESSION_ID, frozenset(_SESSION_ID)),
+    "DUMP_SESSION": (DumpSession, _SESSION_ID, frozenset(_SESSION_ID)),
+    "FORK_SESSION": (
+        ForkSession,
+        {**_SESSION_ID, "at_position": lambda v, n: _int(v, n, 0)},
+        frozenset({*_SESSION_ID, "at_position"}),
+    ),
+    "SESSION_GENERATE": (SessionGenerate, _SESSION_GENERATE, frozenset({*_SESSION_ID, "offset"})),
 }
 
 

@@ -11,7 +11,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-__all__ = ["Cancel", "ClientMessage", "Detokenize", "Generate", "ModelInfo", "Score", "Status", "Tokenize"]
+__all__ = [
+    "Cancel",
+    "ClientMessage",
+    "CloseSession",
+    "Detokenize",
+    "DumpSession",
+    "ForkSession",
+    "Generate",
+    "ModelInfo",
+    "OpenSession",
+    "Score",
+    "SessionGenerate",
+    "Status",
+    "Tokenize",
+]
 
 
 def _empty() -> Mapping[int, float]:
@@ -83,4 +97,57 @@ class Detokenize:
     tokens: tuple[int, ...]
 
 
-ClientMessage = Generate | Score | ModelInfo | Cancel | Status | Tokenize | Detokenize
+# ---- sessions: the same core sessions the gRPC service drives (docs/lmtp.md) ----------
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpenSession:
+    stream_id: int
+    model: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CloseSession:
+    stream_id: int
+    session_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForkSession:
+    stream_id: int
+    session_id: str
+    at_position: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DumpSession:
+    stream_id: int
+    session_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionGenerate:
+    """Append to a session (after an optional rewind), then decode; max_tokens 0 only scores."""
+
+    stream_id: int
+    session_id: str
+    offset: int
+    truncating: bool = False
+    append: tuple[int, ...] = ()
+    max_tokens: int = 0
+    logprobs: tuple[tuple[int, int], ...] = ()
+    top_logprobs: int = 0
+    readout: tuple[tuple[int, int], ...] = ()
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    text: bool = False
+
+
+SessionMessage = OpenSession | CloseSession | ForkSession | DumpSession
+ClientMessage = (
+    Generate | Score | ModelInfo | Cancel | Status | Tokenize | Detokenize | SessionMessage | SessionGenerate
+)

@@ -17,6 +17,7 @@ which aborts its engine request at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -25,41 +26,56 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from salience.core.engine import Engine, Generation
+from salience.core.sessions import SessionStore, SessionToken, Turn, TurnRun
 from salience.core.status import Phase, ServerStatus
 from salience.core.text import TextStream
 from salience.core.types import SamplingOptions, ScoredToken, TokenEvent
-from salience.errors import InvalidArgument, SalienceError, Unavailable
+from salience.errors import SalienceError
 from salience.lmtp.codec import LmtpError, msg_frame, parse_client_line, token_frame
-from salience.lmtp.messages import Cancel, ClientMessage, Detokenize, Generate, ModelInfo, Score, Status, Tokenize
+from salience.lmtp.messages import (
+    Cancel,
+    ClientMessage,
+    CloseSession,
+    Detokenize,
+    DumpSession,
+    ForkSession,
+    Generate,
+    ModelInfo,
+    OpenSession,
+    Score,
+    SessionGenerate,
+    Status,
+    Tokenize,
+)
 
-__all__ = ["LmtpConfig", "LmtpSession", "SessionLimits"]
+__all__ = ["ConnectionLimits", "LmtpConfig", "LmtpSession"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
-class SessionLimits:
+class ConnectionLimits:
     max_pending: int = 65536  # payloads waiting for a client that does not read
     send_timeout: float = 30.0  # seconds one frame may take to go out
 
 
 @dataclass(frozen=True, kw_only=True)
 class LmtpConfig:
-    model_names: frozenset[str]  # names a request may use for the served model
-    limits: SessionLimits = field(default_factory=SessionLimits)
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    auth_token: str | None = None  # required of every WebSocket client when set
 
 
 class LmtpSession:
-    def __init__(self, status: ServerStatus, config: LmtpConfig) -> None:
+    def __init__(self, status: ServerStatus, config: LmtpConfig, sessions: SessionStore) -> None:
         self._status = status
-        self._model_names = config.model_names
+        self._sessions = sessions
         self._limits = config.limits
         self._cancels: set[asyncio.Task] = set()
         self._watcher: asyncio.Task | None = None
         self._queue: deque[tuple[str, dict]] = deque()
         self._wake = asyncio.Event()
         self._streams: dict[int, asyncio.Task] = {}
-        self._generations: dict[int, Generation] = {}
+        self._generations: dict[int, Generation | TurnRun] = {}
         self.closed = asyncio.Event()
 
     # ---- input -------------------------------------------------------------------
@@ -81,7 +97,7 @@ class LmtpSession:
 
     def _dispatch(self, message: ClientMessage) -> None:
         match message:
-            case Generate() | Score():
+            case Generate() | Score() | SessionGenerate():
                 self._start(message)
             case Cancel(stream_id=stream_id):
                 generation = self._generations.get(stream_id)
@@ -99,28 +115,33 @@ class LmtpSession:
                     self._watcher = asyncio.create_task(self._watch_status(stream_id))
             case Tokenize() | Detokenize():
                 self._tokenizer_reply(message)
+            case OpenSession() | CloseSession() | ForkSession() | DumpSession():
+                task = asyncio.create_task(self._session_reply(message))
+                self._cancels.add(task)
+                task.add_done_callback(self._cancels.discard)
 
     def _reject(self, kind: str | None, stream_id: int | None, message: str) -> None:
         # Stream errors go where LMQL's client looks for them, or it waits forever.
-        if kind in ("GENERATE", "SCORE") and stream_id is not None:
+        if kind in ("GENERATE", "SCORE", "SESSION_GENERATE") and stream_id is not None:
             self._error(stream_id, message)
         else:
             self._msg({"stream_id": stream_id, "error": message})
 
     # ---- streams -------------------------------------------------------------------
 
-    def _start(self, request: Generate | Score) -> None:
+    def _start(self, request: Generate | Score | SessionGenerate) -> None:
         stream_id = request.stream_id
         if stream_id in self._streams:
             self._error(stream_id, f"stream_id {stream_id} is already running on this connection")
             return
         try:
-            engine = self._engine()
-            self._check_model(request.model)
+            engine = self._status.serving_engine()
+            self._status.check_model(getattr(request, "model", None))
         except SalienceError as exc:
             self._error(stream_id, str(exc))
             return
-        run = self._generate if isinstance(request, Generate) else self._score
+        handlers = {Generate: self._generate, Score: self._score, SessionGenerate: self._session_generate}
+        run = handlers[type(request)]
         task = asyncio.create_task(self._guard(stream_id, run(engine, request)))
         self._streams[stream_id] = task
         task.add_done_callback(lambda _: self._streams.pop(stream_id, None))
@@ -157,13 +178,14 @@ class LmtpSession:
             self._token({"stream_id": stream_id, "finish_reason": reason})
 
     async def _score(self, engine: Engine, request: Score) -> None:
-        scored = await engine.score(
-            request.prompt, request.scored, top_logprobs=request.top_logprobs, readout_ranges=request.readout
-        )
-        if request.readout:
-            covered = [(s, min(e, len(request.prompt))) for s, e in request.readout if s < len(request.prompt)]
-            readouts = await engine.readout(request.prompt, covered) if covered else {}
+        prompt, continuation = engine.check_scoring(request.prompt, request.scored)
+        scored = []
+        if continuation or request.readout:  # one pass: the prompt's readouts and the continuation's scores
+            ids = prompt + continuation
+            scores = await engine.prefill(ids, top_logprobs=request.top_logprobs, readout_ranges=request.readout)
+            readouts = {p: r for p, r in scores.readouts.items() if p < len(prompt)}
             self._prompt_readouts(request.stream_id, request.prompt, readouts)
+            scored = [scores.at(p) for p in range(len(prompt), len(ids))]
         text = TextStream(engine.tokenizer, request.prompt) if request.text else None
         payloads = [
             _payload(
@@ -180,6 +202,68 @@ class LmtpSession:
             payloads.append({"stream_id": request.stream_id, "finish_reason": "length"})
         for payload in payloads:
             self._token(payload)
+
+    async def _session_generate(self, engine: Engine, request: SessionGenerate) -> None:
+        turn = Turn(
+            offset=request.offset,
+            truncating=request.truncating,
+            append=request.append,
+            logprob_ranges=request.logprobs,
+            logprob_top_k=request.top_logprobs,
+            readout_ranges=request.readout,
+            sampling=SamplingOptions(
+                max_tokens=request.max_tokens,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                top_k=max(request.top_k, 0),
+                seed=request.seed,
+                stop_token_ids=request.stop_token_ids,
+                priority=request.priority,
+            ),
+        )
+        run = self._sessions.start(request.session_id, turn)
+        stream_id = request.stream_id
+        self._generations[stream_id] = run
+        text = None
+        try:
+            async with contextlib.aclosing(aiter(run)) as tokens:
+                async for token in tokens:
+                    if request.text and text is None and not token.is_prefill:
+                        text = TextStream(engine.tokenizer, self._sessions.tokens(request.session_id)[: token.position])
+                    self._token(_session_payload(stream_id, token, text))
+        finally:
+            self._generations.pop(stream_id, None)
+        assert run.done is not None
+        done = run.done
+        final = {"stream_id": stream_id, "finish_reason": done.finish_reason.value}
+        if text is not None:
+            final["text"] = text.flush()
+        final["usage"] = {
+            "prompt_tokens": done.prompt_tokens,
+            "completion_tokens": done.completion_tokens,
+            "total_tokens": done.total_tokens,
+            "cached_tokens": done.cached_tokens,
+        }
+        self._token(final)
+
+    async def _session_reply(self, request: OpenSession | CloseSession | ForkSession | DumpSession) -> None:
+        reply: dict = {"stream_id": request.stream_id}
+        try:
+            match request:
+                case OpenSession(model=model):
+                    engine = self._status.serving_engine()
+                    self._status.check_model(model)
+                    reply |= {"session_id": self._sessions.open(), "max_model_len": engine.max_model_len}
+                case CloseSession(session_id=session_id):
+                    await self._sessions.close(session_id)
+                    reply |= {"session_id": session_id, "closed": True}
+                case ForkSession(session_id=session_id, at_position=at):
+                    reply |= {"session_id": self._sessions.fork(session_id, at), "length": at}
+                case DumpSession(session_id=session_id):
+                    reply |= {"session_id": session_id, "tokens": self._sessions.tokens(session_id)}
+        except SalienceError as exc:
+            reply["error"] = str(exc)
+        self._msg(reply)
 
     def _prompt_readouts(self, stream_id: int, prompt: tuple[int, ...], readouts: dict) -> None:
         """Prompt positions' readouts go first, as payloads marked "prompt": true."""
@@ -205,17 +289,6 @@ class LmtpSession:
             await self._status.changed.wait()
             self._status_reply(stream_id)
 
-    def _engine(self) -> Engine:
-        if self._status.phase is Phase.LOADING:
-            raise Unavailable("the model is still loading; retry when MODEL_INFO answers")
-        if self._status.phase is Phase.STOPPING or self._status.engine is None:
-            raise Unavailable("the server is shutting down")
-        return self._status.engine
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self._model_names:
-            raise InvalidArgument(f"model {model!r} is not served here; this server serves {self._status.model_name!r}")
-
     def _model_info(self) -> dict | str:
         engine = self._status.engine
         if engine is None or self._status.phase is not Phase.READY:
@@ -232,7 +305,7 @@ class LmtpSession:
 
     def _tokenizer_reply(self, request: Tokenize | Detokenize) -> None:
         try:
-            engine = self._engine()
+            engine = self._status.serving_engine()
             if isinstance(request, Tokenize):
                 tokens = engine.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
                 reply = {"stream_id": request.stream_id, "tokens": list(tokens)}
@@ -334,6 +407,23 @@ def _payload(
         payload["position"] = token.position
         if token.readout is not None:
             payload["readout"] = token.readout
+    return payload
+
+
+def _session_payload(stream_id: int, token: SessionToken, text: TextStream | None) -> dict:
+    """A session turn's TOKEN payload: prompt positions marked "prompt": true; fields only where covered."""
+    payload: dict = {"stream_id": stream_id, "token": token.token_id, "position": token.position}
+    if token.is_prefill:
+        payload["prompt"] = True
+    if token.logprob is not None:
+        payload["logprob"] = token.logprob
+    if token.top_logprobs:
+        payload["top_logprobs"] = {str(t): lp for t, lp in token.top_logprobs if math.isfinite(lp)}
+    if token.readout is not None:
+        payload["readout"] = token.readout
+    if text is not None and not token.is_prefill:
+        payload["text"] = text.push(token.token_id)
+    payload["finish_reason"] = None
     return payload
 
 

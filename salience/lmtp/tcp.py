@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from salience.core.sessions import SessionStore
 from salience.core.status import ServerStatus
 from salience.lmtp.app import serve_session
 from salience.lmtp.codec import MAX_LINE_BYTES
@@ -14,9 +15,11 @@ from salience.lmtp.session import LmtpConfig, LmtpSession
 __all__ = ["start_tcp_server"]
 
 
-async def start_tcp_server(status: ServerStatus, config: LmtpConfig, host: str, port: int) -> asyncio.Server:
+async def start_tcp_server(
+    status: ServerStatus, config: LmtpConfig, sessions: SessionStore, host: str, port: int
+) -> asyncio.Server:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        session = LmtpSession(status, config)
+        session = LmtpSession(status, config, sessions)
 
         async def lines() -> AsyncIterator[bytes]:
             while True:

@@ -11,10 +11,11 @@ import pytest_asyncio
 from aiohttp import web
 
 from salience.core.engine import Engine
+from salience.core.sessions import SessionStore
 from salience.core.status import ServerStatus
 from salience.lmtp.app import make_app
 from salience.lmtp.codec import parse_server_line
-from salience.lmtp.session import LmtpConfig, SessionLimits
+from salience.lmtp.session import ConnectionLimits, LmtpConfig
 from salience.lmtp.tcp import start_tcp_server
 from tests.conftest import free_port
 
@@ -23,22 +24,24 @@ from tests.conftest import free_port
 class LmtpServer:
     engine: Engine
     status: ServerStatus
+    sessions: SessionStore
     url: str
     tcp_port: int
 
 
 @pytest_asyncio.fixture(scope="module")
 async def lmtp_server(tiny_engine: Engine) -> AsyncIterator[LmtpServer]:
-    status = ServerStatus("tiny")
+    status = ServerStatus("tiny", {"tiny-alias"})
     status.ready(tiny_engine)
-    config = LmtpConfig(model_names=frozenset({"tiny", "tiny-alias"}), limits=SessionLimits(max_pending=2000))
-    runner = web.AppRunner(make_app(status, config))
+    config = LmtpConfig(limits=ConnectionLimits(max_pending=2000))
+    sessions = SessionStore(status.serving_engine)
+    runner = web.AppRunner(make_app(status, config, sessions))
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     tcp_port = free_port()
-    tcp = await start_tcp_server(status, config, "127.0.0.1", tcp_port)
-    yield LmtpServer(tiny_engine, status, f"http://127.0.0.1:{port}/", tcp_port)
+    tcp = await start_tcp_server(status, config, sessions, "127.0.0.1", tcp_port)
+    yield LmtpServer(tiny_engine, status, sessions, f"http://127.0.0.1:{port}/", tcp_port)
     tcp.close()
     await runner.cleanup()
 

@@ -28,7 +28,7 @@ async def served(default_model: Path) -> AsyncIterator[tuple[Engine, str]]:
     engine = await start_engine(default_model, served_model_name=NAME, max_model_len=2048)
     status = ServerStatus(NAME)
     status.ready(engine)
-    runner = web.AppRunner(make_app(status, LmtpConfig(model_names=frozenset({NAME}))))
+    runner = web.AppRunner(make_app(status, LmtpConfig()))
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()

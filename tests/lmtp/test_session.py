@@ -6,8 +6,9 @@ import asyncio
 import json
 
 from salience.core.engine import Engine
+from salience.core.sessions import SessionStore
 from salience.core.status import ServerStatus
-from salience.lmtp.session import LmtpConfig, LmtpSession, SessionLimits
+from salience.lmtp.session import ConnectionLimits, LmtpConfig, LmtpSession
 
 
 def generate(stream_id: int, max_tokens: int = 1500) -> str:
@@ -23,14 +24,14 @@ async def wait_until(condition, timeout: float = 30) -> None:
     raise AssertionError("condition not met in time")
 
 
-def session_for(engine: Engine, limits: SessionLimits) -> LmtpSession:
+def session_for(engine: Engine, limits: ConnectionLimits) -> LmtpSession:
     status = ServerStatus("tiny")
     status.ready(engine)
-    return LmtpSession(status, LmtpConfig(model_names=frozenset({"tiny"}), limits=limits))
+    return LmtpSession(status, LmtpConfig(limits=limits), SessionStore(status.serving_engine))
 
 
 async def test_a_client_that_never_reads_gets_its_streams_ended_and_the_engine_emptied(tiny_engine: Engine) -> None:
-    session = session_for(tiny_engine, SessionLimits(max_pending=200, send_timeout=600))
+    session = session_for(tiny_engine, ConnectionLimits(max_pending=200, send_timeout=600))
     stuck = asyncio.Event()
     frames: list[str] = []
 
@@ -52,7 +53,7 @@ async def test_a_client_that_never_reads_gets_its_streams_ended_and_the_engine_e
 
 
 async def test_a_frame_that_cannot_be_sent_in_time_closes_the_session(tiny_engine: Engine) -> None:
-    session = session_for(tiny_engine, SessionLimits(max_pending=10**6, send_timeout=0.5))
+    session = session_for(tiny_engine, ConnectionLimits(max_pending=10**6, send_timeout=0.5))
 
     async def send(frame: str) -> None:
         await asyncio.Event().wait()
@@ -67,7 +68,7 @@ async def test_a_frame_that_cannot_be_sent_in_time_closes_the_session(tiny_engin
 
 async def test_status_messages_follow_the_server_lifecycle(tiny_engine: Engine) -> None:
     status = ServerStatus("tiny")
-    session = LmtpSession(status, LmtpConfig(model_names=frozenset({"tiny"})))
+    session = LmtpSession(status, LmtpConfig(), SessionStore(status.serving_engine))
     sent: list[str] = []
 
     async def send(frame: str) -> None:

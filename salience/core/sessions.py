@@ -1,0 +1,401 @@
+"""Stateful sessions: a token list a client grows turn by turn, held for it between calls.
+
+Theory of operation. Sessions exist for bandwidth: the client sends only the tokens it adds,
+and every turn submits the session's whole token list to vLLM, whose prefix cache holds the
+KV of what came before, so only the delta is computed. The client stays the source of truth
+for content: each turn states the length it believes the session has (`offset`) and whether
+it means to rewrite history (`truncating`); any other view is drift, refused with both
+lengths in the message, never repaired silently.
+
+A turn is validated whole before anything changes: offset, token ids, ranges, room in the
+context and the store's limits. Then the append (after a rewind) is committed and the turn
+runs; decoded tokens join the session as they are handed out, so a cancelled turn keeps what
+the client already saw. One turn runs per session at a time.
+
+Idle sessions expire after a TTL; every call on a session refreshes it. Past the limits on
+session count or stored tokens the least recently used idle session is evicted; a session
+with a running turn is never evicted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import time
+from array import array
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from salience.core.engine import Engine, Generation, PromptScores
+from salience.core.types import FinishReason, SamplingOptions, covers
+from salience.errors import (
+    ContextOverflow,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    SessionBusy,
+)
+
+__all__ = [
+    "ImageBlock",
+    "SessionLimits",
+    "SessionStore",
+    "SessionToken",
+    "Turn",
+    "TurnDone",
+    "TurnRun",
+]
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionLimits:
+    ttl: float = 1800.0  # seconds a session may sit idle
+    max_sessions: int = 4096
+    max_tokens: int = 50_000_000  # stored across all sessions (4 bytes each)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageBlock:
+    """An image and the vision block [start, end) it occupies in the session's tokens."""
+
+    start: int
+    end: int
+    data: bytes
+    mime: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Turn:
+    """One Generate call on a session. Ranges are absolute positions, [start, end)."""
+
+    offset: int
+    truncating: bool = False
+    append: Sequence[int] = ()
+    images: Sequence[ImageBlock] = ()
+    logprob_ranges: Sequence[Range] = ()
+    logprob_top_k: int = 0
+    readout_ranges: Sequence[Range] = ()
+    sampling: SamplingOptions = field(default_factory=lambda: SamplingOptions(max_tokens=0))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SessionToken:
+    """A token a turn reports: a covered prefill position, or a decoded token.
+
+    `logprob` is None where no logprob range covers the position (and at position 0,
+    which has no context); `readout` is None where no readout range covers it.
+    """
+
+    token_id: int
+    position: int
+    is_prefill: bool
+    logprob: float | None
+    top_logprobs: tuple[tuple[int, float], ...]
+    readout: tuple[float, ...] | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnDone:
+    prompt_tokens: int  # the session's length when decoding began
+    completion_tokens: int
+    finish_reason: FinishReason
+    cached_tokens: int  # prompt tokens vLLM served from its prefix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(eq=False)
+class _Session:
+    id: str
+    tokens: array = field(default_factory=lambda: array("I"))
+    images: list[ImageBlock] = field(default_factory=list)
+    last_used: float = 0.0
+    run: TurnRun | None = None
+
+    def block_around(self, position: int) -> ImageBlock | None:
+        """The image block that `position` would split (strictly inside it), if any."""
+        return next((b for b in self.images if b.start < position < b.end), None)
+
+
+class SessionStore:
+    """Every open session of one engine. Not thread-safe: use from the event loop.
+
+    `engine` returns the engine or raises Unavailable (`ServerStatus.serving_engine`):
+    the store exists before the model has loaded, as the frontends do.
+    """
+
+    def __init__(
+        self,
+        engine: Callable[[], Engine],
+        limits: SessionLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine = engine
+        self.limits = limits or SessionLimits()
+        self._clock = clock
+        self._sessions: dict[str, _Session] = {}  # least recently used first
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def stored_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self._sessions.values())
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def open(self) -> str:
+        self._engine()
+        self._make_room(sessions=1, tokens=0, keep=None)
+        session = _Session(secrets.token_urlsafe(16))
+        self._sessions[session.id] = session
+        self._touch(session)
+        return session.id
+
+    async def close(self, session_id: str) -> None:
+        """Forget the session, stopping its running turn. Closing twice is fine."""
+        session = self._sessions.pop(session_id, None)
+        if session is not None and session.run is not None:
+            await session.run.cancel()
+
+    def fork(self, session_id: str, at_position: int) -> str:
+        source = self._get(session_id)
+        if at_position > len(source.tokens):
+            raise FailedPrecondition(
+                f"cannot fork at position {at_position}: the session has {len(source.tokens)} tokens"
+            )
+        if (block := source.block_around(at_position)) is not None:
+            raise FailedPrecondition(_split_message("fork", at_position, block))
+        self._make_room(sessions=1, tokens=at_position, keep=source)
+        child = _Session(secrets.token_urlsafe(16), tokens=source.tokens[:at_position])
+        child.images = [b for b in source.images if b.end <= at_position]
+        self._sessions[child.id] = child
+        self._touch(child)
+        return child.id
+
+    def tokens(self, session_id: str) -> list[int]:
+        return self._get(session_id).tokens.tolist()
+
+    def sweep(self) -> int:
+        """Evict sessions idle longer than the TTL; return how many went."""
+        deadline = self._clock() - self.limits.ttl
+        expired = [s.id for s in self._sessions.values() if s.run is None and s.last_used < deadline]
+        for session_id in expired:
+            del self._sessions[session_id]
+        return len(expired)
+
+    async def sweep_forever(self) -> None:
+        """Evict expired sessions even when no calls come in (their memory is not free)."""
+        while True:
+            await asyncio.sleep(min(60.0, max(self.limits.ttl / 4, 0.05)))
+            self.sweep()
+
+    # ---- turns ---------------------------------------------------------------------------
+
+    def start(self, session_id: str, turn: Turn) -> TurnRun:
+        """Validate the turn, apply its append, and return it ready to iterate.
+
+        Every error is raised here, before the session changes."""
+        session = self._get(session_id)
+        if session.run is not None:
+            raise SessionBusy(f"session {session_id} is already generating; wait for its Done or cancel that call")
+        engine = self._engine()
+        length = len(session.tokens)
+        if turn.offset != length and not (turn.truncating and turn.offset < length):
+            hint = "" if turn.truncating else "; set truncating to rewind to a shorter offset"
+            raise FailedPrecondition(f"offset {turn.offset} does not match the session's length {length}{hint}")
+        if (block := session.block_around(turn.offset)) is not None:
+            raise FailedPrecondition(_split_message("rewind", turn.offset, block))
+        if turn.images:
+            raise InvalidArgument(f"model {engine.model_name!r} takes no images: it has no vision encoder")
+        append = engine.check_tokens("append_tokens", turn.append)
+        tokens = session.tokens[: turn.offset].tolist() + append
+        budget = turn.sampling.max_tokens
+        if not isinstance(budget, int) or budget < 0:
+            raise InvalidArgument(f"max_tokens must be a non-negative integer, got {budget!r}")
+        if len(tokens) + budget > engine.max_model_len:
+            raise ContextOverflow(
+                f"the session's {len(tokens)} tokens plus max_tokens ({budget}) exceed the model's context of "
+                f"{engine.max_model_len} tokens"
+            )
+        end = len(tokens) + budget
+        logprob_ranges = _check_ranges("logprobs_ranges", turn.logprob_ranges, end)
+        readout_ranges = _check_ranges("readout_ranges", turn.readout_ranges, end)
+        if budget and not tokens:
+            raise InvalidArgument("the session is empty: append at least one token to generate from")
+        growth = len(tokens) - length + budget
+        self._make_room(sessions=0, tokens=max(growth, 0), keep=session)
+
+        work: Generation | None = None
+        scoring: Callable[[], Awaitable[PromptScores]] | None = None
+        prefill_wanted = [p for p in range(len(tokens)) if covers(logprob_ranges + readout_ranges, p)]
+        scored = any(covers(logprob_ranges, p) for p in range(1, len(tokens)))
+        if budget:
+            decode_logprobs = any(covers(logprob_ranges, p) for p in range(len(tokens), end))
+            options = turn.sampling
+            if decode_logprobs:
+                options = dataclasses.replace(options, logprobs=turn.logprob_top_k)
+            work = engine.generate(
+                tokens,
+                options,
+                readout_ranges=readout_ranges,
+                prompt_logprobs=turn.logprob_top_k if scored else None,
+            )
+        elif prefill_wanted:
+            top_k = turn.logprob_top_k if scored else None
+            engine.check_top_k(top_k or 0)
+
+            def scoring() -> Awaitable[PromptScores]:
+                return engine.prefill(tokens, top_logprobs=top_k, readout_ranges=readout_ranges)
+
+        # Committed: the append is the client's content whatever happens to the turn.
+        del session.tokens[turn.offset :]
+        session.tokens.extend(append)
+        session.images = [b for b in session.images if b.end <= turn.offset]
+        run = TurnRun(self, session, work, scoring, prefill_wanted, logprob_ranges)
+        session.run = run
+        self._touch(session)
+        return run
+
+    def _finished(self, session: _Session) -> None:
+        session.run = None
+        if session.id in self._sessions:
+            self._touch(session)
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+
+    def _get(self, session_id: str) -> _Session:
+        self.sweep()
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"no session {session_id!r}: it was closed, evicted after idling, or never existed")
+        self._touch(session)
+        return session
+
+    def _touch(self, session: _Session) -> None:
+        session.last_used = self._clock()
+        self._sessions[session.id] = self._sessions.pop(session.id)  # move to most recent
+
+    def _make_room(self, *, sessions: int, tokens: int, keep: _Session | None) -> None:
+        """Evict least recently used idle sessions until the new sessions and tokens fit."""
+        self.sweep()
+        limits = self.limits
+        floor = tokens + (len(keep.tokens) if keep is not None else 0)  # what stays whatever is evicted
+        if floor > limits.max_tokens:
+            raise ResourceExhausted(f"{floor} tokens exceed the server's limit of {limits.max_tokens} stored tokens")
+        stored = self.stored_tokens()
+        idle = [s for s in self._sessions.values() if s.run is None and s is not keep]
+        while len(self._sessions) + sessions > limits.max_sessions or stored + tokens > limits.max_tokens:
+            if not idle:
+                raise ResourceExhausted(
+                    f"session limits reached: {len(self._sessions)} of {limits.max_sessions} sessions, "
+                    f"{stored} of {limits.max_tokens} stored tokens, and no other session is idle to evict"
+                )
+            victim = idle.pop(0)
+            stored -= len(victim.tokens)
+            del self._sessions[victim.id]
+
+
+class TurnRun:
+    """A started turn: iterate for SessionTokens; then `done` says how it ended.
+
+    Covered prefill positions come first, in position order, then decoded tokens.
+    Closing the iteration early (a cancelled call) aborts the engine request; the
+    tokens already handed out stay in the session.
+    """
+
+    def __init__(
+        self,
+        store: SessionStore,
+        session: _Session,
+        work: Generation | None,
+        scoring: Callable[[], Awaitable[PromptScores]] | None,
+        prefill_wanted: list[int],
+        logprob_ranges: list[Range],
+    ) -> None:
+        self.done: TurnDone | None = None
+        self._store = store
+        self._session = session
+        self._work = work
+        self._scoring = scoring
+        self._prefill_wanted = prefill_wanted
+        self._logprob_ranges = logprob_ranges
+        self._stopped = False
+
+    async def cancel(self) -> None:
+        """Abort from outside (a client's cancel, the session closed): iteration ends as CANCELLED."""
+        self._stopped = True
+        if self._work is not None:
+            await self._work.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[SessionToken]:
+        session, prompt_tokens, completion = self._session, len(self._session.tokens), 0
+        reason = FinishReason.LENGTH
+        try:
+            if self._scoring is not None:
+                for token in self._prefill_tokens(await self._scoring()):
+                    yield token
+            elif self._work is not None:
+                async with self._work as generation:
+                    async for event in generation:
+                        if completion == 0:
+                            for token in self._prefill_tokens(generation.prompt_scores()):
+                                yield token
+                        session.tokens.append(event.token_id)
+                        completion += 1
+                        covered = covers(self._logprob_ranges, event.position)
+                        yield SessionToken(
+                            token_id=event.token_id,
+                            position=event.position,
+                            is_prefill=False,
+                            logprob=event.logprob if covered else None,
+                            top_logprobs=event.top_logprobs if covered else (),
+                            readout=event.readout,
+                        )
+                reason = generation.finish_reason or FinishReason.CANCELLED
+                if self._stopped:
+                    reason = FinishReason.CANCELLED
+            cached = (self._work.cached_tokens or 0) if self._work is not None else 0
+            self.done = TurnDone(
+                prompt_tokens=prompt_tokens, completion_tokens=completion, finish_reason=reason, cached_tokens=cached
+            )
+        finally:
+            self._store._finished(session)
+
+    def _prefill_tokens(self, scores: PromptScores) -> list[SessionToken]:
+        tokens = []
+        for position in self._prefill_wanted:
+            scored = scores.at(position)
+            covered = covers(self._logprob_ranges, position)
+            tokens.append(
+                SessionToken(
+                    token_id=scored.token_id,
+                    position=position,
+                    is_prefill=True,
+                    logprob=scored.logprob if covered else None,
+                    top_logprobs=scored.top_logprobs if covered else (),
+                    readout=scored.readout,
+                )
+            )
+        return tokens
+
+
+def _check_ranges(what: str, ranges: Sequence[Range], end: int) -> list[Range]:
+    checked = []
+    for i, (start, stop) in enumerate(ranges):
+        if not 0 <= start < stop <= end:
+            raise InvalidArgument(
+                f"{what}[{i}] = [{start}, {stop}) must satisfy 0 <= start < end <= {end} "
+                "(the session's length after the append, plus max_tokens)"
+            )
+        checked.append((start, stop))
+    return checked
+
+
+def _split_message(what: str, position: int, block: ImageBlock) -> str:
+    return f"cannot {what} at position {position}: it falls inside the image block [{block.start}, {block.end})"

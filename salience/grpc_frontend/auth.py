@@ -1,0 +1,36 @@
+"""Bearer-token check on every RPC, as a server interceptor (grpc's examples/python/auth)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from salience.auth import bearer_matches
+
+__all__ = ["BearerAuthInterceptor"]
+
+# Load balancers probe health without credentials.
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+async def _deny(request: object, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization metadata)")
+
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+        self._deny = grpc.unary_unary_rpc_method_handler(_deny)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if handler_call_details.method.startswith(_OPEN_PREFIXES):
+            return await continuation(handler_call_details)
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if bearer_matches(self._token, metadata.get("authorization", "")):
+            return await continuation(handler_call_details)
+        return self._deny

@@ -1,0 +1,290 @@
+"""A Python client for salience.v1 that keeps the session's length for you.
+
+Every Generate must state the session's current length (`offset`); this client tracks it
+(appended tokens plus decoded tokens as they arrive) and sends only the new tokens. If a
+stream is interrupted, tokens the server already appended may not have arrived, so the next
+call first re-reads the length with DumpSession.
+
+    with SalienceClient("127.0.0.1:50051") as client:
+        session = client.open_session("SmolLM2-135M-Instruct")
+        result = session.generate(prompt_ids, max_tokens=16, top_k=1)
+        branch = session.fork(len(prompt_ids))
+
+`AsyncSalienceClient` is the same over grpc.aio, with `stream()` to consume tokens as they come.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from salience.proto.salience.v1 import salience_pb2 as pb
+from salience.proto.salience.v1 import salience_pb2_grpc
+
+__all__ = ["AsyncSalienceClient", "AsyncSession", "GenerateResult", "SalienceClient", "Session"]
+
+Range = tuple[int, int]
+
+
+@dataclass
+class GenerateResult:
+    prefill: list[pb.Token] = field(default_factory=list)  # covered prompt positions
+    tokens: list[pb.Token] = field(default_factory=list)  # decoded
+    done: pb.GenerateDone | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.id for t in self.tokens]
+
+    def add(self, event: pb.GenerateEvent) -> None:
+        if event.HasField("done"):
+            self.done = event.done
+        else:
+            (self.prefill if event.token.is_prefill else self.tokens).append(event.token)
+
+
+class _Ledger:
+    """Sans-IO: the client's view of one session. Builds requests, learns from events."""
+
+    def __init__(self, session_id: str, length: int) -> None:
+        self.session_id = session_id
+        self.length = length
+        self.synced = True
+
+    def request(
+        self,
+        append: Sequence[int],
+        truncate_to: int | None,
+        *,
+        max_tokens: int,
+        logprobs_ranges: Sequence[Range],
+        logprob_top_k: int,
+        readout_ranges: Sequence[Range],
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        stop_token_ids: Sequence[int],
+        priority: int,
+        images: Sequence[pb.ImageAttachment],
+    ) -> pb.GenerateRequest:
+        offset = self.length if truncate_to is None else truncate_to
+        request = pb.GenerateRequest(
+            session_id=self.session_id,
+            append_tokens=append,
+            offset=offset,
+            truncating=truncate_to is not None and truncate_to < self.length,
+            max_tokens=max_tokens,
+            logprobs_ranges=[pb.PositionRange(start=s, end=e) for s, e in logprobs_ranges],
+            logprob_top_k=logprob_top_k,
+            readout_ranges=[pb.PositionRange(start=s, end=e) for s, e in readout_ranges],
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_token_ids=stop_token_ids,
+            priority=priority,
+            images=images,
+        )
+        self.synced = False  # until the stream ends cleanly
+        self._after_append = offset + len(append)
+        return request
+
+    def accepted(self) -> None:
+        """The first event arrived: the server validated and applied the append."""
+        self.length = self._after_append
+
+    def observe(self, event: pb.GenerateEvent) -> None:
+        if event.HasField("done"):
+            self.length = self._after_append + event.done.completion_tokens
+            self.synced = True
+        elif not event.token.is_prefill:
+            self.length += 1
+
+
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+class Session:
+    """One server session, driven synchronously."""
+
+    def __init__(self, client: SalienceClient, session_id: str, length: int = 0) -> None:
+        self._client = client
+        self._ledger = _Ledger(session_id, length)
+
+    @property
+    def id(self) -> str:
+        return self._ledger.session_id
+
+    @property
+    def length(self) -> int:
+        return self._ledger.length
+
+    def stream(
+        self, append: Sequence[int] = (), *, truncate_to: int | None = None, **params
+    ) -> Iterator[pb.GenerateEvent]:
+        """Append (after rewinding to `truncate_to`), then yield the call's events. See `generate`."""
+        if not self._ledger.synced:
+            self._ledger.length = len(self.dump())
+        request = self._ledger.request(append, truncate_to, **_defaults(params))
+        call = self._client._stub.Generate(request, metadata=self._client._metadata)
+        try:
+            first = True
+            for event in call:
+                if first:
+                    self._ledger.accepted()
+                    first = False
+                self._ledger.observe(event)
+                yield event
+        finally:
+            call.cancel()  # a no-op once the call has ended; aborts the engine request otherwise
+
+    def generate(self, append: Sequence[int] = (), *, truncate_to: int | None = None, **params) -> GenerateResult:
+        """One Generate: params are GenerateRequest's fields (max_tokens, logprobs_ranges,
+        logprob_top_k, readout_ranges, temperature, top_p, top_k, stop_token_ids, priority, images)."""
+        result = GenerateResult()
+        for event in self.stream(append, truncate_to=truncate_to, **params):
+            result.add(event)
+        return result
+
+    def fork(self, at_position: int) -> Session:
+        reply = self._client._stub.ForkSession(
+            pb.ForkSessionRequest(session_id=self.id, at_position=at_position), metadata=self._client._metadata
+        )
+        return Session(self._client, reply.session_id, at_position)
+
+    def dump(self) -> list[int]:
+        reply = self._client._stub.DumpSession(
+            pb.DumpSessionRequest(session_id=self.id), metadata=self._client._metadata
+        )
+        return list(reply.tokens)
+
+    def close(self) -> None:
+        self._client._stub.CloseSession(pb.CloseSessionRequest(session_id=self.id), metadata=self._client._metadata)
+
+
+class SalienceClient:
+    def __init__(self, target: str, *, token: str | None = None, channel: grpc.Channel | None = None) -> None:
+        self._channel = channel or grpc.insecure_channel(target)
+        self._stub = salience_pb2_grpc.SalienceStub(self._channel)
+        self._metadata = _metadata(token)
+
+    def open_session(self, model: str) -> Session:
+        reply = self._stub.OpenSession(pb.OpenSessionRequest(model=model), metadata=self._metadata)
+        self.max_model_len = reply.max_model_len
+        return Session(self, reply.session_id)
+
+    def readout_manifest(self) -> pb.ReadoutManifest:
+        return self._stub.GetReadoutManifest(pb.GetReadoutManifestRequest(), metadata=self._metadata)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> SalienceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncSession:
+    """One server session, driven from asyncio."""
+
+    def __init__(self, client: AsyncSalienceClient, session_id: str, length: int = 0) -> None:
+        self._client = client
+        self._ledger = _Ledger(session_id, length)
+
+    @property
+    def id(self) -> str:
+        return self._ledger.session_id
+
+    @property
+    def length(self) -> int:
+        return self._ledger.length
+
+    async def stream(
+        self, append: Sequence[int] = (), *, truncate_to: int | None = None, **params
+    ) -> AsyncIterator[pb.GenerateEvent]:
+        if not self._ledger.synced:
+            self._ledger.length = len(await self.dump())
+        request = self._ledger.request(append, truncate_to, **_defaults(params))
+        call = self._client._stub.Generate(request, metadata=self._client._metadata)
+        try:
+            first = True
+            async for event in call:
+                if first:
+                    self._ledger.accepted()
+                    first = False
+                self._ledger.observe(event)
+                yield event
+        finally:
+            call.cancel()  # a no-op once the call has ended; aborts the engine request otherwise
+
+    async def generate(self, append: Sequence[int] = (), *, truncate_to: int | None = None, **params) -> GenerateResult:
+        result = GenerateResult()
+        async for event in self.stream(append, truncate_to=truncate_to, **params):
+            result.add(event)
+        return result
+
+    async def fork(self, at_position: int) -> AsyncSession:
+        reply = await self._client._stub.ForkSession(
+            pb.ForkSessionRequest(session_id=self.id, at_position=at_position), metadata=self._client._metadata
+        )
+        return AsyncSession(self._client, reply.session_id, at_position)
+
+    async def dump(self) -> list[int]:
+        reply = await self._client._stub.DumpSession(
+            pb.DumpSessionRequest(session_id=self.id), metadata=self._client._metadata
+        )
+        return list(reply.tokens)
+
+    async def close(self) -> None:
+        await self._client._stub.CloseSession(
+            pb.CloseSessionRequest(session_id=self.id), metadata=self._client._metadata
+        )
+
+
+class AsyncSalienceClient:
+    def __init__(self, target: str, *, token: str | None = None, channel: grpc.aio.Channel | None = None) -> None:
+        self._channel = channel or grpc.aio.insecure_channel(target)
+        self._stub = salience_pb2_grpc.SalienceStub(self._channel)
+        self._metadata = _metadata(token)
+
+    async def open_session(self, model: str) -> AsyncSession:
+        reply = await self._stub.OpenSession(pb.OpenSessionRequest(model=model), metadata=self._metadata)
+        self.max_model_len = reply.max_model_len
+        return AsyncSession(self, reply.session_id)
+
+    async def readout_manifest(self) -> pb.ReadoutManifest:
+        return await self._stub.GetReadoutManifest(pb.GetReadoutManifestRequest(), metadata=self._metadata)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncSalienceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+_DEFAULTS = {
+    "max_tokens": 0,
+    "logprobs_ranges": (),
+    "logprob_top_k": 0,
+    "readout_ranges": (),
+    "temperature": 0.0,
+    "top_p": 0.0,
+    "top_k": 0,
+    "stop_token_ids": (),
+    "priority": 0,
+    "images": (),
+}
+
+
+def _defaults(params: dict) -> dict:
+    unknown = set(params) - set(_DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown Generate parameters: {', '.join(sorted(unknown))}")
+    return {**_DEFAULTS, **params}

@@ -1,0 +1,62 @@
+"""Build and start the gRPC server: the Salience service, health checking and reflection."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from salience.core.sessions import SessionStore
+from salience.core.status import ServerStatus
+from salience.grpc_frontend.auth import BearerAuthInterceptor
+from salience.grpc_frontend.service import SalienceService
+from salience.proto.salience.v1 import salience_pb2, salience_pb2_grpc
+
+__all__ = ["SERVICE_NAME", "GrpcServer", "start_grpc_server"]
+
+SERVICE_NAME = salience_pb2.DESCRIPTOR.services_by_name["Salience"].full_name
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a 200K-token session dump, or a few images
+
+
+class GrpcServer:
+    """A started server and its health status; `serving()` once the model is ready."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer) -> None:
+        self.server = server
+        self.port = port
+        self._health = health_servicer
+
+    async def serving(self, ok: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.serving(False)
+        await self.server.stop(grace)
+
+
+async def start_grpc_server(
+    status: ServerStatus, sessions: SessionStore, host: str, port: int, auth_token: str | None = None
+) -> GrpcServer:
+    """Listen on host:port (0 picks a free port) and report NOT_SERVING until `serving(True)`."""
+    interceptors = [BearerAuthInterceptor(auth_token)] if auth_token else []
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    salience_pb2_grpc.add_SalienceServicer_to_server(SalienceService(status, sessions), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen for gRPC on {host}:{port}")
+    await server.start()
+    started = GrpcServer(server, bound, health_servicer)
+    await started.serving(False)
+    return started

@@ -1,0 +1,109 @@
+"""The salience.v1.Salience servicer: protobuf in, core calls, protobuf out. No logic of its own."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from salience.core.sessions import ImageBlock, SessionStore, SessionToken, Turn, TurnDone
+from salience.core.status import ServerStatus
+from salience.core.types import FinishReason, SamplingOptions
+from salience.grpc_frontend.status_codes import translating, translating_stream
+from salience.proto.salience.v1 import salience_pb2 as pb
+from salience.proto.salience.v1 import salience_pb2_grpc
+
+__all__ = ["SalienceService"]
+
+_FINISH = {
+    FinishReason.STOP: pb.GenerateDone.FINISH_REASON_EOS,
+    FinishReason.LENGTH: pb.GenerateDone.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: pb.GenerateDone.FINISH_REASON_CANCELLED,
+}
+
+
+class SalienceService(salience_pb2_grpc.SalienceServicer):
+    def __init__(self, status: ServerStatus, sessions: SessionStore) -> None:
+        self._status = status
+        self._sessions = sessions
+
+    @translating
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext):
+        engine = self._status.serving_engine()
+        self._status.check_model(request.model)
+        return pb.OpenSessionResponse(session_id=self._sessions.open(), max_model_len=engine.max_model_len)
+
+    @translating
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext):
+        await self._sessions.close(request.session_id)
+        return pb.CloseSessionResponse()
+
+    @translating
+    async def ForkSession(self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext):
+        return pb.ForkSessionResponse(session_id=self._sessions.fork(request.session_id, request.at_position))
+
+    @translating
+    async def DumpSession(self, request: pb.DumpSessionRequest, context: grpc.aio.ServicerContext):
+        return pb.DumpSessionResponse(tokens=self._sessions.tokens(request.session_id))
+
+    @translating
+    async def GetReadoutManifest(self, request: pb.GetReadoutManifestRequest, context: grpc.aio.ServicerContext):
+        engine = self._status.serving_engine()
+        if engine.readouts is None:  # no concept set: nothing to read out
+            return pb.ReadoutManifest(hidden_size=engine.hidden_size, dtype="float32")
+        m = engine.readouts.manifest
+        return pb.ReadoutManifest(concepts=m.concepts, layers=m.layers, hidden_size=m.hidden_size, dtype=m.dtype)
+
+    @translating_stream
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateEvent]:
+        run = self._sessions.start(request.session_id, _turn(request))
+        async with contextlib.aclosing(aiter(run)) as tokens:
+            async for token in tokens:
+                yield pb.GenerateEvent(token=_token(token))
+        assert run.done is not None
+        yield pb.GenerateEvent(done=_done(run.done))
+
+
+def _turn(request: pb.GenerateRequest) -> Turn:
+    return Turn(
+        offset=request.offset,
+        truncating=request.truncating,
+        append=tuple(request.append_tokens),
+        images=tuple(
+            ImageBlock(start=i.pad_range_start, end=i.pad_range_end, data=i.bytes, mime=i.mime) for i in request.images
+        ),
+        logprob_ranges=[(r.start, r.end) for r in request.logprobs_ranges],
+        logprob_top_k=request.logprob_top_k,
+        readout_ranges=[(r.start, r.end) for r in request.readout_ranges],
+        sampling=SamplingOptions(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature or 1.0,  # the seed: zero means the default, 1.0
+            top_p=request.top_p or 1.0,
+            top_k=request.top_k,
+            stop_token_ids=tuple(request.stop_token_ids),
+            priority=request.priority,
+        ),
+    )
+
+
+def _token(token: SessionToken) -> pb.Token:
+    message = pb.Token(id=token.token_id, position=token.position, is_prefill=token.is_prefill)
+    if token.readout is not None:
+        message.readout.extend(token.readout)
+    if token.logprob is not None:
+        message.sampled_logprob = token.logprob
+        message.has_sampled_logprob = True
+    message.logprobs.extend(pb.TokenLogprob(id=t, logprob=lp) for t, lp in token.top_logprobs)
+    return message
+
+
+def _done(done: TurnDone) -> pb.GenerateDone:
+    return pb.GenerateDone(
+        prompt_tokens=done.prompt_tokens,
+        completion_tokens=done.completion_tokens,
+        total_tokens=done.total_tokens,
+        finish_reason=_FINISH[done.finish_reason],
+    )

@@ -1,0 +1,73 @@
+"""A gRPC server on the tiny model with a concept set, shared by a test module."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest_asyncio
+
+from salience.core.concepts import ConceptSet
+from salience.core.engine import Engine
+from salience.core.sessions import SessionLimits, SessionStore
+from salience.core.status import ServerStatus
+from salience.grpc_frontend.client import AsyncSalienceClient
+from salience.grpc_frontend.server import GrpcServer, start_grpc_server
+from tests.conftest import start_engine
+
+MODEL = "tiny"
+
+
+@dataclass
+class Served:
+    engine: Engine
+    status: ServerStatus
+    sessions: SessionStore
+    server: GrpcServer
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+
+ServerFactory = Callable[..., AbstractAsyncContextManager[Served]]
+
+
+@pytest_asyncio.fixture(scope="module")
+async def grpc_engine(tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Engine]:
+    engine = await start_engine(tiny_model, served_model_name=MODEL, max_model_len=1024, concepts=tiny_concepts)
+    yield engine
+    engine.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def serve_grpc(grpc_engine: Engine) -> ServerFactory:
+    """Start another server on the module's engine, with its own sessions, limits and token."""
+
+    @asynccontextmanager
+    async def serve(limits: SessionLimits | None = None, token: str | None = None) -> AsyncIterator[Served]:
+        status = ServerStatus(MODEL, {"tiny-alias"})
+        status.ready(grpc_engine)
+        sessions = SessionStore(status.serving_engine, limits)
+        server = await start_grpc_server(status, sessions, "127.0.0.1", 0, token)
+        await server.serving(True)
+        try:
+            yield Served(grpc_engine, status, sessions, server)
+        finally:
+            await server.stop(0)
+
+    return serve
+
+
+@pytest_asyncio.fixture(scope="module")
+async def served(serve_grpc: ServerFactory) -> AsyncIterator[Served]:
+    async with serve_grpc() as served:
+        yield served
+
+
+@pytest_asyncio.fixture
+async def client(served: Served) -> AsyncIterator[AsyncSalienceClient]:
+    async with AsyncSalienceClient(served.target) as client:
+        yield client
