@@ -12,8 +12,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import grpc
 import psutil
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import free_port
 
@@ -31,9 +33,10 @@ def get_health(port: int) -> tuple[int, dict] | None:
 
 
 def test_serve_reports_ready_then_exits_cleanly_on_sigterm(tiny_model: Path) -> None:
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
+    command = [SALIENCE, "serve", "--model", str(tiny_model), "--lmtp-port", str(port), "--max-model-len", "512"]
     process = subprocess.Popen(
-        [SALIENCE, "serve", "--model", str(tiny_model), "--lmtp-port", str(port), "--max-model-len", "512"],
+        [*command, "--grpc-port", str(grpc_port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -51,6 +54,9 @@ def test_serve_reports_ready_then_exits_cleanly_on_sigterm(tiny_model: Path) -> 
             time.sleep(0.2)
         assert seen and seen[-1] == (200, {"status": "ready", "model": str(tiny_model)})
         assert all(code == 503 and body["status"] == "loading" for code, body in seen[:-1])
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
         children = psutil.Process(process.pid).children(recursive=True)
         assert children, "vLLM's engine core runs in a child process"
         process.send_signal(signal.SIGTERM)
@@ -60,6 +66,7 @@ def test_serve_reports_ready_then_exits_cleanly_on_sigterm(tiny_model: Path) -> 
             process.kill()
     assert process.returncode == 0, output
     assert "msg=ready" in output and "msg=stopped" in output
+    assert "no auth token configured" in output
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"left running: {alive}"
 
@@ -102,3 +109,9 @@ def _folder(root: Path, config: str) -> Path:
     folder.mkdir()
     (folder / "config.json").write_text(config)
     return folder
+
+
+def test_a_token_with_the_tcp_transport_is_refused(tiny_model: Path) -> None:
+    command = [SALIENCE, "serve", "--model", str(tiny_model), "--auth-token", "t", "--lmtp-tcp-port", str(free_port())]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--lmtp-tcp-port cannot carry a token" in result.stderr

@@ -8,8 +8,8 @@ keeps the REPL; Ctrl-D leaves. Line editing and history come from readline.
 
 Theory of operation: input() blocks in the main thread (so readline works);
 each request runs on one persistent event loop that also owns the connection.
-A Ctrl-C during a request interrupts run_until_complete, which leaves the task
-running, so we send CANCEL and let the stream finish on its own terms.
+A Ctrl-C during a request is a loop signal handler that sends CANCEL; the
+stream then finishes on its own terms ("[cancelled]").
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import math
+import signal
 import sys
 from typing import Any
 
@@ -90,15 +91,18 @@ class Repl:
     def stream(self, kind: str, prompt: str, params: dict[str, Any]) -> None:
         stream_id = self.client.next_stream_id()
         task = self.loop.create_task(self._stream(kind, stream_id, prompt, params))
-        while True:
-            try:
-                self.run(asyncio.shield(task))
-                return
-            except KeyboardInterrupt:
-                self.run(self.client.cancel(stream_id))
-            except LmtpStreamError as exc:
-                print(f"\n[error] {exc}")
-                return
+        # Ctrl-C as a loop callback, not a KeyboardInterrupt: raised inside whichever task
+        # happened to run (the connection's reader, say), it would kill that task.
+        cancels: set[asyncio.Task] = set()
+        self.loop.add_signal_handler(
+            signal.SIGINT, lambda: cancels.add(self.loop.create_task(self.client.cancel(stream_id)))
+        )
+        try:
+            self.run(task)
+        except LmtpStreamError as exc:
+            print(f"\n[error] {exc}")
+        finally:
+            self.loop.remove_signal_handler(signal.SIGINT)
 
     async def _tokens(self, text: str) -> list[int]:
         return (await self.client.request("TOKENIZE", text=text))["tokens"]
