@@ -31,6 +31,7 @@ from salience.core.home import salience_home  # noqa: E402
 from salience.core.settings import EngineSettings  # noqa: E402
 from tests.reference import Reference  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
+from tests.tiny_vl_model import build_tiny_vl_model  # noqa: E402
 
 # The tiny model's cache key: every source its folder depends on.
 TINY_SOURCES = [Path(__file__).with_name("tiny_model.py"), Path(portable.__file__)]
@@ -40,6 +41,17 @@ TINY_SOURCES = [Path(__file__).with_name("tiny_model.py"), Path(portable.__file_
 def tiny_model() -> Path:
     key = hashlib.sha256(b"".join(p.read_bytes() for p in TINY_SOURCES)).hexdigest()[:12]
     return build_folder_once(salience_home() / "test-models" / f"tiny-qwen2-{key}", build_tiny_model)
+
+
+# The tiny VL model extends the tiny model's tokenizer, so its key covers both builders.
+TINY_VL_SOURCES = [Path(__file__).with_name("tiny_vl_model.py"), *TINY_SOURCES]
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_model(tiny_model: Path) -> Path:
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in TINY_VL_SOURCES)).hexdigest()[:12]
+    target = salience_home() / "test-models" / f"tiny-qwen2vl-{key}"
+    return build_folder_once(target, lambda out: build_tiny_vl_model(out, tiny_model))
 
 
 @pytest.fixture(scope="session")

@@ -43,30 +43,43 @@ class Reference:
             ids.append(int(self.logits(ids)[-1].argmax()))
         return ids[len(prompt) :]
 
-    @torch.no_grad()
     def residuals(self, ids: Sequence[int], layers: Sequence[int]) -> dict[int, torch.Tensor]:
         """Each layer's output (the residual stream before the final norm), [positions, hidden]."""
-        captured: dict[int, torch.Tensor] = {}
-        decoder = self.model.model.layers
-        handles = [
-            decoder[layer].register_forward_hook(
-                lambda module, args, output, layer=layer: captured.__setitem__(
-                    layer, (output[0] if isinstance(output, tuple) else output)[0].double()
-                )
+        return layer_outputs(self.model, self.model.model.layers, layers, input_ids=torch.tensor([list(ids)]))
+
+
+@torch.no_grad()
+def layer_outputs(model, decoder, layers: Sequence[int], **inputs) -> dict[int, torch.Tensor]:
+    """Runs model(**inputs) and hooks each listed decoder layer's output, [positions, hidden].
+
+    A hook rather than hidden_states: transformers' last hidden state has the final norm applied.
+    """
+    captured: dict[int, torch.Tensor] = {}
+    handles = [
+        decoder[layer].register_forward_hook(
+            lambda module, args, output, layer=layer: captured.__setitem__(
+                layer, (output[0] if isinstance(output, tuple) else output)[0].double()
             )
-            for layer in layers
-        ]
-        try:
-            self.model(torch.tensor([list(ids)]))
-        finally:
-            for handle in handles:
-                handle.remove()
-        return captured
+        )
+        for layer in layers
+    ]
+    try:
+        model(**inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
 
 
-def reference_readouts(reference: Reference, concepts, ids: Sequence[int]) -> torch.Tensor:
-    """[positions, layers * concepts]: each layer's output (no final norm) · each concept vector."""
-    residuals = reference.residuals(ids, concepts.layers)
+def reference_readouts(reference, concepts, ids: Sequence[int], images: Sequence | None = None) -> torch.Tensor:
+    """[positions, layers * concepts]: each layer's output (no final norm) · each concept vector.
+
+    `reference` is a Reference, or a VlReference given the prompt's images in order.
+    """
+    if images is None:
+        residuals = reference.residuals(ids, concepts.layers)
+    else:
+        residuals = reference.residuals(ids, images, concepts.layers)
     rows = [residuals[layer] @ concepts.vectors[layer].double().T for layer in concepts.layers]
     return torch.stack(rows, dim=1).reshape(len(ids), -1)
 

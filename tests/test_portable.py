@@ -14,7 +14,7 @@ from tests.client_env import client_python
 TEXT = "Hello, wörld! def f(x):\n    return x ** 2  # 日本 🎉"
 
 
-@pytest.mark.parametrize("model", ["default_model", "tiny_model"])
+@pytest.mark.parametrize("model", ["default_model", "tiny_model", "tiny_vl_model"])
 def test_tokenizer_loads_and_agrees_under_transformers_4(model: str, request: pytest.FixtureRequest) -> None:
     folder: Path = request.getfixturevalue(model)
     script = (
