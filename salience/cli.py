@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--tensor-parallel-size", type=int, default=1)
     engine.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     engine.add_argument("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
+    engine.add_argument("--max-images", type=int, default=16, help="vision-language models: images per session")
     engine.add_argument("--compile", action="store_true", help="torch.compile the model: faster, slower to start")
     engine.add_argument(
         "--multiprocess",
@@ -129,6 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.prefix_caching,
         max_logprobs=args.max_logprobs,
+        max_images=args.max_images,
         compile=args.compile,
         multiprocess=args.multiprocess,
         engine_args=dict(args.engine_arg),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -29,6 +30,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from salience.core.images import Vision, collapse
 from salience.core.readout_worker import TAG
 from salience.core.readouts import ReadoutHub, check_ranges
 from salience.core.settings import EngineSettings
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["Engine", "Generation", "PromptScores"]
+__all__ = ["Engine", "Generation", "PlacedImage", "PromptScores"]
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ def _is_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def _engine_args(settings: EngineSettings, cpu: bool):
+def _engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     kwargs = dict(
@@ -73,6 +75,8 @@ def _engine_args(settings: EngineSettings, cpu: bool):
         seed=settings.seed,
         disable_log_stats=True,
     )
+    if vision is not None:
+        kwargs["limit_mm_per_prompt"] = {"image": settings.max_images, "video": 0}
     if settings.concepts is not None:
         if settings.compile:
             raise ModelError("readouts need eager mode (forward hooks do not fire under torch.compile): drop --compile")
@@ -127,8 +131,9 @@ def _model_max_len(settings: EngineSettings) -> int:
 class Engine:
     """One loaded model. Create with `await Engine.start(settings)`."""
 
-    def __init__(self, llm: AsyncLLM, settings: EngineSettings) -> None:
+    def __init__(self, llm: AsyncLLM, settings: EngineSettings, vision: Vision | None = None) -> None:
         self._llm = llm
+        self.vision = vision  # None: a text-only model
         self.settings = settings
         model_config = llm.model_config
         self.model_name = settings.served_model_name
@@ -154,7 +159,8 @@ class Engine:
                 # start unless told which cores each rank gets.
                 env["VLLM_CPU_OMP_THREADS_BIND"] = _split_cores(settings.tensor_parallel_size)
                 env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-        args = _engine_args(settings, cpu)
+        vision = await asyncio.to_thread(Vision.load, settings.model)
+        args = _engine_args(settings, cpu, vision)
 
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -162,7 +168,7 @@ class Engine:
         with _environment(env):
             # Loading takes tens of seconds: keep the event loop free (health checks).
             llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
-        engine = cls(llm, settings)
+        engine = cls(llm, settings, vision)
         try:
             if settings.concepts is not None:
                 engine.readouts = await ReadoutHub.install(llm, settings.concepts)
@@ -204,12 +210,14 @@ class Engine:
         request_id: str | None = None,
         readout_ranges: Sequence[tuple[int, int]] = (),
         prompt_logprobs: int | None = None,
+        images: Sequence[PlacedImage] = (),
     ) -> Generation:
         """Start decoding after `prompt`; iterate the result for TokenEvents.
 
         With `prompt_logprobs` (top-k, 0 for the token's own only) the prompt
-        positions are scored too, in the same pass: `Generation.prompt` has them
-        once the first event is out.
+        positions are scored too, in the same pass: `Generation.prompt_scores()`
+        has them once the first event is out. `images` sit in the prompt's vision
+        blocks (expanded, as the client wrote them; see images.py).
 
         Raises InvalidArgument or ContextOverflow before anything is submitted.
         Closing the Generation (or cancelling the task iterating it) aborts the
@@ -227,14 +235,40 @@ class Engine:
             params.prompt_logprobs = prompt_logprobs
         request_id = request_id or uuid.uuid4().hex
         ranges = self._ask_readouts(params, request_id, readout_ranges, len(prompt))
+        submitted = self._submission(prompt, images)
+        read_last = functools.partial(self._read_one, images=images)
         return Generation(
-            self._llm, prompt, params, request_id, options.priority, self.readouts, ranges, self._read_one
+            self._llm, prompt, submitted, params, request_id, options.priority, self.readouts, ranges, read_last
         )
 
-    async def _read_one(self, tokens: list[int], position: int) -> tuple[float, ...] | None:
+    def _submission(self, tokens: list[int], images: Sequence[PlacedImage]):
+        """The prompt as vLLM takes it: one pad per image, the images alongside."""
+        if self.vision is None and not images:
+            return _tokens_prompt(tokens)
+        vision = Vision.of(self.vision, self.model_name)
+        placed = sorted(images, key=lambda i: i.start)
+        inside = {p for i in placed for p in range(i.start, i.end)}
+        for position, token in enumerate(tokens):
+            if token in (vision.start, vision.end, vision.pad, vision.video_pad) and position not in inside:
+                raise InvalidArgument(
+                    f"position {position} holds vision token {token} outside any attached image's block: "
+                    "attach the image, or leave vision tokens out"
+                )
+        if not placed:
+            return _tokens_prompt(tokens)
+        from vllm.inputs import TokensPrompt
+
+        collapsed = collapse(tokens, [(i.start, i.end) for i in placed], vision.pad)
+        return TokensPrompt(prompt_token_ids=collapsed, multi_modal_data={"image": [i.image for i in placed]})
+
+    async def _read_one(
+        self, tokens: list[int], position: int, images: Sequence[PlacedImage]
+    ) -> tuple[float, ...] | None:
         if len(tokens) >= self.max_model_len:  # no room for the pass's one decode step
             return None
-        return (await self.readout(tokens, [(position, position + 1)])).get(position)
+        return (await self.prefill(tokens, readout_ranges=[(position, position + 1)], images=images)).readouts.get(
+            position
+        )
 
     def _ask_readouts(
         self, params: SamplingParams, key: str, ranges: Sequence[tuple[int, int]], prompt_len: int
@@ -279,6 +313,7 @@ class Engine:
         *,
         top_logprobs: int | None = None,
         readout_ranges: Sequence[tuple[int, int]] = (),
+        images: Sequence[PlacedImage] = (),
     ) -> PromptScores:
         """Run `tokens` through the model once: every position's logprob (with
         `top_logprobs` alternatives; None computes none) and the readouts `readout_ranges` cover."""
@@ -301,11 +336,13 @@ class Engine:
         )
         key = uuid.uuid4().hex
         checked = self._ask_readouts(params, key, readout_ranges, len(ids))
+        submitted = self._submission(ids, images)
         if checked:
             assert self.readouts is not None
             self.readouts.register(key)
         try:
-            outputs = [out async for out in _guarded(self._llm.generate(_tokens_prompt(ids), params, key))]
+            outputs = [out async for out in _guarded(self._llm.generate(submitted, params, key))]
+            _check_expansion(outputs[-1], ids)
             readouts = {}
             if checked:
                 wanted = [p for p in range(len(ids)) if covers(checked, p)]
@@ -421,6 +458,28 @@ class PromptScores:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class PlacedImage:
+    """A decoded image and its vision block [start, end) in the prompt."""
+
+    start: int
+    end: int
+    image: object  # PIL.Image.Image
+
+
+def _check_expansion(out: RequestOutput, expected: list[int]) -> None:
+    """vLLM expands each image's single pad itself: its prompt must be the client's tokens."""
+    if out.prompt_token_ids is not None and list(out.prompt_token_ids) != expected:
+        got = list(out.prompt_token_ids)
+        at = next(
+            (i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), min(len(got), len(expected))
+        )
+        raise EngineError(
+            f"vLLM expanded the prompt to {len(got)} tokens, not the session's {len(expected)}; first difference "
+            f"at position {at}"
+        )
+
+
 def _tokens_prompt(ids: list[int]):
     from vllm.inputs import TokensPrompt
 
@@ -485,6 +544,7 @@ class Generation:
         self,
         llm: AsyncLLM,
         prompt: list[int],
+        submitted: object,
         params: SamplingParams,
         request_id: str,
         priority: int,
@@ -508,7 +568,7 @@ class Generation:
         self._held: list[TokenEvent] = []
         self._hub = hub if ranges else None
         self._ranges = ranges or []
-        outputs = _guarded(llm.generate(_tokens_prompt(prompt), params, request_id, priority=priority))
+        outputs = _guarded(llm.generate(submitted, params, request_id, priority=priority))
         if self._hub is not None:
             self._hub.register(request_id)
             outputs = _releasing(outputs, self._hub, request_id)
@@ -584,6 +644,7 @@ class Generation:
         if self.cached_tokens is None:
             self.cached_tokens = out.num_cached_tokens or 0
             self._prompt_entries = out.prompt_logprobs
+            _check_expansion(out, self._tokens[: self.prompt_tokens])
         completion = out.outputs[0]
         logprobs = completion.logprobs
         events = []

@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import secrets
 import time
 from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from salience.core.engine import Engine, Generation, PromptScores
-from salience.core.types import FinishReason, SamplingOptions, covers
+from salience.core.engine import Engine, Generation, PlacedImage, PromptScores
+from salience.core.images import Vision
+from salience.core.types import FinishReason, ImageBlock, SamplingOptions, covers
 from salience.errors import (
     ContextOverflow,
     FailedPrecondition,
@@ -39,7 +41,6 @@ from salience.errors import (
 )
 
 __all__ = [
-    "ImageBlock",
     "SessionLimits",
     "SessionStore",
     "SessionToken",
@@ -56,16 +57,6 @@ class SessionLimits:
     ttl: float = 1800.0  # seconds a session may sit idle
     max_sessions: int = 4096
     max_tokens: int = 50_000_000  # stored across all sessions (4 bytes each)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ImageBlock:
-    """An image and the vision block [start, end) it occupies in the session's tokens."""
-
-    start: int
-    end: int
-    data: bytes
-    mime: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,11 +105,11 @@ class TurnDone:
 class _Session:
     id: str
     tokens: array = field(default_factory=lambda: array("I"))
-    images: list[ImageBlock] = field(default_factory=list)
+    images: list[PlacedImage] = field(default_factory=list)  # by block start
     last_used: float = 0.0
     run: TurnRun | None = None
 
-    def block_around(self, position: int) -> ImageBlock | None:
+    def block_around(self, position: int) -> PlacedImage | None:
         """The image block that `position` would split (strictly inside it), if any."""
         return next((b for b in self.images if b.start < position < b.end), None)
 
@@ -211,10 +202,16 @@ class SessionStore:
             raise FailedPrecondition(f"offset {turn.offset} does not match the session's length {length}{hint}")
         if (block := session.block_around(turn.offset)) is not None:
             raise FailedPrecondition(_split_message("rewind", turn.offset, block))
-        if turn.images:
-            raise InvalidArgument(f"model {engine.model_name!r} takes no images: it has no vision encoder")
         append = engine.check_tokens("append_tokens", turn.append)
         tokens = session.tokens[: turn.offset].tolist() + append
+        kept = [i for i in session.images if i.end <= turn.offset]
+        images = kept
+        if turn.images or engine.vision is not None:
+            images = kept + _place_images(Vision.of(engine.vision, engine.model_name), turn, tokens)
+        if len(images) > engine.settings.max_images:
+            raise InvalidArgument(
+                f"the session would hold {len(images)} images; this server takes at most {engine.settings.max_images}"
+            )
         budget = turn.sampling.max_tokens
         if not isinstance(budget, int) or budget < 0:
             raise InvalidArgument(f"max_tokens must be a non-negative integer, got {budget!r}")
@@ -245,18 +242,19 @@ class SessionStore:
                 options,
                 readout_ranges=readout_ranges,
                 prompt_logprobs=turn.logprob_top_k if scored else None,
+                images=images,
             )
         elif prefill_wanted:
             top_k = turn.logprob_top_k if scored else None
             engine.check_top_k(top_k or 0)
 
             def scoring() -> Awaitable[PromptScores]:
-                return engine.prefill(tokens, top_logprobs=top_k, readout_ranges=readout_ranges)
+                return engine.prefill(tokens, top_logprobs=top_k, readout_ranges=readout_ranges, images=images)
 
         # Committed: the append is the client's content whatever happens to the turn.
         del session.tokens[turn.offset :]
         session.tokens.extend(append)
-        session.images = [b for b in session.images if b.end <= turn.offset]
+        session.images = images
         run = TurnRun(self, session, work, scoring, prefill_wanted, logprob_ranges)
         session.run = run
         self._touch(session)
@@ -385,6 +383,49 @@ class TurnRun:
         return tokens
 
 
+def _place_images(vision: Vision, turn: Turn, tokens: list[int]) -> list[PlacedImage]:
+    """Check the turn's attachments against the tokens after the append; every vision block
+    written in the append must be attached, and each must hold exactly the pads its image needs."""
+    placed = []
+    for i, block in enumerate(turn.images):
+        what = f"images[{i}]"
+        start, end = block.start, block.end
+        if not turn.offset <= start < end <= len(tokens):
+            raise InvalidArgument(
+                f"{what}: block [{start}, {end}) must lie in this call's appended tokens [{turn.offset}, {len(tokens)})"
+            )
+        if tokens[start] != vision.start or tokens[end - 1] != vision.end or end - start < 3:
+            raise InvalidArgument(
+                f"{what}: block [{start}, {end}) must run from <|vision_start|> ({vision.start}) to <|vision_end|> "
+                f"({vision.end}) inclusive, with image pads between"
+            )
+        stray = next((p for p in range(start + 1, end - 1) if tokens[p] != vision.pad), None)
+        if stray is not None:
+            raise InvalidArgument(
+                f"{what}: position {stray} inside the block is {tokens[stray]}, not <|image_pad|> ({vision.pad})"
+            )
+        facts = vision.inspect(block.data, block.mime, what)
+        if end - start - 2 != facts.pads:
+            t, h, w = facts.grid
+            raise InvalidArgument(
+                f"{what}: the block holds {end - start - 2} image pads; this image needs {facts.pads} "
+                f"(grid {t}x{h}x{w} patches, merged 2x2), so the block is {facts.pads + 2} tokens long"
+            )
+        placed.append(PlacedImage(start=start, end=end, image=facts.image))
+    placed.sort(key=lambda p: p.start)
+    for a, b in itertools.pairwise(placed):
+        if b.start < a.end:
+            raise InvalidArgument(f"image blocks [{a.start}, {a.end}) and [{b.start}, {b.end}) overlap")
+    inside = {p for block in placed for p in range(block.start, block.end)}
+    special = {vision.start, vision.end, vision.pad, vision.video_pad}
+    loose = next((p for p in range(turn.offset, len(tokens)) if tokens[p] in special and p not in inside), None)
+    if loose is not None and tokens[loose] == vision.start:
+        raise InvalidArgument(f"the vision block starting at position {loose} has no image attached (images[] entry)")
+    if loose is not None:
+        raise InvalidArgument(f"position {loose} holds vision token {tokens[loose]} outside any attached image's block")
+    return placed
+
+
 def _check_ranges(what: str, ranges: Sequence[Range], end: int) -> list[Range]:
     checked = []
     for i, (start, stop) in enumerate(ranges):
@@ -397,5 +438,5 @@ def _check_ranges(what: str, ranges: Sequence[Range], end: int) -> list[Range]:
     return checked
 
 
-def _split_message(what: str, position: int, block: ImageBlock) -> str:
+def _split_message(what: str, position: int, block: PlacedImage) -> str:
     return f"cannot {what} at position {position}: it falls inside the image block [{block.start}, {block.end})"

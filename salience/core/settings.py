@@ -32,5 +32,6 @@ class EngineSettings:
     compile: bool = False  # torch.compile: faster decode, slower start, no readout hooks
     multiprocess: bool | None = None  # None: in-process worker on CPU, vLLM's default on GPU
     seed: int = 0
+    max_images: int = 16  # vision-language models: images one request (a session) may carry
     concepts: ConceptSet | None = None  # readouts on (forward hooks, eager mode) when set
     engine_args: dict[str, Any] = field(default_factory=dict)

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-__all__ = ["FinishReason", "SamplingOptions", "ScoredToken", "TokenEvent", "covers"]
+__all__ = ["FinishReason", "ImageBlock", "SamplingOptions", "ScoredToken", "TokenEvent", "covers"]
 
 
 class FinishReason(enum.Enum):
@@ -39,6 +39,17 @@ class SamplingOptions:
     priority: int = 0
     logprobs: int = 0
     ignore_eos: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageBlock:
+    """An image a turn attaches, and the vision block [start, end) it occupies in the
+    session's tokens after the append (start + N pads + end, written by the client)."""
+
+    start: int
+    end: int
+    data: bytes
+    mime: str
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -9,7 +9,9 @@ from grpc_reflection.v1alpha import reflection
 from salience.core.sessions import SessionStore
 from salience.core.status import ServerStatus
 from salience.grpc_frontend.auth import BearerAuthInterceptor
+from salience.grpc_frontend.extensions import ExtensionsService
 from salience.grpc_frontend.service import SalienceService
+from salience.proto.salience.ext.v1 import extensions_pb2, extensions_pb2_grpc
 from salience.proto.salience.v1 import salience_pb2, salience_pb2_grpc
 
 __all__ = ["SERVICE_NAME", "GrpcServer", "start_grpc_server"]
@@ -49,9 +51,15 @@ async def start_grpc_server(
         ],
     )
     salience_pb2_grpc.add_SalienceServicer_to_server(SalienceService(status, sessions), server)
+    extensions_pb2_grpc.add_SalienceExtensionsServicer_to_server(ExtensionsService(status), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    names = (
+        SERVICE_NAME,
+        extensions_pb2.DESCRIPTOR.services_by_name["SalienceExtensions"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
     reflection.enable_server_reflection(names, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

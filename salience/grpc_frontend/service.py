@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from salience.core.sessions import ImageBlock, SessionStore, SessionToken, Turn, TurnDone
+from salience.core.sessions import SessionStore, SessionToken, Turn, TurnDone
 from salience.core.status import ServerStatus
-from salience.core.types import FinishReason, SamplingOptions
+from salience.core.types import FinishReason, ImageBlock, SamplingOptions
 from salience.grpc_frontend.status_codes import translating, translating_stream
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc

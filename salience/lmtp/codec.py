@@ -12,6 +12,8 @@ the core engine, once for every frontend.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import re
@@ -21,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from salience.core.types import ImageBlock
 from salience.lmtp.messages import (
     Cancel,
     ClientMessage,
@@ -29,6 +32,7 @@ from salience.lmtp.messages import (
     DumpSession,
     ForkSession,
     Generate,
+    ImageInfo,
     ModelInfo,
     OpenSession,
     Score,
@@ -122,6 +126,34 @@ def _ranges(value: Any, name: str) -> tuple[tuple[int, int], ...]:
     return tuple(ranges)
 
 
+def _base64(value: Any, name: str) -> bytes:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a base64 string, got {_show(value)}")
+    try:
+        return base64.b64decode(value, validate=True)
+    except binascii.Error:
+        raise ValueError(f"{name} is not valid base64") from None
+
+
+def _images(value: Any, name: str) -> tuple[ImageBlock, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a list of images, got {_show(value)}")
+    images = []
+    for i, item in enumerate(value):
+        where = f"{name}[{i}]"
+        if not isinstance(item, dict) or set(item) != {"data", "mime", "start", "end"}:
+            raise ValueError(f'{where} must be {{"data": base64, "mime", "start", "end"}}, got {_show(item)}')
+        images.append(
+            ImageBlock(
+                start=_int(item["start"], f"{where}.start", 0),
+                end=_int(item["end"], f"{where}.end", 0),
+                data=_base64(item["data"], f"{where}.data"),
+                mime=_str(item["mime"], f"{where}.mime"),
+            )
+        )
+    return tuple(images)
+
+
 def _show(value: Any) -> str:
     text = orjson.dumps(value).decode() if isinstance(value, (dict, list, str, int, float, bool, type(None))) else "?"
     return text if len(text) <= 40 else text[:37] + "..."
@@ -172,6 +204,7 @@ _SESSION_GENERATE: dict[str, _Reader] = {
         name: _GENERATE[name]
         for name in ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "priority", "text")
     },
+    "images": _images,
 }
 _SESSION_ID = {"stream_id": _int, "session_id": _str}
 _TYPES: dict[str, tuple[type, dict[str, _Reader], frozenset[str]]] = {
@@ -196,6 +229,11 @@ _TYPES: dict[str, tuple[type, dict[str, _Reader], frozenset[str]]] = {
         frozenset({*_SESSION_ID, "at_position"}),
     ),
     "SESSION_GENERATE": (SessionGenerate, _SESSION_GENERATE, frozenset({*_SESSION_ID, "offset"})),
+    "IMAGE_INFO": (
+        ImageInfo,
+        {"stream_id": _int, "data": _base64, "mime": _str},
+        frozenset({"stream_id", "data", "mime"}),
+    ),
 }
 
 
@@ -236,7 +274,8 @@ def parse_client_line(line: str | bytes) -> ClientMessage:
         fields = {name: readers[name](value, name) for name, value in data.items() if value is not None}
     except ValueError as exc:
         raise LmtpError(f"{kind}: {exc}", stream_id=stream_id, kind=kind) from None
-    fields.pop("data", None)
+    if cls is ModelInfo:
+        fields.pop("data", None)  # LMQL's copy of the model name
     return cls(**fields)
 
 

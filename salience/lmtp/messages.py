@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from salience.core.types import ImageBlock
+
 __all__ = [
     "Cancel",
     "ClientMessage",
@@ -19,6 +21,7 @@ __all__ = [
     "DumpSession",
     "ForkSession",
     "Generate",
+    "ImageInfo",
     "ModelInfo",
     "OpenSession",
     "Score",
@@ -145,9 +148,28 @@ class SessionGenerate:
     stop_token_ids: tuple[int, ...] = ()
     priority: int = 0
     text: bool = False
+    images: tuple[ImageBlock, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageInfo:
+    """How many pads the model's vision block for this image holds (and its grid)."""
+
+    stream_id: int
+    data: bytes
+    mime: str
 
 
 SessionMessage = OpenSession | CloseSession | ForkSession | DumpSession
 ClientMessage = (
-    Generate | Score | ModelInfo | Cancel | Status | Tokenize | Detokenize | SessionMessage | SessionGenerate
+    Generate
+    | Score
+    | ModelInfo
+    | Cancel
+    | Status
+    | Tokenize
+    | Detokenize
+    | SessionMessage
+    | SessionGenerate
+    | ImageInfo
 )

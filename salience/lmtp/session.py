@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from salience.core.engine import Engine, Generation
+from salience.core.images import Vision
 from salience.core.sessions import SessionStore, SessionToken, Turn, TurnRun
 from salience.core.status import Phase, ServerStatus
 from salience.core.text import TextStream
@@ -40,6 +41,7 @@ from salience.lmtp.messages import (
     DumpSession,
     ForkSession,
     Generate,
+    ImageInfo,
     ModelInfo,
     OpenSession,
     Score,
@@ -115,6 +117,8 @@ class LmtpSession:
                     self._watcher = asyncio.create_task(self._watch_status(stream_id))
             case Tokenize() | Detokenize():
                 self._tokenizer_reply(message)
+            case ImageInfo():
+                self._image_info_reply(message)
             case OpenSession() | CloseSession() | ForkSession() | DumpSession():
                 task = asyncio.create_task(self._session_reply(message))
                 self._cancels.add(task)
@@ -208,6 +212,7 @@ class LmtpSession:
             offset=request.offset,
             truncating=request.truncating,
             append=request.append,
+            images=request.images,
             logprob_ranges=request.logprobs,
             logprob_top_k=request.top_logprobs,
             readout_ranges=request.readout,
@@ -314,6 +319,27 @@ class LmtpSession:
                 reply = {"stream_id": request.stream_id, "text": engine.tokenizer.decode(tokens)}
         except SalienceError as exc:
             reply = {"stream_id": request.stream_id, "error": str(exc)}
+        self._msg(reply)
+
+    def _image_info_reply(self, request: ImageInfo) -> None:
+        reply: dict = {"stream_id": request.stream_id}
+        try:
+            engine = self._status.serving_engine()
+            vision = Vision.of(engine.vision, engine.model_name)
+            facts = vision.inspect(request.data, request.mime)
+            width, height = facts.size
+            reply |= {
+                "pad_tokens": facts.pads,
+                "block_tokens": facts.pads + 2,
+                "grid_thw": list(facts.grid),
+                "vision_start_token_id": vision.start,
+                "image_pad_token_id": vision.pad,
+                "vision_end_token_id": vision.end,
+                "width": width,
+                "height": height,
+            }
+        except SalienceError as exc:
+            reply["error"] = str(exc)
         self._msg(reply)
 
     # ---- output ------------------------------------------------------------------------

@@ -8,8 +8,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from salience.core.types import ImageBlock
 from salience.lmtp.codec import LmtpError, msg_frame, parse_client_line, parse_server_line, token_frame
-from salience.lmtp.messages import Cancel, Detokenize, Generate, ModelInfo, Score, Tokenize
+from salience.lmtp.messages import (
+    Cancel,
+    CloseSession,
+    Detokenize,
+    DumpSession,
+    ForkSession,
+    Generate,
+    ImageInfo,
+    ModelInfo,
+    OpenSession,
+    Score,
+    SessionGenerate,
+    Tokenize,
+)
 
 # What LMQL 0.7.3 sends, verbatim, and what it must parse to.
 VALID = [
@@ -53,6 +67,35 @@ VALID = [
     ('TOKENIZE {"stream_id": 7, "text": "héllo"}', Tokenize(stream_id=7, text="héllo")),
     ('DETOKENIZE {"stream_id": 8, "tokens": [1, 2]}', Detokenize(stream_id=8, tokens=(1, 2))),
     ('GENERATE {"prompt": [1], "stream_id": 9, "logit_bias": null}', Generate(stream_id=9, prompt=(1,))),
+    ('OPEN_SESSION {"stream_id": 10, "model": "NAME"}', OpenSession(stream_id=10, model="NAME")),
+    (
+        'FORK_SESSION {"stream_id": 11, "session_id": "s", "at_position": 4}',
+        ForkSession(stream_id=11, session_id="s", at_position=4),
+    ),
+    ('DUMP_SESSION {"stream_id": 12, "session_id": "s"}', DumpSession(stream_id=12, session_id="s")),
+    ('CLOSE_SESSION {"stream_id": 13, "session_id": "s"}', CloseSession(stream_id=13, session_id="s")),
+    (
+        'SESSION_GENERATE {"stream_id": 14, "session_id": "s", "offset": 3, "truncating": true, "append": [5], '
+        '"max_tokens": 2, "logprobs": [[0, 4]], "top_logprobs": 2, "readout": [[1, 2]], "temperature": 0, '
+        '"images": [{"data": "iVBORw==", "mime": "image/png", "start": 3, "end": 9}]}',
+        SessionGenerate(
+            stream_id=14,
+            session_id="s",
+            offset=3,
+            truncating=True,
+            append=(5,),
+            max_tokens=2,
+            logprobs=((0, 4),),
+            top_logprobs=2,
+            readout=((1, 2),),
+            temperature=0.0,
+            images=(ImageBlock(start=3, end=9, data=b"\x89PNG", mime="image/png"),),
+        ),
+    ),
+    (
+        'IMAGE_INFO {"stream_id": 15, "data": "iVBORw==", "mime": "image/png"}',
+        ImageInfo(stream_id=15, data=b"\x89PNG", mime="image/png"),
+    ),
 ]
 
 INVALID = [
@@ -80,6 +123,21 @@ INVALID = [
     ('SCORE {"stream_id": 3, "prompt": [1]}', 3, "missing field 'scored'"),
     ('CANCEL {"stream_id": "a"}', None, "stream_id must be an integer"),
     ("GENERATE \xff\xfe", None, "not valid JSON"),
+    ('SESSION_GENERATE {"stream_id": 3, "session_id": "s"}', 3, "missing field 'offset'"),
+    ('SESSION_GENERATE {"stream_id": 3, "session_id": "s", "offset": -1}', 3, "offset must be >= 0"),
+    (
+        'SESSION_GENERATE {"stream_id": 3, "session_id": "s", "offset": 0, "images": [{"data": "!!"}]}',
+        3,
+        "images[0] must be",
+    ),
+    (
+        'SESSION_GENERATE {"stream_id": 3, "session_id": "s", "offset": 0, '
+        '"images": [{"data": "!!", "mime": "image/png", "start": 0, "end": 3}]}',
+        3,
+        "images[0].data is not valid base64",
+    ),
+    ('IMAGE_INFO {"stream_id": 3, "data": 5, "mime": "image/png"}', 3, "data must be a base64 string"),
+    ('FORK_SESSION {"stream_id": 3, "session_id": "s"}', 3, "missing field 'at_position'"),
 ]
 
 
