@@ -3,8 +3,9 @@
 // A readout arrives flat and layer-major (`readout[i * nConcepts + k]` is layer
 // `layers[i]`, concept `concepts[k]`, see docs/readouts.md). Cells show the server's
 // numbers unrounded (`data-value`, the focus line, tooltips); only the colour is scaled.
-// The scale is symmetric around 0 and ends at the 98th percentile of |value| in the
-// layer, so one outlier (the first token's attention sink) does not wash out the rest.
+// The scale is symmetric around 0 and ends at the largest |value| in the layer, position 0
+// left out: the first token's residual is an attention sink, often a thousand times larger
+// than the rest, and would wash everything else out (it is drawn at full colour).
 
 import { showToken } from "./vocab.js";
 
@@ -88,11 +89,9 @@ export class Heatmap {
   }
 
   #scale(columns) {
-    const magnitudes = columns
-      .flatMap((column) => this.#concepts.map((_, k) => Math.abs(this.#value(column, k) ?? NaN)))
-      .filter(Number.isFinite)
-      .sort((a, b) => a - b);
-    const scale = magnitudes[Math.floor(0.98 * (magnitudes.length - 1))];
+    const rest = columns.length > 1 ? columns.filter((column) => column.position > 0) : columns;
+    const magnitudes = rest.flatMap((column) => this.#concepts.map((_, k) => Math.abs(this.#value(column, k) ?? 0)));
+    const scale = Math.max(0, ...magnitudes);
     return scale > 0 ? scale : 1;
   }
 

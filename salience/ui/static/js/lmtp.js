@@ -123,7 +123,7 @@ export class LmtpClient extends EventTarget {
     this.#ws = null;
     this.#failAll("connection lost");
     if (event.code === UNAUTHORIZED) {
-      this.#setState("unauthorized", event.reason);
+      this.#setState("unauthorized", event.reason.replace(/^unauthorized:?\s*/, ""));
       return;
     }
     const delay = RETRY_MS[Math.min(this.#retries++, RETRY_MS.length - 1)];

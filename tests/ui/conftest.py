@@ -1,0 +1,124 @@
+"""The page's end-to-end fixtures: one engine on the default model, one headless Chromium.
+
+The server runs in-process (as in tests/lmtp/conftest.py) so a test can build a second app
+on the same engine to walk the page through loading, ready, lost and unauthorized. Chromium
+is Debian's (`tools/setup_env.sh` installs it); Playwright's own browser download is never
+used. Every test leaves a screenshot in artifacts/ui/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from playwright.async_api import Browser, Page, async_playwright, expect
+
+from salience.cli import _default_concepts
+from salience.core.concepts import ConceptSet
+from salience.core.engine import Engine
+from salience.core.status import ServerStatus
+from salience.lmtp.app import make_app
+from salience.lmtp.codec import parse_server_line
+from salience.lmtp.session import LmtpConfig
+from tests.conftest import free_port, start_engine
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "ui"
+CHROMIUM = Path("/usr/bin/chromium")
+# Decoding shares two cores with whatever else runs: waits are generous, passing tests are not slowed.
+expect.set_options(timeout=60_000)
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest_asyncio.fixture(scope="module")
+async def engine(default_model: Path) -> AsyncIterator[Engine]:
+    concepts = ConceptSet.load(_default_concepts(default_model))
+    engine = await start_engine(default_model, max_model_len=2048, concepts=concepts)
+    yield engine
+    engine.shutdown()
+
+
+async def serve(app: web.Application, port: int) -> web.AppRunner:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+@pytest_asyncio.fixture(scope="module")
+async def server(engine: Engine) -> AsyncIterator[str]:
+    """The base URL of a ready server."""
+    status = ServerStatus(engine.model_name)
+    status.ready(engine)
+    port = free_port()
+    runner = await serve(make_app(status, LmtpConfig()), port)
+    yield f"http://127.0.0.1:{port}/"
+    await runner.cleanup()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def browser() -> AsyncIterator[Browser]:
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} is missing: `make setup` installs Debian's chromium")
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield browser
+        await browser.close()
+
+
+@dataclass
+class Ui:
+    """A page, with what its console reported and every LMTP line it sent and received."""
+
+    page: Page
+    errors: list[str] = field(default_factory=list)
+    sent: list[str] = field(default_factory=list)
+    received: list[tuple[str, list[dict]]] = field(default_factory=list)
+    sockets: list[str] = field(default_factory=list)  # URL of every WebSocket opened
+
+    def stream_id(self, kind: str, index: int = -1) -> int:
+        """The stream_id the page gave its `index`-th message of this kind."""
+        lines = [line for line in self.sent if line.startswith(kind + " ")]
+        return orjson.loads(lines[index].partition(" ")[2])["stream_id"]
+
+    def tokens(self, stream_id: int) -> list[dict]:
+        """The TOKEN payloads the server sent for one stream."""
+        frames = (payloads for kind, payloads in self.received if kind == "TOKEN")
+        return [p for payloads in frames for p in payloads if p["stream_id"] == stream_id]
+
+    def model_info(self) -> dict:
+        return next(p["model_info"] for kind, ps in self.received if kind == "MSG" for p in ps if "model_info" in p)
+
+
+@pytest_asyncio.fixture
+async def ui(browser: Browser, request: pytest.FixtureRequest) -> AsyncIterator[Ui]:
+    context = await browser.new_context(viewport={"width": 1280, "height": 900})
+    page = await context.new_page()
+    page.set_default_timeout(60_000)
+    ui = Ui(page)
+    page.on("console", lambda message: message.type == "error" and ui.errors.append(message.text))
+    page.on("pageerror", lambda error: ui.errors.append(str(error)))
+
+    def on_socket(socket) -> None:
+        ui.sockets.append(socket.url)
+        socket.on("framesent", lambda data: ui.sent.extend(data.splitlines()))
+        socket.on("framereceived", lambda data: ui.received.append(parse_server_line(data)))
+
+    page.on("websocket", on_socket)
+    yield ui
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    await page.screenshot(path=ARTIFACTS / f"{request.node.name}.png", full_page=True)
+    await context.close()

@@ -1,0 +1,207 @@
+"""The browser page end to end: real Chromium, a real server on the default model.
+
+Values on the page are checked against the LMTP frames the page itself received, so
+"the heatmap shows the server's numbers" means equal floats, not a look-alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from playwright.async_api import expect
+
+from salience.core.engine import Engine
+from salience.core.status import ServerStatus
+from salience.lmtp.app import make_app
+from salience.lmtp.session import LmtpConfig
+from tests.conftest import free_port
+from tests.ui.conftest import Ui, serve
+
+# Chromium reports a refused WebSocket as a console error; only the reconnect test expects it.
+REFUSED = "net::ERR_CONNECTION_REFUSED"
+
+
+async def open_page(ui: Ui, url: str, **fields: str) -> None:
+    await ui.page.goto(url)
+    await expect(ui.page.locator("#connection")).to_have_text("ready")
+    for name, value in fields.items():
+        await ui.page.locator(f"#{name}").fill(value)
+
+
+async def set_readouts(ui: Ui, on: bool) -> None:
+    await ui.page.locator("#readouts").set_checked(on)
+
+
+async def test_a_generation_streams_into_token_cells(ui: Ui, server: str) -> None:
+    await ui.page.goto(server)  # a plain GET of / redirects to the page
+    assert ui.page.url == server + "ui/"
+    await open_page(ui, ui.page.url, prompt="The capital of France is", temperature="0", max_tokens="12")
+    await set_readouts(ui, False)
+    await ui.page.get_by_role("button", name="Generate").click()
+    pane = ui.page.locator(".pane").first
+    await expect(pane.locator(".state")).to_contain_text("done")
+
+    payloads = [p for p in ui.tokens(ui.stream_id("GENERATE")) if "token" in p]
+    cells = pane.locator(".tok")
+    assert await cells.count() == len(payloads) > 1
+    assert await cells.all_text_contents() == [p["text"] for p in payloads]
+    assert [float(x) for x in await cells.evaluate_all("cs => cs.map(c => c.dataset.logprob)")] == [
+        p["logprob"] for p in payloads
+    ]
+    frames = [ps for kind, ps in ui.received if kind == "TOKEN" and any("token" in p for p in ps)]
+    assert len(frames) > 1, "tokens arrive as they are generated, not in one frame"
+
+    # Focus (keyboard) shows the alternatives with their probabilities, best first.
+    await cells.first.focus()
+    tip = ui.page.locator("#tip")
+    await expect(tip.locator("tbody tr")).to_have_count(len(payloads[0]["top_logprobs"]))
+    best = max(payloads[0]["top_logprobs"].values())
+    assert f"{100 * math.exp(best):.1f}%" in await tip.locator("tbody tr").first.inner_text()
+    await ui.page.keyboard.press("ArrowRight")
+    await expect(cells.nth(1)).to_be_focused()
+    assert ui.errors == []
+
+
+async def test_heatmap_shows_the_servers_readouts_for_prompt_and_generated_tokens(ui: Ui, server: str) -> None:
+    await open_page(ui, server + "ui/", prompt="I love this wonderful film", temperature="0", max_tokens="6")
+    await ui.page.get_by_role("button", name="Generate").click()
+    pane = ui.page.locator(".pane").first
+    await expect(pane.locator(".state")).to_contain_text("done")
+    await expect(pane.locator("td.none")).to_have_count(0)  # the last token's readout came by SCORE
+
+    readouts = {
+        p["position"]: p["readout"]
+        for stream_id in (ui.stream_id("GENERATE"), ui.stream_id("SCORE"))
+        for p in ui.tokens(stream_id)
+        if "readout" in p
+    }
+    stream = ui.tokens(ui.stream_id("GENERATE"))
+    prompt = sum(1 for p in stream if p.get("prompt"))
+    generated = sum(1 for p in stream if "token" in p and not p.get("prompt"))
+    assert sorted(readouts) == list(range(prompt + generated))
+    manifest = ui.model_info()["readout_manifest"]
+    concepts, layers = manifest["concepts"], manifest["layers"]
+
+    for layer_index in (len(layers) - 1, 0):
+        await pane.locator("select.layer").select_option(str(layer_index))
+        shown = await pane.locator("td[data-value]").evaluate_all(
+            "tds => tds.map(td => [Number(td.dataset.position), Number(td.dataset.row), td.dataset.value])"
+        )
+        expected = {
+            (position, k): readout[layer_index * len(concepts) + k]
+            for position, readout in readouts.items()
+            for k in range(len(concepts))
+        }
+        assert {(position, k): float(value) for position, k, value in shown} == expected
+
+    await pane.get_by_role("button", name=concepts[0]).click()
+    line = pane.locator(".concept-line")
+    await expect(line).to_be_visible()
+    points = await line.locator("polyline").get_attribute("points")
+    assert len(points.split()) == len(readouts)
+    await expect(pane.locator(".legend .ramp")).to_be_visible()
+    assert ui.errors == []
+
+
+async def test_stop_cancels_a_running_generation(ui: Ui, server: str) -> None:
+    await open_page(ui, server + "ui/", prompt="1, 2, 3, 4, 5, 6, 7,", temperature="0", max_tokens="1500")
+    await set_readouts(ui, False)
+    await ui.page.locator("#prompt").press("Control+Enter")  # keyboard only
+    pane = ui.page.locator(".pane").first
+    cells = pane.locator(".tok")
+    await expect(cells.nth(4)).to_be_attached()
+    await pane.get_by_role("button", name="Stop").focus()
+    await ui.page.keyboard.press("Enter")
+    await expect(pane.locator(".state")).to_contain_text("stopped")
+
+    stopped_at = await cells.count()
+    await asyncio.sleep(1)
+    assert await cells.count() == stopped_at < 1500
+    stream_id = ui.stream_id("GENERATE")
+    assert ui.sent[-1] == f'CANCEL {{"stream_id":{stream_id}}}'
+    assert ui.tokens(stream_id)[-1]["finish_reason"] == "cancelled"
+    assert ui.errors == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [("top_k", "-5", "top_k must be >= -1"), ("temperature", "-1", "temperature")],
+)
+async def test_a_bad_parameter_shows_the_servers_error_in_its_pane(
+    ui: Ui, server: str, field: str, value: str, words: str
+) -> None:
+    await open_page(ui, server + "ui/", **{field: value})
+    await ui.page.get_by_role("button", name="Generate").click()
+    error = ui.page.locator(".pane").first.locator(".error")
+    await expect(error).to_be_visible()
+    (payload,) = ui.tokens(ui.stream_id("GENERATE"))
+    assert words in payload["error"]
+    assert await error.inner_text() == payload["error"]
+    assert ui.errors == []
+
+
+async def test_score_mode_reads_the_prompt_in_a_narrow_window(ui: Ui, server: str) -> None:
+    await ui.page.set_viewport_size({"width": 360, "height": 800})
+    await open_page(ui, server + "ui/", prompt="Bonjour, je suis")
+    await ui.page.get_by_role("button", name="Score prompt").click()
+    pane = ui.page.locator(".pane").first
+    await expect(pane.locator(".state")).to_contain_text("done")
+    await expect(pane.locator("td.none")).to_have_count(0)
+
+    payloads = ui.tokens(ui.stream_id("SCORE"))
+    scored = [p for p in payloads if not p.get("prompt")]
+    logprobs = await pane.locator(".tok").evaluate_all("cs => cs.map(c => c.dataset.logprob ?? null)")
+    assert logprobs[0] is None and [float(x) for x in logprobs[1:]] == [p["logprob"] for p in scored]
+    assert await pane.locator("thead th").count() == len(scored) + 1
+    overflow = await ui.page.evaluate("document.documentElement.scrollWidth - innerWidth")
+    assert overflow <= 0, "the page scrolls sideways in a narrow window"
+    assert ui.errors == []
+
+
+async def test_connection_state_loading_ready_stopping_lost_and_back(ui: Ui, engine: Engine) -> None:
+    port = free_port()
+    status = ServerStatus(engine.model_name)
+    runner = await serve(make_app(status, LmtpConfig()), port)
+    state = ui.page.locator("#connection")
+    try:
+        await ui.page.goto(f"http://127.0.0.1:{port}/ui/")
+        await expect(state).to_have_text("loading model…")
+        await expect(ui.page.get_by_role("button", name="Generate")).to_be_disabled()
+        status.ready(engine)
+        await expect(state).to_have_text("ready")
+        status.stopping()
+        await expect(state).to_have_text("server shutting down")
+        await runner.cleanup()
+        await expect(state).to_contain_text("connection lost — reconnecting")
+        status = ServerStatus(engine.model_name)
+        status.ready(engine)
+        runner = await serve(make_app(status, LmtpConfig()), port)
+        await expect(state).to_have_text("ready", timeout=15_000)
+    finally:
+        await runner.cleanup()
+    assert len(ui.sockets) >= 2
+    assert [e for e in ui.errors if REFUSED not in e] == []
+
+
+async def test_a_wrong_token_shows_unauthorized_and_the_right_one_connects(ui: Ui, engine: Engine) -> None:
+    status = ServerStatus(engine.model_name)
+    status.ready(engine)
+    port = free_port()
+    runner = await serve(make_app(status, LmtpConfig(auth_token="s3cret")), port)
+    state = ui.page.locator("#connection")
+    try:
+        await ui.page.goto(f"http://127.0.0.1:{port}/ui/")
+        await expect(state).to_contain_text("unauthorized")
+        await asyncio.sleep(1.5)
+        assert len(ui.sockets) == 1, "no reconnect loop on 4401"
+        await expect(ui.page.locator("#auth")).to_have_attribute("open", "")  # the page opens the field
+        await ui.page.locator("#token").fill("s3cret")
+        await ui.page.locator("#token").press("Enter")
+        await expect(state).to_have_text("ready")
+        assert ui.sockets[-1].endswith("/?token=s3cret")
+        assert await ui.page.evaluate("sessionStorage.getItem('salience-token')") == "s3cret"
+    finally:
+        await runner.cleanup()
+    assert ui.errors == []
