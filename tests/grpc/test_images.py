@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import io
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import pytest_asyncio
 import torch
 from aiohttp import web
+from PIL import Image
 
 from salience.core.concepts import ConceptSet, model_fingerprint
 from salience.core.engine import Engine
@@ -90,6 +92,13 @@ class Vocab:
 
 def attachment(data: bytes, start: int, n: int, mime: str = "image/png") -> pb.ImageAttachment:
     return pb.ImageAttachment(bytes=data, mime=mime, pad_range_start=start, pad_range_end=start + n + 2)
+
+
+def huge_png() -> bytes:
+    """A small file that would decode to 72 Mpixels: refused from its header."""
+    out = io.BytesIO()
+    Image.new("1", (9000, 8000)).save(out, "PNG")
+    return out.getvalue()
 
 
 async def status_of(awaitable) -> tuple[grpc.StatusCode, str]:
@@ -214,6 +223,7 @@ async def test_attachment_validation(
         (good, [attachment(b"garbage", at, n)], "do not decode as an image"),
         (good, [attachment(data, at, n, "image/jpeg")], "declared image/jpeg but the bytes are PNG"),
         (good, [attachment(data, at, n, "image/tiff")], "mime 'image/tiff' is not one of"),
+        (good, [attachment(huge_png(), at, n)], "9000x8000 pixels exceed the limit"),
     ]
     for tokens, attachments, message in bad:
         code, details = await status_of(session.generate(tokens, images=attachments))
