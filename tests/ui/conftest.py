@@ -84,10 +84,15 @@ class Ui:
     """A page, with what its console reported and every LMTP line it sent and received."""
 
     page: Page
+    name: str  # the test's, for screenshot files
     errors: list[str] = field(default_factory=list)
     sent: list[str] = field(default_factory=list)
     received: list[tuple[str, list[dict]]] = field(default_factory=list)
     sockets: list[str] = field(default_factory=list)  # URL of every WebSocket opened
+
+    async def screenshot(self, label: str = "") -> None:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        await self.page.screenshot(path=ARTIFACTS / f"{self.name}{label and '-' + label}.png", full_page=True)
 
     def stream_id(self, kind: str, index: int = -1) -> int:
         """The stream_id the page gave its `index`-th message of this kind."""
@@ -108,7 +113,7 @@ async def ui(browser: Browser, request: pytest.FixtureRequest) -> AsyncIterator[
     context = await browser.new_context(viewport={"width": 1280, "height": 900})
     page = await context.new_page()
     page.set_default_timeout(60_000)
-    ui = Ui(page)
+    ui = Ui(page, request.node.name)
     page.on("console", lambda message: message.type == "error" and ui.errors.append(message.text))
     page.on("pageerror", lambda error: ui.errors.append(str(error)))
 
@@ -119,6 +124,5 @@ async def ui(browser: Browser, request: pytest.FixtureRequest) -> AsyncIterator[
 
     page.on("websocket", on_socket)
     yield ui
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    await page.screenshot(path=ARTIFACTS / f"{request.node.name}.png", full_page=True)
+    await ui.screenshot()
     await context.close()

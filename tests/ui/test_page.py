@@ -168,6 +168,7 @@ async def test_connection_state_loading_ready_stopping_lost_and_back(ui: Ui, eng
     try:
         await ui.page.goto(f"http://127.0.0.1:{port}/ui/")
         await expect(state).to_have_text("loading model…")
+        await ui.screenshot("loading")
         await expect(ui.page.get_by_role("button", name="Generate")).to_be_disabled()
         status.ready(engine)
         await expect(state).to_have_text("ready")
@@ -194,6 +195,7 @@ async def test_a_wrong_token_shows_unauthorized_and_the_right_one_connects(ui: U
     try:
         await ui.page.goto(f"http://127.0.0.1:{port}/ui/")
         await expect(state).to_contain_text("unauthorized")
+        await ui.screenshot("unauthorized")
         await asyncio.sleep(1.5)
         assert len(ui.sockets) == 1, "no reconnect loop on 4401"
         await expect(ui.page.locator("#auth")).to_have_attribute("open", "")  # the page opens the field
