@@ -6,8 +6,7 @@
 //     -> TOKEN {"prompt": true, "position", "readout"}  one per prompt position, first
 //     -> TOKEN {"token", "text", "logprob", "top_logprobs", "position", "readout"}  per token
 //   CANCEL {"stream_id"} (Stop)                     -> last TOKEN has finish_reason "cancelled"
-//   SCORE prompt + completion with "readout" on the last position: the last generated token
-//     never went through the model during generation, so this is the only way to read it out.
+// (The last generated token's readout comes too: the server reads it out with one short pass.)
 // Score mode reads a text the user wrote: SCORE its first token as prompt and the rest as
 // `scored`, which gives every token a logprob, alternatives and a readout.
 
@@ -15,6 +14,8 @@ import { Heatmap } from "./heatmap.js";
 import { TokenStrip } from "./tokens.js";
 
 let panes = 0;
+
+const count = (n) => `${n} token${n === 1 ? "" : "s"}`;
 
 export class Pane {
   #client;
@@ -24,7 +25,6 @@ export class Pane {
   #heatmap = null;
   #streamId = null;
   #prompt = [];
-  #generated = [];
 
   /**
    * @param request {{mode: "generate" | "score", text: string, params: object, topLogprobs: number,
@@ -82,7 +82,7 @@ export class Pane {
     const body = { prompt: this.#prompt, ...params, top_logprobs: topLogprobs, text: true };
     if (this.#heatmap) body.readout = [[0, this.#prompt.length + (params.max_tokens ?? 16)]];
     this.#strip.addContext(text);
-    this.#start("GENERATE", body, () => this.#readLastToken());
+    this.#start("GENERATE", body);
   }
 
   async #score() {
@@ -91,19 +91,6 @@ export class Pane {
     const body = { prompt: this.#prompt.slice(0, 1), scored: this.#prompt.slice(1), top_logprobs: this.#request.topLogprobs };
     if (this.#heatmap) body.readout = [[0, this.#prompt.length]];
     this.#start("SCORE", { ...body, text: true });
-  }
-
-  /** The last generated token's readout, from a SCORE of prompt + completion. */
-  #readLastToken() {
-    const tokens = [...this.#prompt, ...this.#generated];
-    if (!this.#heatmap || this.#generated.length === 0) return;
-    const last = tokens.length - 1;
-    const body = { prompt: tokens.slice(0, last), scored: [tokens[last]], readout: [[last, last + 1]] };
-    this.#log("SCORE", body);
-    this.#client.stream("SCORE", body, (payload) => {
-      if (payload.error != null) this.#fail(payload.error);
-      else if (payload.readout) this.#heatmap.set(payload.position, { readout: payload.readout });
-    });
   }
 
   #start(type, body, onEnd = () => {}) {
@@ -132,13 +119,12 @@ export class Pane {
     if (payload.token != null) {
       const { token, text, logprob, top_logprobs: alternatives } = payload;
       this.#strip.add({ token, text, logprob, alternatives });
-      if (this.#request.mode === "generate") this.#generated.push(token);
       this.#heatmap?.set(payload.position, { label: text, readout: payload.readout });
-      this.#state(`streaming · ${this.#strip.length} tokens`);
+      this.#state(`streaming · ${count(this.#strip.length)}`);
     }
     if (payload.finish_reason == null) return false;
     const reason = payload.finish_reason === "cancelled" ? "stopped" : `done (${payload.finish_reason})`;
-    this.#state(`${reason} · ${this.#strip.length} tokens`);
+    this.#state(`${reason} · ${count(this.#strip.length)}`);
     return true;
   }
 
