@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-SEEDS = Path(__file__).resolve().parents[3] / "shared" / "seeds"
+# A verbatim copy of ../shared/seeds/000_*.txt, so a clean checkout has it.
+SEED = Path(__file__).with_name("seed_000_salience_proto.txt")
 
 _STATEMENT = re.compile(
     r"""(?x)
@@ -26,8 +27,7 @@ _STATEMENT = re.compile(
 
 
 def seed_text() -> str:
-    (path,) = SEEDS.glob("000_*.txt")
-    return path.read_text()
+    return SEED.read_text()
 
 
 def reflow(text: str) -> str:
