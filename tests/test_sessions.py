@@ -47,7 +47,7 @@ def greedy(max_tokens: int) -> SamplingOptions:
 
 
 async def run(store: SessionStore, session_id: str, turn: Turn) -> tuple[list[SessionToken], TurnDone]:
-    started = store.start(session_id, turn)
+    started = await store.start(session_id, turn)
     tokens = [t async for t in started]
     assert started.done is not None
     return tokens, started.done
@@ -66,9 +66,9 @@ async def test_turns_append_and_decoded_tokens_join_the_session(engine: Engine, 
 
     # The next turn's offset includes the decoded tokens; a stale offset is drift.
     with pytest.raises(FailedPrecondition, match="offset 31 does not match the session's length 37"):
-        store.start(sid, Turn(offset=31, append=[5]))
+        await store.start(sid, Turn(offset=31, append=[5]))
     with pytest.raises(FailedPrecondition, match="offset 40 does not match the session's length 37"):
-        store.start(sid, Turn(offset=40, truncating=True, append=[5]))
+        await store.start(sid, Turn(offset=40, truncating=True, append=[5]))
     await run(store, sid, Turn(offset=37, append=[7, 8]))
     assert len(store.tokens(sid)) == 39
 
@@ -93,10 +93,10 @@ async def test_validation_happens_before_anything_changes(engine: Engine) -> Non
     ]
     for turn, error, message in bad:
         with pytest.raises(error, match=message):
-            store.start(sid, turn)
+            await store.start(sid, turn)
         assert store.tokens(sid) == PROMPT
     with pytest.raises(NotFound, match="no session 'nope'"):
-        store.start("nope", Turn(offset=0))
+        await store.start("nope", Turn(offset=0))
 
 
 async def test_prefill_only_scores_match_the_engine(engine: Engine, tiny_concepts: ConceptSet) -> None:
@@ -154,9 +154,9 @@ async def test_prefill_positions_then_decoded_tokens_with_logprobs_and_readouts(
 async def test_one_turn_at_a_time_and_cancel_keeps_streamed_tokens(engine: Engine) -> None:
     store = SessionStore(lambda: engine)
     sid = store.open()
-    started = store.start(sid, Turn(offset=0, append=PROMPT, sampling=greedy(400)))
+    started = await store.start(sid, Turn(offset=0, append=PROMPT, sampling=greedy(400)))
     with pytest.raises(SessionBusy, match="already generating"):
-        store.start(sid, Turn(offset=31))
+        await store.start(sid, Turn(offset=31))
     seen = []
     consumer = started.__aiter__()
     for _ in range(3):
@@ -172,7 +172,7 @@ async def test_one_turn_at_a_time_and_cancel_keeps_streamed_tokens(engine: Engin
 async def test_close_stops_a_running_turn_and_is_idempotent(engine: Engine) -> None:
     store = SessionStore(lambda: engine)
     sid = store.open()
-    started = store.start(sid, Turn(offset=0, append=PROMPT, sampling=greedy(500)))
+    started = await store.start(sid, Turn(offset=0, append=PROMPT, sampling=greedy(500)))
     consumer = started.__aiter__()
     await anext(consumer)
     await store.close(sid)
@@ -223,16 +223,16 @@ async def test_limits_evict_least_recently_used_idle_sessions(engine: Engine) ->
     with pytest.raises(NotFound):
         store.tokens(first)
     with pytest.raises(ResourceExhausted, match="101 tokens exceed the server's limit of 100"):
-        store.start(third, Turn(offset=98, append=[1] * 3))
+        await store.start(third, Turn(offset=98, append=[1] * 3))
     with pytest.raises(ResourceExhausted, match="101 tokens exceed the server's limit of 100"):
-        store.start(third, Turn(offset=0, truncating=True, append=[1] * 101))
+        await store.start(third, Turn(offset=0, truncating=True, append=[1] * 101))
     assert len(store.tokens(third)) == 98
 
 
 async def test_a_busy_session_is_never_evicted(engine: Engine) -> None:
     store = SessionStore(lambda: engine, SessionLimits(max_sessions=1))
     busy = store.open()
-    started = store.start(busy, Turn(offset=0, append=[1], sampling=greedy(5)))
+    started = await store.start(busy, Turn(offset=0, append=[1], sampling=greedy(5)))
     with pytest.raises(ResourceExhausted, match="1 of 1 sessions"):
         store.open()
     assert len([t async for t in started]) == 5

@@ -196,6 +196,9 @@ class Engine:
         if not self.closed:
             self.closed = True
             self._llm.shutdown()
+            # vLLM's finalizer shuts down again; run at interpreter exit, on torn-down module
+            # globals, it prints a TypeError traceback. After this shutdown it has nothing to do.
+            self._llm.__class__ = _finalized(type(self._llm))
 
     def num_unfinished_requests(self) -> int:
         return self._llm.get_num_unfinished_requests()
@@ -456,6 +459,12 @@ class PromptScores:
             top_logprobs=_top(entry, self.top_k) if entry else (),
             readout=self.readouts.get(position),
         )
+
+
+@functools.cache
+def _finalized(cls: type) -> type:
+    """`cls` without its finalizer, for an engine already shut down."""
+    return type(f"Finalized{cls.__name__}", (cls,), {"__del__": lambda self: None})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from salience.core.engine import Engine, Generation, PlacedImage, PromptScores
-from salience.core.images import Vision
+from salience.core.images import ImageFacts, Vision
 from salience.core.types import FinishReason, ImageBlock, SamplingOptions, covers
 from salience.errors import (
     ContextOverflow,
@@ -188,10 +188,13 @@ class SessionStore:
 
     # ---- turns ---------------------------------------------------------------------------
 
-    def start(self, session_id: str, turn: Turn) -> TurnRun:
+    async def start(self, session_id: str, turn: Turn) -> TurnRun:
         """Validate the turn, apply its append, and return it ready to iterate.
 
-        Every error is raised here, before the session changes."""
+        Every error is raised here, before the session changes. Images are decoded first, in
+        threads (a large one takes a while, and other streams must not wait); everything that
+        reads or changes the session happens after that, without awaiting."""
+        facts = await self._inspect(turn)
         session = self._get(session_id)
         if session.run is not None:
             raise SessionBusy(f"session {session_id} is already generating; wait for its Done or cancel that call")
@@ -207,7 +210,7 @@ class SessionStore:
         kept = [i for i in session.images if i.end <= turn.offset]
         images = kept
         if turn.images or engine.vision is not None:
-            images = kept + _place_images(Vision.of(engine.vision, engine.model_name), turn, tokens)
+            images = kept + _place_images(Vision.of(engine.vision, engine.model_name), turn, tokens, facts)
         if len(images) > engine.settings.max_images:
             raise InvalidArgument(
                 f"the session would hold {len(images)} images; this server takes at most {engine.settings.max_images}"
@@ -259,6 +262,17 @@ class SessionStore:
         session.run = run
         self._touch(session)
         return run
+
+    async def _inspect(self, turn: Turn) -> list[ImageFacts]:
+        if not turn.images:
+            return []
+        engine = self._engine()
+        vision = Vision.of(engine.vision, engine.model_name)
+        return list(
+            await asyncio.gather(
+                *(asyncio.to_thread(vision.inspect, b.data, b.mime, f"images[{i}]") for i, b in enumerate(turn.images))
+            )
+        )
 
     def _finished(self, session: _Session) -> None:
         session.run = None
@@ -383,11 +397,11 @@ class TurnRun:
         return tokens
 
 
-def _place_images(vision: Vision, turn: Turn, tokens: list[int]) -> list[PlacedImage]:
+def _place_images(vision: Vision, turn: Turn, tokens: list[int], facts: list[ImageFacts]) -> list[PlacedImage]:
     """Check the turn's attachments against the tokens after the append; every vision block
     written in the append must be attached, and each must hold exactly the pads its image needs."""
     placed = []
-    for i, block in enumerate(turn.images):
+    for i, (block, fact) in enumerate(zip(turn.images, facts, strict=True)):
         what = f"images[{i}]"
         start, end = block.start, block.end
         if not turn.offset <= start < end <= len(tokens):
@@ -404,14 +418,13 @@ def _place_images(vision: Vision, turn: Turn, tokens: list[int]) -> list[PlacedI
             raise InvalidArgument(
                 f"{what}: position {stray} inside the block is {tokens[stray]}, not <|image_pad|> ({vision.pad})"
             )
-        facts = vision.inspect(block.data, block.mime, what)
-        if end - start - 2 != facts.pads:
-            t, h, w = facts.grid
+        if end - start - 2 != fact.pads:
+            t, h, w = fact.grid
             raise InvalidArgument(
-                f"{what}: the block holds {end - start - 2} image pads; this image needs {facts.pads} "
-                f"(grid {t}x{h}x{w} patches, merged 2x2), so the block is {facts.pads + 2} tokens long"
+                f"{what}: the block holds {end - start - 2} image pads; this image needs {fact.pads} "
+                f"(grid {t}x{h}x{w} patches, merged 2x2), so the block is {fact.pads + 2} tokens long"
             )
-        placed.append(PlacedImage(start=start, end=end, image=facts.image))
+        placed.append(PlacedImage(start=start, end=end, image=fact.image))
     placed.sort(key=lambda p: p.start)
     for a, b in itertools.pairwise(placed):
         if b.start < a.end:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from salience.core.images import Vision
@@ -21,7 +23,7 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
     async def ImageInfo(self, request: ext.ImageInfoRequest, context: grpc.aio.ServicerContext):
         engine = self._status.serving_engine()
         vision = Vision.of(engine.vision, engine.model_name)
-        facts = vision.inspect(request.bytes, request.mime)
+        facts = await asyncio.to_thread(vision.inspect, request.bytes, request.mime)
         t, h, w = facts.grid
         width, height = facts.size
         return ext.ImageInfoResponse(

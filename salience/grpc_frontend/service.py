@@ -59,7 +59,7 @@ class SalienceService(salience_pb2_grpc.SalienceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateEvent]:
-        run = self._sessions.start(request.session_id, _turn(request))
+        run = await self._sessions.start(request.session_id, _turn(request))
         async with contextlib.aclosing(aiter(run)) as tokens:
             async for token in tokens:
                 yield pb.GenerateEvent(token=_token(token))

@@ -72,7 +72,7 @@ class LmtpSession:
         self._status = status
         self._sessions = sessions
         self._limits = config.limits
-        self._cancels: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()
         self._watcher: asyncio.Task | None = None
         self._queue: deque[tuple[str, dict]] = deque()
         self._wake = asyncio.Event()
@@ -104,9 +104,7 @@ class LmtpSession:
             case Cancel(stream_id=stream_id):
                 generation = self._generations.get(stream_id)
                 if generation is not None:
-                    task = asyncio.create_task(generation.cancel())
-                    self._cancels.add(task)
-                    task.add_done_callback(self._cancels.discard)
+                    self._spawn(generation.cancel())
                 elif stream_id not in self._streams:
                     self._error(stream_id, f"CANCEL: stream {stream_id} is not running")
             case ModelInfo(stream_id=stream_id):
@@ -118,11 +116,9 @@ class LmtpSession:
             case Tokenize() | Detokenize():
                 self._tokenizer_reply(message)
             case ImageInfo():
-                self._image_info_reply(message)
+                self._spawn(self._image_info_reply(message))
             case OpenSession() | CloseSession() | ForkSession() | DumpSession():
-                task = asyncio.create_task(self._session_reply(message))
-                self._cancels.add(task)
-                task.add_done_callback(self._cancels.discard)
+                self._spawn(self._session_reply(message))
 
     def _reject(self, kind: str | None, stream_id: int | None, message: str) -> None:
         # Stream errors go where LMQL's client looks for them, or it waits forever.
@@ -226,7 +222,7 @@ class LmtpSession:
                 priority=request.priority,
             ),
         )
-        run = self._sessions.start(request.session_id, turn)
+        run = await self._sessions.start(request.session_id, turn)
         stream_id = request.stream_id
         self._generations[stream_id] = run
         text = None
@@ -321,12 +317,18 @@ class LmtpSession:
             reply = {"stream_id": request.stream_id, "error": str(exc)}
         self._msg(reply)
 
-    def _image_info_reply(self, request: ImageInfo) -> None:
+    def _spawn(self, work: Awaitable[None]) -> None:
+        """Run a reply that must await, keeping the task referenced until it ends."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _image_info_reply(self, request: ImageInfo) -> None:
         reply: dict = {"stream_id": request.stream_id}
         try:
             engine = self._status.serving_engine()
             vision = Vision.of(engine.vision, engine.model_name)
-            facts = vision.inspect(request.data, request.mime)
+            facts = await asyncio.to_thread(vision.inspect, request.data, request.mime)
             width, height = facts.size
             reply |= {
                 "pad_tokens": facts.pads,

@@ -326,7 +326,7 @@ async def test_later_turns_reuse_the_cached_image_prefix(served, tiny_vl_model: 
     store = SessionStore(lambda: engine)
     sid = store.open()
     text = [(11 * j) % 1500 + 100 for j in range(300)]
-    first = store.start(
+    first = await store.start(
         sid,
         Turn(
             offset=0,
@@ -337,7 +337,7 @@ async def test_later_turns_reuse_the_cached_image_prefix(served, tiny_vl_model: 
     )
     assert len([t async for t in first]) == 2
     length = len(store.tokens(sid))
-    second = store.start(
+    second = await store.start(
         sid, Turn(offset=length, append=[5, 6], sampling=SamplingOptions(max_tokens=2, temperature=0.0))
     )
     assert len([t async for t in second]) == 2
