@@ -233,10 +233,12 @@ class SessionStore:
 
         work: Generation | None = None
         scoring: Callable[[], Awaitable[PromptScores]] | None = None
-        prefill_wanted = [p for p in range(len(tokens)) if covers(logprob_ranges + readout_ranges, p)]
-        scored = any(covers(logprob_ranges, p) for p in range(1, len(tokens)))
+        # From the ranges, not by scanning positions: sessions run to 100K+ tokens.
+        prompt_ranges = [range(s, min(e, len(tokens))) for s, e in logprob_ranges + readout_ranges]
+        prefill_wanted = sorted(set().union(*prompt_ranges))
+        scored = any(max(s, 1) < min(e, len(tokens)) for s, e in logprob_ranges)  # position 0 has no logprob
         if budget:
-            decode_logprobs = any(covers(logprob_ranges, p) for p in range(len(tokens), end))
+            decode_logprobs = any(e > len(tokens) for _, e in logprob_ranges)
             options = turn.sampling
             if decode_logprobs:
                 options = dataclasses.replace(options, logprobs=turn.logprob_top_k)
