@@ -31,6 +31,7 @@ HELP = """\
   PROMPT [key=value ...]     generate from PROMPT (e.g. max_tokens=32 temperature=0 top_k=40 seed=1)
   /score PROMPT || CONT      logprob of each token of CONT after PROMPT
   /top K                     show the K most likely alternatives of each generated token (0: off)
+  /readout [LAYER|off]       show every token's concept readouts at LAYER (default: the deepest read)
   /set key=value ...         change the defaults for every generation
   /info                      what the server serves
   /help, /quit               this text; leave (Ctrl-D works too)
@@ -56,6 +57,8 @@ class Repl:
         self.loop = loop
         self.defaults: dict[str, Any] = {"max_tokens": 64, "temperature": 0.0}
         self.top = 0
+        self.readout_layer: int | None = None  # the model layer whose readouts are shown; None: off
+        self._manifest: dict | None = None
 
     def run(self, coroutine) -> Any:
         return self.loop.run_until_complete(coroutine)
@@ -72,6 +75,8 @@ class Repl:
             print(HELP)
         elif command == "/top":
             self.top = int(rest or 0)
+        elif command == "/readout":
+            self.set_readout(rest.strip())
         elif command == "/set":
             self.defaults.update(parse_line("x " + rest)[1])
             print(" ".join(f"{k}={json.dumps(v)}" for k, v in self.defaults.items()))
@@ -87,6 +92,24 @@ class Repl:
             prompt, params = parse_line(line)
             self.stream("GENERATE", prompt, params)
         return True
+
+    def set_readout(self, arg: str) -> None:
+        if arg == "off":
+            self.readout_layer = None
+            return
+        if self._manifest is None:
+            info = self.run(self.client.request("MODEL_INFO"))["model_info"]
+            self._manifest = info.get("readout_manifest") if isinstance(info, dict) else None  # str: loading
+        if not self._manifest:
+            print("[error] the server has no concept set: it reads nothing out")
+            return
+        layers = self._manifest["layers"]
+        layer = int(arg) if arg else layers[-1]
+        if layer not in layers:
+            print(f"[error] layer {layer} is not read out; the concept set reads layers {layers}")
+            return
+        self.readout_layer = layer
+        print(f"readouts at layer {layer} of {', '.join(self._manifest['concepts'])}")
 
     def stream(self, kind: str, prompt: str, params: dict[str, Any]) -> None:
         stream_id = self.client.next_stream_id()
@@ -115,18 +138,34 @@ class Repl:
         else:
             fields |= self.defaults | params
             fields.setdefault("top_logprobs", self.top)
+        if self.readout_layer is not None:
+            fields["readout"] = [[0, 2**31]]  # every position: the prompt's and the generated ones
         payloads = []
         async for payload in self.client.stream(kind, stream_id=stream_id, **fields):
             payloads.append(payload)
             if kind == "GENERATE" and not self.top:
                 print(payload.get("text", ""), end="", flush=True)
+        scored = [p for p in payloads if "token" in p and not p.get("prompt")]
         if kind == "SCORE" or self.top:
-            for payload in payloads:
-                if "token" in payload:
-                    print(_describe(payload))
+            for payload in scored:
+                print(_describe(payload))
         if kind == "SCORE":
-            print(f"total logprob {sum(p['logprob'] for p in payloads if 'token' in p):.4f}")
+            print(f"total logprob {sum(p['logprob'] for p in scored):.4f}")
         print(f"\n[{payloads[-1]['finish_reason']}]")
+        if self.readout_layer is not None:
+            await self._print_readouts([p for p in payloads if "readout" in p])
+
+    async def _print_readouts(self, rows: list[dict]) -> None:
+        """One line per position: its token and each concept's value at the chosen layer."""
+        assert self._manifest is not None and self.readout_layer is not None
+        concepts = self._manifest["concepts"]
+        first = self._manifest["layers"].index(self.readout_layer) * len(concepts)
+        texts = await asyncio.gather(*(self.client.request("DETOKENIZE", tokens=[p["token"]]) for p in rows))
+        width = max(10, *(len(c) + 1 for c in concepts))
+        print(f"{'pos':>5}  {'token':<14}" + "".join(f"{c:>{width}}" for c in concepts))
+        for payload, text in zip(rows, texts, strict=True):
+            values = payload["readout"][first : first + len(concepts)]
+            print(f"{payload['position']:>5}  {text['text']!r:<14}" + "".join(f"{v:>{width}.4g}" for v in values))
 
 
 def _describe(payload: dict) -> str:

@@ -12,12 +12,27 @@ import subprocess
 import sys
 import termios
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
+import pytest_asyncio
+
+from salience.core.concepts import ConceptSet
+from salience.core.engine import Engine
 from salience.lmtp.repl import parse_line
+from tests.conftest import TINY_CONCEPTS, start_engine
 from tests.lmtp.conftest import LmtpServer
 
 SALIENCE = str(Path(sys.executable).with_name("salience"))
+
+
+@pytest_asyncio.fixture(scope="module")
+async def tiny_engine(tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Engine]:
+    """This module's server reads concepts out, for /readout."""
+    engine = await start_engine(tiny_model, max_model_len=2048, max_logprobs=20, concepts=tiny_concepts)
+    yield engine
+    engine.shutdown()
 
 
 class Terminal:
@@ -76,6 +91,7 @@ def test_parse_line_reads_trailing_parameters_as_lmql_does() -> None:
 
 async def test_repl_generates_scores_cancels_and_survives_errors(lmtp_server: LmtpServer) -> None:
     url = lmtp_server.url.replace("http://", "ws://")
+    prompt = lmtp_server.engine.tokenizer.encode("def hello", add_special_tokens=False)
     terminal = Terminal([SALIENCE, "repl", url])
     try:
         await terminal.expect(r"connected to .*tiny.*\n.*>>> ")
@@ -94,6 +110,22 @@ async def test_repl_generates_scores_cancels_and_survives_errors(lmtp_server: Lm
         terminal.send("/score def || hello\r")
         out = await terminal.expect(r"total logprob (-?\d+\.\d+)")
         assert "logprob" in out
+
+        terminal.send("/readout 2\r")
+        await terminal.expect(r"readouts at layer 2 of alpha, beta")
+        terminal.send("def hello max_tokens=3 ignore_eos=true\r")
+        n = len(prompt) + 3  # a row per prompt position and per generated token
+        out = await terminal.expect(r"\[length\]\s*\n.*pos\s+token\s+alpha.*\n(?:.*\n){" + str(n) + "}")
+        rows = [line.split() for line in out.strip().splitlines()[-n:]]
+        assert [int(row[0]) for row in rows] == list(range(n))
+        expected = await lmtp_server.engine.readout(prompt, [(0, len(prompt))])
+        layer = 1  # layer 2 is the second of TINY_LAYERS
+        for position in range(len(prompt)):
+            shown = [float(v) for v in rows[position][-len(TINY_CONCEPTS) :]]
+            values = expected[position][layer * len(TINY_CONCEPTS) : (layer + 1) * len(TINY_CONCEPTS)]
+            assert shown == pytest.approx(values, rel=1e-3, abs=1e-6)
+        await terminal.expect(">>> ")
+        terminal.send("/readout off\r")
 
         terminal.send("oops temperature=-3\r")
         await terminal.expect(r"\[error\] temperature must be >= 0")
