@@ -7,7 +7,7 @@ call first re-reads the length with DumpSession.
 
     with SalienceClient("127.0.0.1:50051") as client:
         session = client.open_session("SmolLM2-135M-Instruct")
-        result = session.generate(prompt_ids, max_tokens=16, top_k=1)
+        result = session.generate(prompt_ids, max_tokens=16, top_k=1, readout_ranges=[(0, None)])
         branch = session.fork(len(prompt_ids))
 
 `AsyncSalienceClient` is the same over grpc.aio, with `stream()` to consume tokens as they come.
@@ -25,7 +25,9 @@ from salience.proto.salience.v1 import salience_pb2_grpc
 
 __all__ = ["AsyncSalienceClient", "AsyncSession", "GenerateResult", "SalienceClient", "Session"]
 
-Range = tuple[int, int]
+# [start, end) in absolute positions; end None: through the end of the call (what the
+# session will hold after the append plus max_tokens), which only the client can work out.
+Range = tuple[int, int | None]
 
 
 @dataclass
@@ -70,15 +72,20 @@ class _Ledger:
         images: Sequence[pb.ImageAttachment],
     ) -> pb.GenerateRequest:
         offset = self.length if truncate_to is None else truncate_to
+        end_of_call = offset + len(append) + max_tokens
+
+        def ranges(given: Sequence[Range]) -> list[pb.PositionRange]:
+            return [pb.PositionRange(start=s, end=end_of_call if e is None else e) for s, e in given]
+
         request = pb.GenerateRequest(
             session_id=self.session_id,
             append_tokens=append,
             offset=offset,
             truncating=truncate_to is not None and truncate_to < self.length,
             max_tokens=max_tokens,
-            logprobs_ranges=[pb.PositionRange(start=s, end=e) for s, e in logprobs_ranges],
+            logprobs_ranges=ranges(logprobs_ranges),
             logprob_top_k=logprob_top_k,
-            readout_ranges=[pb.PositionRange(start=s, end=e) for s, e in readout_ranges],
+            readout_ranges=ranges(readout_ranges),
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
@@ -142,7 +149,8 @@ class Session:
 
     def generate(self, append: Sequence[int] = (), *, truncate_to: int | None = None, **params) -> GenerateResult:
         """One Generate: params are GenerateRequest's fields (max_tokens, logprobs_ranges,
-        logprob_top_k, readout_ranges, temperature, top_p, top_k, stop_token_ids, priority, images)."""
+        logprob_top_k, readout_ranges, temperature, top_p, top_k, stop_token_ids, priority, images).
+        A range `(start, None)` runs through the last position this call can produce."""
         result = GenerateResult()
         for event in self.stream(append, truncate_to=truncate_to, **params):
             result.add(event)

@@ -281,7 +281,11 @@ async def test_sync_client(served: Served, tiny_reference: Reference) -> None:
             session = client.open_session(MODEL)
             first = session.generate(PROMPT, max_tokens=3, top_k=1)
             branch = session.fork(len(PROMPT))
-            branch.generate([4], max_tokens=1, top_k=1)
+            tail = branch.generate([4], max_tokens=1, top_k=1, logprobs_ranges=[(len(PROMPT), None)])
+            assert [(t.position, t.is_prefill) for t in tail.prefill + tail.tokens] == [
+                (len(PROMPT), True),
+                (len(PROMPT) + 1, False),
+            ]
             assert branch.length == len(PROMPT) + 2 == len(branch.dump())
             session.close()
             return first.token_ids
