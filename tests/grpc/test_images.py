@@ -59,7 +59,14 @@ def vl_concepts(tiny_vl_model: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest_asyncio.fixture(scope="module")
 async def served(tiny_vl_model: Path, vl_concepts: ConceptSet) -> AsyncIterator[tuple[Engine, GrpcServer]]:
-    engine = await start_engine(tiny_vl_model, served_model_name=MODEL, max_model_len=1024, concepts=vl_concepts)
+    engine = await start_engine(
+        tiny_vl_model,
+        served_model_name=MODEL,
+        max_model_len=1024,
+        concepts=vl_concepts,
+        engine_args={"worker_extension_cls": "tests.encoder_probe.EncoderCountingWorker"},
+    )
+    await encoder_passes(engine)  # hooks the vision tower before any image is seen
     status = ServerStatus(MODEL)
     status.ready(engine)
     server = await start_grpc_server(status, SessionStore(status.serving_engine), "127.0.0.1", 0)
@@ -316,10 +323,15 @@ async def test_lmtp_sessions_take_images_too(served, tiny_vl_model: Path) -> Non
         await runner.cleanup()
 
 
+async def encoder_passes(engine: Engine) -> int:
+    return (await engine._llm.collective_rpc("salience_test_encoder_passes"))[0]
+
+
 async def test_later_turns_reuse_the_cached_image_prefix(served, tiny_vl_model: Path) -> None:
     """A second turn is served from the prefix cache past the first turn's image block, so vLLM
-    schedules no encoder work for that image (it encodes only images in uncached positions)."""
+    runs the vision encoder for the first turn only, though every turn resubmits the image."""
     engine, _ = served
+    passes = await encoder_passes(engine)
     vocab = Vocab(engine)
     data = image_bytes("PNG", seed=9)
     n, _ = expected_pads(tiny_vl_model, decode(data))
@@ -336,10 +348,13 @@ async def test_later_turns_reuse_the_cached_image_prefix(served, tiny_vl_model: 
         ),
     )
     assert len([t async for t in first]) == 2
+    assert await encoder_passes(engine) > passes
+    passes = await encoder_passes(engine)
     length = len(store.tokens(sid))
     second = await store.start(
         sid, Turn(offset=length, append=[5, 6], sampling=SamplingOptions(max_tokens=2, temperature=0.0))
     )
     assert len([t async for t in second]) == 2
+    assert await encoder_passes(engine) == passes
     assert first.done.cached_tokens == 0
     assert second.done.cached_tokens >= 256 > len(PRE) + n + 2  # whole 128-token blocks, the image's included
