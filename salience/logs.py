@@ -1,17 +1,27 @@
 """Structured (logfmt) logging, quiet by default.
 
 One line per event, `key=value` pairs, so logs grep and parse. Salience's own
-lifecycle lines are INFO; the libraries under it only speak from WARNING.
+lifecycle lines are INFO; the libraries under it only speak from WARNING, and
+the warnings they give about choices Salience makes on purpose are left out
+(all of it comes back with --log-level debug).
+
+vLLM's engine core is a process of its own that sets up its logging afresh, so
+vLLM is handed the same configuration as a dictConfig file
+(VLLM_LOGGING_CONFIG_PATH, inherited by its processes); Python and torch
+warnings are silenced through the environment for the same reason.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import sys
 import time
+import warnings
 
-__all__ = ["setup_logging"]
+from salience.core.home import salience_home
+
+__all__ = ["ExpectedWarnings", "LogfmtFormatter", "setup_logging"]
 
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
@@ -40,14 +50,66 @@ class LogfmtFormatter(logging.Formatter):
         return line
 
 
+# What vLLM says of settings Salience chooses deliberately (eager mode for the readout hooks,
+# whole-prompt prefill on CPU, token prompts, its CPU build's missing extras): nothing an
+# operator can act on.
+_EXPECTED = (
+    "does not officially support disabling chunked prefill",
+    "Enforce eager set",
+    "Inductor compilation was disabled",
+    "Triton is not installed",
+    "doesn't include CPU backend",
+    "Model Runner V2 requires Triton",
+    "is not found in LD_PRELOAD",
+    "doesn't allow to use `torch.set_num_threads`",
+    "Passing raw prompts to InputProcessor is deprecated",
+    "The global random seed is set",
+)
+
+
+class ExpectedWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(expected in message for expected in _EXPECTED)
+
+
+def _config(level: str) -> dict:
+    """The dictConfig both Salience and vLLM's processes use."""
+    debug = level == "debug"
+    handler = {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "logfmt"}
+    if not debug:
+        handler["filters"] = ["expected"]
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"logfmt": {"()": f"{__name__}.LogfmtFormatter"}},
+        "filters": {"expected": {"()": f"{__name__}.ExpectedWarnings"}},
+        "handlers": {"stderr": handler},
+        "root": {"handlers": ["stderr"], "level": "DEBUG" if debug else "WARNING"},
+        "loggers": {
+            "salience": {"level": level.upper()},
+            # vLLM sets up its own logger; this stops its records reaching the root twice.
+            "vllm": {"handlers": ["stderr"], "level": "DEBUG" if debug else "WARNING", "propagate": False},
+        },
+    }
+
+
 def setup_logging(level: str = "info") -> None:
-    """Salience at `level`; vLLM, torch and friends at WARNING unless asked for more."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(LogfmtFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.WARNING)
-    logging.getLogger("salience").setLevel(level.upper())
-    if level == "debug":
-        os.environ["VLLM_LOGGING_LEVEL"] = "DEBUG"
+    """Salience at `level`; vLLM, torch and friends at WARNING unless asked for more.
+    Call before vLLM or torch is imported."""
+    import logging.config
+
+    config = _config(level)
+    logging.config.dictConfig(config)
+    path = salience_home() / f"logging-{level}.json"
+    scratch = path.with_name(f".{path.name}.{os.getpid()}")
+    scratch.write_text(json.dumps(config, indent=1))
+    scratch.replace(path)  # another server starting at once reads a whole file
+    os.environ.setdefault("VLLM_LOGGING_CONFIG_PATH", str(path))
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if level != "debug":
+        # Library deprecation notices are for their developers; torch's C++ warnings bypass logging.
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning,ignore::FutureWarning")
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

@@ -161,11 +161,12 @@ class Repl:
         concepts = self._manifest["concepts"]
         first = self._manifest["layers"].index(self.readout_layer) * len(concepts)
         texts = await asyncio.gather(*(self.client.request("DETOKENIZE", tokens=[p["token"]]) for p in rows))
-        width = max(10, *(len(c) + 1 for c in concepts))
-        print(f"{'pos':>5}  {'token':<14}" + "".join(f"{c:>{width}}" for c in concepts))
+        widths = [max(10, len(c) + 2) for c in concepts]
+        print(f"{'pos':>5}  {'token':<14}" + "".join(f"{c:>{w}}" for c, w in zip(concepts, widths, strict=True)))
         for payload, text in zip(rows, texts, strict=True):
             values = payload["readout"][first : first + len(concepts)]
-            print(f"{payload['position']:>5}  {text['text']!r:<14}" + "".join(f"{v:>{width}.4g}" for v in values))
+            cells = "".join(f"{v:>{w}.4g}" for v, w in zip(values, widths, strict=True))
+            print(f"{payload['position']:>5}  {text['text']!r:<14}" + cells)
 
 
 def _describe(payload: dict) -> str:
