@@ -22,8 +22,10 @@ import time
 from pathlib import Path
 
 from salience.core.home import configure_environment
+from salience.logs import setup_logging
 
 configure_environment()
+setup_logging()  # before vLLM is imported: its processes log quietly too
 
 from aiohttp import web  # noqa: E402
 

@@ -17,8 +17,10 @@ import sys
 import time
 
 from salience.core.home import configure_environment
+from salience.logs import setup_logging
 
 configure_environment()
+setup_logging()  # before vLLM is imported: its processes log quietly too
 
 from salience.cli import _default_concepts  # noqa: E402
 from salience.core.concepts import ConceptSet  # noqa: E402

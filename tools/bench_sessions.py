@@ -18,8 +18,10 @@ import statistics
 import time
 
 from salience.core.home import configure_environment
+from salience.logs import setup_logging
 
 configure_environment()
+setup_logging()  # before vLLM is imported: its processes log quietly too
 
 from salience.core.default_model import DEFAULT_MODEL_NAME, ensure_default_model  # noqa: E402
 from salience.core.engine import Engine  # noqa: E402
