@@ -10,6 +10,7 @@ import pytest
 from salience.core.engine import Engine
 from salience.core.types import FinishReason, SamplingOptions, TokenEvent
 from salience.errors import ContextOverflow, InvalidArgument
+from tests.conftest import start_engine
 from tests.reference import Reference, assert_logprobs_match
 
 TOL = 1e-4
@@ -152,6 +153,32 @@ async def test_cancelling_half_leaves_the_rest_correct_and_the_engine_empty(
             assert result == tiny_reference.greedy(PROMPTS[i], 64)
     await asyncio.sleep(0.1)
     assert tiny_engine.num_unfinished_requests() == 0
+
+
+async def test_priority_decides_which_waiting_request_runs_first(tiny_model) -> None:
+    """With room for one running sequence, a priority-0 request sent after a priority-10 one
+    runs before it (lower runs first, as vLLM's scheduler and the seed's proto have it)."""
+    engine = await start_engine(tiny_model, max_model_len=512, engine_args={"max_num_seqs": 1})
+    finished: list[str] = []
+
+    async def run(name: str, priority: int, max_tokens: int, started: asyncio.Event | None = None) -> None:
+        options = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, priority=priority)
+        async for _ in engine.generate(PROMPTS[0], options):
+            if started is not None:
+                started.set()
+        finished.append(name)
+
+    try:
+        started = asyncio.Event()
+        running = asyncio.create_task(run("running", 5, 300, started))
+        await started.wait()
+        batch = asyncio.create_task(run("batch", 10, 4))
+        await asyncio.sleep(0.2)  # queued first
+        interactive = asyncio.create_task(run("interactive", 0, 4))
+        await asyncio.gather(running, batch, interactive)
+        assert "running" in finished and finished.index("interactive") < finished.index("batch"), finished
+    finally:
+        engine.shutdown()
 
 
 async def test_cancel_and_close_end_requests(tiny_engine: Engine) -> None:
