@@ -76,6 +76,7 @@ class ExpectedWarnings(logging.Filter):
 def _config(level: str) -> dict:
     """The dictConfig both Salience and vLLM's processes use."""
     debug = level == "debug"
+    libraries = "DEBUG" if debug else "WARNING"
     handler = {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "logfmt"}
     if not debug:
         handler["filters"] = ["expected"]
@@ -85,11 +86,11 @@ def _config(level: str) -> dict:
         "formatters": {"logfmt": {"()": f"{__name__}.LogfmtFormatter"}},
         "filters": {"expected": {"()": f"{__name__}.ExpectedWarnings"}},
         "handlers": {"stderr": handler},
-        "root": {"handlers": ["stderr"], "level": "DEBUG" if debug else "WARNING"},
+        "root": {"handlers": ["stderr"], "level": libraries},
         "loggers": {
             "salience": {"level": level.upper()},
             # vLLM sets up its own logger; this stops its records reaching the root twice.
-            "vllm": {"handlers": ["stderr"], "level": "DEBUG" if debug else "WARNING", "propagate": False},
+            "vllm": {"handlers": ["stderr"], "level": libraries, "propagate": False},
         },
     }
 
@@ -107,7 +108,9 @@ def setup_logging(level: str = "info") -> None:
     scratch.replace(path)  # another server starting at once reads a whole file
     os.environ.setdefault("VLLM_LOGGING_CONFIG_PATH", str(path))
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if level != "debug":
+    if level == "debug":
+        os.environ["VLLM_LOGGING_LEVEL"] = "DEBUG"  # vLLM reads it beyond logging (its debug checks)
+    else:
         # Library deprecation notices are for their developers; torch's C++ warnings bypass logging.
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         warnings.filterwarnings("ignore", category=FutureWarning)

@@ -104,6 +104,9 @@ class Repl:
             print("[error] the server has no concept set: it reads nothing out")
             return
         layers = self._manifest["layers"]
+        if arg and not arg.isdigit():
+            print(f"[error] /readout takes a layer number or off, not {arg!r}")
+            return
         layer = int(arg) if arg else layers[-1]
         if layer not in layers:
             print(f"[error] layer {layer} is not read out; the concept set reads layers {layers}")

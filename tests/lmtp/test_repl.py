@@ -21,7 +21,7 @@ import pytest_asyncio
 from salience.core.concepts import ConceptSet
 from salience.core.engine import Engine
 from salience.lmtp.repl import parse_line
-from tests.conftest import TINY_CONCEPTS, start_engine
+from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
 from tests.lmtp.conftest import LmtpServer
 
 SALIENCE = str(Path(sys.executable).with_name("salience"))
@@ -111,6 +111,10 @@ async def test_repl_generates_scores_cancels_and_survives_errors(lmtp_server: Lm
         out = await terminal.expect(r"total logprob (-?\d+\.\d+)")
         assert "logprob" in out
 
+        terminal.send("/readout two\r")
+        await terminal.expect(r"\[error\] /readout takes a layer number or off, not 'two'")
+        terminal.send("/readout 1\r")
+        await terminal.expect(r"\[error\] layer 1 is not read out; the concept set reads layers \[0, 2, 3\]")
         terminal.send("/readout 2\r")
         await terminal.expect(r"readouts at layer 2 of alpha, beta")
         terminal.send("def hello max_tokens=3 ignore_eos=true\r")
@@ -119,7 +123,7 @@ async def test_repl_generates_scores_cancels_and_survives_errors(lmtp_server: Lm
         rows = [line.split() for line in out.strip().splitlines()[-n:]]
         assert [int(row[0]) for row in rows] == list(range(n))
         expected = await lmtp_server.engine.readout(prompt, [(0, len(prompt))])
-        layer = 1  # layer 2 is the second of TINY_LAYERS
+        layer = TINY_LAYERS.index(2)
         for position in range(len(prompt)):
             shown = [float(v) for v in rows[position][-len(TINY_CONCEPTS) :]]
             values = expected[position][layer * len(TINY_CONCEPTS) : (layer + 1) * len(TINY_CONCEPTS)]
