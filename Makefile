@@ -10,7 +10,9 @@ setup:
 serve: setup
 	$(VENV)/bin/salience serve $(ARGS)
 
+# Only the tests need a browser (tests/ui drives Debian's chromium); serving installs none.
 test: setup
+	@bash tools/setup_browser.sh
 	$(PY) -m pytest $(ARGS)
 
 check: setup

@@ -37,8 +37,29 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--lmtp-port", type=int, default=8080, help="LMTP WebSocket, /health and the page")
     serve.add_argument("--lmtp-tcp-port", type=int, help="also serve LMTP over plain TCP, one message per line")
+    serve.add_argument(
+        "--lmtp-max-message-bytes",
+        type=int,
+        default=16 * 2**20,
+        help="largest LMTP message parsed; a larger one gets an error for its stream (default 16 MiB)",
+    )
+    serve.add_argument(
+        "--lmtp-max-frame-bytes",
+        type=int,
+        default=256 * 2**20,
+        help="largest LMTP message read at all; a larger one closes its connection (default 256 MiB)",
+    )
     serve.add_argument("--grpc-port", type=int, default=50051, help="the salience.v1 gRPC service")
     serve.add_argument("--no-grpc", dest="grpc", action="store_false", help="serve no gRPC")
+    serve.add_argument(
+        "--metrics-port", type=int, help="also serve GET /metrics here, without auth (for a private network)"
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight streams may run after SIGTERM before they are cancelled",
+    )
     serve.add_argument(
         "--model-alias", action="append", default=[], help="another model name clients may use (repeatable)"
     )
@@ -105,8 +126,13 @@ def _serve(args: argparse.Namespace) -> int:
     from salience.core.model_dir import inspect_model_folder
     from salience.core.sessions import SessionLimits
     from salience.core.settings import EngineSettings
+    from salience.lmtp.session import ConnectionLimits
     from salience.server import ServeOptions, serve
 
+    # Checked first: a bad limit must not wait for the model.
+    lmtp_limits = ConnectionLimits(
+        max_message_bytes=args.lmtp_max_message_bytes, max_frame_bytes=args.lmtp_max_frame_bytes
+    )
     if args.model is None:
         folder = inspect_model_folder(ensure_default_model())
         name = args.served_model_name or DEFAULT_MODEL_NAME
@@ -143,6 +169,9 @@ def _serve(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port if args.grpc else None,
         model_aliases=tuple(args.model_alias),
         auth_token=args.auth_token or None,
+        metrics_port=args.metrics_port,
+        drain_timeout=args.drain_timeout,
+        lmtp_limits=lmtp_limits,
         sessions=SessionLimits(
             ttl=args.session_ttl, max_sessions=args.max_sessions, max_tokens=args.max_session_tokens
         ),

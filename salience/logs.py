@@ -9,10 +9,15 @@ vLLM's engine core is a process of its own that sets up its logging afresh, so
 vLLM is handed the same configuration as a dictConfig file
 (VLLM_LOGGING_CONFIG_PATH, inherited by its processes); Python and torch
 warnings are silenced through the environment for the same reason.
+
+Every line logged while a request is served carries `request_id=...`: frontends
+set REQUEST_ID in the request's task, and a filter on the handler copies it onto
+each record, vLLM's included (its frontend half logs from the same task).
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
@@ -21,7 +26,9 @@ import warnings
 
 from salience.core.home import salience_home
 
-__all__ = ["ExpectedWarnings", "LogfmtFormatter", "setup_logging"]
+__all__ = ["REQUEST_ID", "ExpectedWarnings", "LogfmtFormatter", "RequestIdFilter", "setup_logging"]
+
+REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("salience_request_id", default=None)
 
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
@@ -67,6 +74,16 @@ _EXPECTED = (
 )
 
 
+class RequestIdFilter(logging.Filter):
+    """Stamp each record with the request id of the task that logs it, unless it names one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        request_id = REQUEST_ID.get()
+        if request_id is not None and not hasattr(record, "request_id"):
+            record.request_id = request_id
+        return True
+
+
 class ExpectedWarnings(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -78,13 +95,15 @@ def _config(level: str) -> dict:
     debug = level == "debug"
     libraries = "DEBUG" if debug else "WARNING"
     handler = {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "logfmt"}
-    if not debug:
-        handler["filters"] = ["expected"]
+    handler["filters"] = ["request_id"] if debug else ["request_id", "expected"]
     return {
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"logfmt": {"()": f"{__name__}.LogfmtFormatter"}},
-        "filters": {"expected": {"()": f"{__name__}.ExpectedWarnings"}},
+        "filters": {
+            "expected": {"()": f"{__name__}.ExpectedWarnings"},
+            "request_id": {"()": f"{__name__}.RequestIdFilter"},
+        },
         "handlers": {"stderr": handler},
         "root": {"handlers": ["stderr"], "level": libraries},
         "loggers": {

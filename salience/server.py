@@ -1,9 +1,14 @@
 """Composition root: one engine, every frontend, one lifecycle.
 
 Frontends start first and answer "loading" while the model loads; the engine
-is then loaded and warmed up, and only then is the server ready. SIGINT and
-SIGTERM stop the frontends, end in-flight streams and shut the engine
-processes down before the process exits.
+is then loaded and warmed up, and only then is the server ready.
+
+SIGTERM drains: new streams and sessions are refused at once (health reports
+it, so a load balancer moves traffic), the streams in flight run to their end
+for up to `drain_timeout` seconds, and what is left is then cancelled, each
+stream ending with finish reason "cancelled". SIGINT, or a second SIGTERM,
+skips the wait. Either way the frontends close and the engine processes shut
+down before the process exits.
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ from salience.core.sessions import SessionLimits, SessionStore
 from salience.core.settings import EngineSettings
 from salience.core.status import ServerStatus
 from salience.errors import InvalidArgument
-from salience.grpc_frontend.server import start_grpc_server
-from salience.lmtp.app import make_app
-from salience.lmtp.session import LmtpConfig
+from salience.grpc_frontend.server import GrpcServer, start_grpc_server
+from salience.lmtp.app import make_app, make_metrics_app
+from salience.lmtp.session import ConnectionLimits, LmtpConfig
 from salience.lmtp.tcp import start_tcp_server
 
 __all__ = ["ServeOptions", "serve"]
@@ -39,14 +44,26 @@ class ServeOptions:
     model_aliases: tuple[str, ...] = ()
     auth_token: str | None = None
     sessions: SessionLimits = field(default_factory=SessionLimits)
+    lmtp_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # message size limits and more
+    metrics_port: int | None = None  # GET /metrics without auth, for a private network
+    drain_timeout: float = 30.0  # seconds in-flight streams get after SIGTERM
+
+
+# After the drain (or at once), cancelled streams get this long to send their last payloads.
+_LAST_WORDS = 2.0
 
 
 async def serve(settings: EngineSettings, options: ServeOptions) -> None:
-    """Run until SIGINT/SIGTERM."""
+    """Run until SIGTERM (drain, then stop) or SIGINT (stop now)."""
     loop = asyncio.get_running_loop()
+    drain = asyncio.Event()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+
+    def on_sigterm() -> None:
+        (stop if drain.is_set() else drain).set()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
 
     status = ServerStatus(settings.served_model_name, {settings.model.name, *options.model_aliases})
     if options.auth_token is None:
@@ -55,7 +72,7 @@ async def serve(settings: EngineSettings, options: ServeOptions) -> None:
         raise InvalidArgument(
             "--lmtp-tcp-port cannot carry a token: serve it without --auth-token, or use the WebSocket"
         )
-    lmtp = LmtpConfig(auth_token=options.auth_token)
+    lmtp = LmtpConfig(auth_token=options.auth_token, limits=options.lmtp_limits)
     sessions = SessionStore(status.serving_engine, options.sessions)
     sweeper = asyncio.create_task(sessions.sweep_forever())
     runner = web.AppRunner(make_app(status, lmtp, sessions), access_log=None, handle_signals=False)
@@ -63,6 +80,12 @@ async def serve(settings: EngineSettings, options: ServeOptions) -> None:
     site = web.TCPSite(runner, options.host, options.lmtp_port)
     await site.start()
     log.info("listening", extra={"lmtp": f"ws://{options.host}:{options.lmtp_port}/", "phase": "loading"})
+    metrics_runner = None
+    if options.metrics_port is not None:
+        metrics_runner = web.AppRunner(make_metrics_app(), access_log=None, handle_signals=False)
+        await metrics_runner.setup()
+        await web.TCPSite(metrics_runner, options.host, options.metrics_port).start()
+        log.info("listening", extra={"metrics": f"http://{options.host}:{options.metrics_port}/metrics"})
     tcp = None
     if options.lmtp_tcp_port is not None:
         tcp = await start_tcp_server(status, lmtp, sessions, options.host, options.lmtp_tcp_port)
@@ -74,27 +97,59 @@ async def serve(settings: EngineSettings, options: ServeOptions) -> None:
 
     engine: Engine | None = None
     loading = asyncio.create_task(Engine.start(settings))
-    stopped = asyncio.create_task(stop.wait())
+    signalled = asyncio.create_task(_either(drain, stop))
     try:
-        await asyncio.wait({loading, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({loading, signalled}, return_when=asyncio.FIRST_COMPLETED)
         # A load cannot be interrupted halfway (it runs in a thread): let it finish, then stop.
         engine = await loading
-        if not stop.is_set():
+        if not signalled.done():
             status.ready(engine)
             if grpc is not None:
                 await grpc.serving(True)
             log.info("ready", extra={"model": settings.served_model_name, "max_model_len": engine.max_model_len})
-            await stopped
+            await signalled
+            if not stop.is_set():
+                await _drain(status, grpc, stop, options.drain_timeout)
         log.info("stopping")
     finally:
-        stopped.cancel()
+        signalled.cancel()
         sweeper.cancel()
-        status.stopping()
+        if engine is not None and await engine.cancel_all():
+            await status.wait_idle(_LAST_WORDS)  # their last payloads ("cancelled") are queued
+        status.stopping()  # LMTP connections send what is queued, then close
         if tcp is not None:
             tcp.close()
         if grpc is not None:
             await grpc.stop()
         await runner.cleanup()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
         if engine is not None:
             engine.shutdown()
         log.info("stopped")
+
+
+async def _either(*events: asyncio.Event) -> None:
+    waits = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
+async def _drain(status: ServerStatus, grpc: GrpcServer | None, stop: asyncio.Event, timeout: float) -> None:
+    """Refuse new work at once; let the streams in flight finish, for up to `timeout` seconds
+    or until `stop` is set."""
+    status.draining()
+    if grpc is not None:
+        await grpc.serving(False)
+    log.info("draining", extra={"in_flight": status.in_flight, "timeout": timeout})
+    idle = asyncio.create_task(status.wait_idle())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({idle, stopped}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    idle.cancel()
+    stopped.cancel()
+    if status.in_flight:
+        why = "signal" if stop.is_set() else "timeout"
+        log.info("drain cut short: cancelling what is left", extra={"in_flight": status.in_flight, "cause": why})

@@ -1,7 +1,10 @@
-"""A separate virtualenv with what LMQL users run: lmql 0.7.3 and transformers 4.x.
+"""A separate virtualenv with what LMQL users run: lmql 0.7.3 and transformers 4.x, with CPU torch.
 
 LMQL's client tokenizes on its side with transformers < 5, which cannot share the
-server's environment (vLLM needs 5.x). Built once per cache, atomically.
+server's environment (vLLM needs 5.x). torch is there so the same environment can
+also run a model folder under transformers 4.x (tests/test_portable.py); the CPU
+build is installed first and pinned, so nothing swaps in a CUDA one. Built once per
+cache, atomically.
 """
 
 from __future__ import annotations
@@ -14,16 +17,25 @@ from pathlib import Path
 from salience.core.atomic import build_folder_once
 from salience.core.home import salience_home
 
-REQUIREMENTS = ["lmql==0.7.3", "transformers==4.57.6"]
+TORCH = "torch==2.13.0"
+REQUIREMENTS = ["lmql==0.7.3", "transformers==4.57.6", TORCH]
 
 
 def _build(folder: Path) -> None:
     venv.EnvBuilder(with_pip=True).create(folder)
-    subprocess.run(
-        [folder / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check", *REQUIREMENTS],
+    python = folder / "bin" / "python"
+    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, TORCH], check=True, stdout=sys.stderr)
+    # Pin the exact local build (e.g. 2.13.0+cpu) for the rest of the install.
+    installed = subprocess.run(
+        [python, "-c", "import importlib.metadata as m; print(m.version('torch'))"],
         check=True,
-        stdout=sys.stderr,
-    )
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    constraints = folder / "constraints.txt"
+    constraints.write_text(f"torch=={installed}\n")
+    subprocess.run([*pip, "-c", constraints, *REQUIREMENTS], check=True, stdout=sys.stderr)
 
 
 def client_python() -> Path:

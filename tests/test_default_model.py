@@ -46,6 +46,8 @@ def test_converted_folder_is_float32_and_portable(default_model: Path) -> None:
     config = json.loads((default_model / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
     assert "quantization_config" not in config
+    # transformers 5.x reads rope_parameters, 4.x (LMQL's side) the top-level key: both say 100000.
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 100000.0
     tokenizer_config = json.loads((default_model / "tokenizer_config.json").read_text())
     assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"
 

@@ -198,6 +198,27 @@ async def test_cancel_and_close_end_requests(tiny_engine: Engine) -> None:
     assert tiny_engine.num_unfinished_requests() == 0
 
 
+async def test_cancel_at_any_moment_of_the_submission_ends_the_request(tiny_engine: Engine) -> None:
+    """cancel() before the first step never submits; during vLLM's add_request (whose abort by id
+    finds nothing yet: the request would run to max_tokens) the request is still ended."""
+    for turns in range(12):  # event-loop turns the consumer gets before the cancel
+        generation = tiny_engine.generate(PROMPTS[2], SamplingOptions(max_tokens=500, ignore_eos=True))
+        consumer = asyncio.create_task(collect_all(generation))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        await generation.cancel()
+        events = await asyncio.wait_for(consumer, 30)
+        assert generation.finish_reason is FinishReason.CANCELLED
+        assert len(events) <= 2, f"cancelled after {turns} turns, yet {len(events)} tokens"
+        await asyncio.sleep(0.05)
+        assert tiny_engine.num_unfinished_requests() == 0
+
+
+async def collect_all(generation) -> list[TokenEvent]:
+    async with generation:
+        return [event async for event in generation]
+
+
 async def test_score_matches_reference(tiny_engine: Engine, tiny_reference: Reference) -> None:
     prompt, continuation = PROMPTS[7][:12], PROMPTS[7][12:]
     scored = await tiny_engine.score(prompt, continuation, top_logprobs=3)

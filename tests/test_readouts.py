@@ -24,9 +24,9 @@ def concepts(tiny_concepts: ConceptSet) -> ConceptSet:
     return tiny_concepts
 
 
-@pytest_asyncio.fixture(scope="module")
-async def engine(tiny_model: Path, concepts: ConceptSet) -> AsyncIterator[Engine]:
-    engine = await start_engine(tiny_model, max_model_len=1024, concepts=concepts)
+@pytest_asyncio.fixture(scope="module", params=["eager", "compiled"])
+async def engine(request: pytest.FixtureRequest, tiny_model: Path, concepts: ConceptSet) -> AsyncIterator[Engine]:
+    engine = await start_engine(tiny_model, max_model_len=1024, concepts=concepts, compile=request.param == "compiled")
     yield engine
     engine.shutdown()
 

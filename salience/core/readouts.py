@@ -22,13 +22,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from salience.core.atomic import build_folder_once
 from salience.core.concepts import ConceptSet
-from salience.errors import InvalidArgument
+from salience.core.home import salience_home
+from salience.errors import EngineError, InvalidArgument
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["ReadoutHub", "check_ranges"]
+__all__ = ["ReadoutHub", "check_ranges", "readout_engine_args"]
 
 Readout = tuple[float, ...]
 
@@ -46,6 +48,29 @@ def check_ranges(ranges: Sequence[tuple[int, int]]) -> list[list[int]]:
     return checked
 
 
+def readout_engine_args(concepts: ConceptSet) -> dict:
+    """The vLLM engine arguments that put readout taps into the model (readout_graph.py).
+
+    The taps load the vectors from a content-addressed copy of the set; its digest
+    in `additional_config` keys vLLM's compile cache, so another set never reuses
+    a graph compiled for this one.
+    """
+    from salience.core.readout_graph import CONFIG_KEY, LOAD_FORMAT, file_digest
+
+    digest = concepts.digest()
+    folder = build_folder_once(
+        salience_home() / "concept-sets" / digest[:24], lambda out: concepts.save(out / "concepts.safetensors")
+    )
+    path = folder / "concepts.safetensors"
+    return {
+        "worker_extension_cls": "salience.core.readout_worker.ReadoutWorker",
+        "load_format": LOAD_FORMAT,
+        "additional_config": {
+            CONFIG_KEY: {"path": str(path), "sha256": file_digest(path), "layers": list(concepts.layers)}
+        },
+    }
+
+
 class ReadoutHub:
     def __init__(self, llm: AsyncLLM, concepts: ConceptSet) -> None:
         self._llm = llm
@@ -57,9 +82,10 @@ class ReadoutHub:
 
     @staticmethod
     async def install(llm: AsyncLLM, concepts: ConceptSet) -> ReadoutHub:
-        layers = list(concepts.layers)
-        blobs = [concepts.vectors[layer].contiguous().numpy().astype(np.float32).tobytes() for layer in layers]
-        await llm.collective_rpc("salience_readout_setup", args=(layers, blobs, concepts.hidden_size))
+        shape = (await llm.collective_rpc("salience_readout_setup"))[0]
+        expected = [len(concepts.layers), len(concepts.concepts)]
+        if shape[1:] != expected:
+            raise EngineError(f"the worker's readout buffer is {shape}, not [rows, {expected[0]}, {expected[1]}]")
         return ReadoutHub(llm, concepts)
 
     def register(self, key: str) -> None:

@@ -28,6 +28,7 @@ from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from salience import metrics
 from salience.core.engine import Engine, Generation, PlacedImage, PromptScores
 from salience.core.images import ImageFacts, Vision
 from salience.core.types import FinishReason, ImageBlock, SamplingOptions, covers
@@ -71,6 +72,7 @@ class Turn:
     logprob_top_k: int = 0
     readout_ranges: Sequence[Range] = ()
     sampling: SamplingOptions = field(default_factory=lambda: SamplingOptions(max_tokens=0))
+    request_id: str | None = None  # vLLM's id for the turn (default: a new uuid4 hex)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -131,6 +133,7 @@ class SessionStore:
         self.limits = limits or SessionLimits()
         self._clock = clock
         self._sessions: dict[str, _Session] = {}  # least recently used first
+        metrics.watch_sessions(self)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -146,6 +149,7 @@ class SessionStore:
         session = _Session(secrets.token_urlsafe(16))
         self._sessions[session.id] = session
         self._touch(session)
+        metrics.SESSIONS_CREATED.inc()
         return session.id
 
     async def close(self, session_id: str) -> None:
@@ -155,6 +159,7 @@ class SessionStore:
             await session.run.cancel()
 
     def fork(self, session_id: str, at_position: int) -> str:
+        self._engine()  # a new session: none while loading or draining
         source = self._get(session_id)
         if at_position > len(source.tokens):
             raise FailedPrecondition(
@@ -167,6 +172,7 @@ class SessionStore:
         child.images = [b for b in source.images if b.end <= at_position]
         self._sessions[child.id] = child
         self._touch(child)
+        metrics.SESSIONS_CREATED.inc()
         return child.id
 
     def tokens(self, session_id: str) -> list[int]:
@@ -178,6 +184,8 @@ class SessionStore:
         expired = [s.id for s in self._sessions.values() if s.run is None and s.last_used < deadline]
         for session_id in expired:
             del self._sessions[session_id]
+        if expired:
+            metrics.SESSIONS_EVICTED.labels("ttl").inc(len(expired))
         return len(expired)
 
     async def sweep_forever(self) -> None:
@@ -188,17 +196,19 @@ class SessionStore:
 
     # ---- turns ---------------------------------------------------------------------------
 
-    async def start(self, session_id: str, turn: Turn) -> TurnRun:
+    async def start(self, session_id: str, turn: Turn, engine: Engine | None = None) -> TurnRun:
         """Validate the turn, apply its append, and return it ready to iterate.
 
         Every error is raised here, before the session changes. Images are decoded first, in
         threads (a large one takes a while, and other streams must not wait); everything that
-        reads or changes the session happens after that, without awaiting."""
-        facts = await self._inspect(turn)
+        reads or changes the session happens after that, without awaiting. `engine` is the one
+        the caller was admitted with (ServerStatus.admit), so a turn admitted before the server
+        began draining runs; by default the store asks for the serving engine."""
+        engine = engine or self._engine()
+        facts = await self._inspect(turn, engine)
         session = self._get(session_id)
         if session.run is not None:
             raise SessionBusy(f"session {session_id} is already generating; wait for its Done or cancel that call")
-        engine = self._engine()
         length = len(session.tokens)
         if turn.offset != length and not (turn.truncating and turn.offset < length):
             hint = "" if turn.truncating else "; set truncating to rewind to a shorter offset"
@@ -245,6 +255,7 @@ class SessionStore:
             work = engine.generate(
                 tokens,
                 options,
+                request_id=turn.request_id,
                 readout_ranges=readout_ranges,
                 prompt_logprobs=turn.logprob_top_k if scored else None,
                 images=images,
@@ -254,7 +265,9 @@ class SessionStore:
             engine.check_top_k(top_k or 0)
 
             def scoring() -> Awaitable[PromptScores]:
-                return engine.prefill(tokens, top_logprobs=top_k, readout_ranges=readout_ranges, images=images)
+                return engine.prefill(
+                    tokens, top_logprobs=top_k, readout_ranges=readout_ranges, images=images, request_id=turn.request_id
+                )
 
         # Committed: the append is the client's content whatever happens to the turn.
         del session.tokens[turn.offset :]
@@ -265,10 +278,9 @@ class SessionStore:
         self._touch(session)
         return run
 
-    async def _inspect(self, turn: Turn) -> list[ImageFacts]:
+    async def _inspect(self, turn: Turn, engine: Engine) -> list[ImageFacts]:
         if not turn.images:
             return []
-        engine = self._engine()
         vision = Vision.of(engine.vision, engine.model_name)
         return list(
             await asyncio.gather(
@@ -313,6 +325,7 @@ class SessionStore:
             victim = idle.pop(0)
             stored -= len(victim.tokens)
             del self._sessions[victim.id]
+            metrics.SESSIONS_EVICTED.labels("lru").inc()
 
 
 class TurnRun:
@@ -352,9 +365,12 @@ class TurnRun:
         reason = FinishReason.LENGTH
         try:
             if self._scoring is not None:
-                for token in self._prefill_tokens(await self._scoring()):
-                    yield token
-            elif self._work is not None:
+                # One pass: skipped if cancelled before it, its results dropped if cancelled during it.
+                scores = None if self._stopped else await self._scoring()
+                if scores is not None and not self._stopped:
+                    for token in self._prefill_tokens(scores):
+                        yield token
+            elif self._work is not None:  # a Generation cancelled before it starts never reaches vLLM
                 async with self._work as generation:
                     async for event in generation:
                         if completion == 0:
@@ -372,8 +388,8 @@ class TurnRun:
                             readout=event.readout,
                         )
                 reason = generation.finish_reason or FinishReason.CANCELLED
-                if self._stopped:
-                    reason = FinishReason.CANCELLED
+            if self._stopped:
+                reason = FinishReason.CANCELLED
             cached = (self._work.cached_tokens or 0) if self._work is not None else 0
             self.done = TurnDone(
                 prompt_tokens=prompt_tokens, completion_tokens=completion, finish_reason=reason, cached_tokens=cached

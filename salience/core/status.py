@@ -1,4 +1,9 @@
-"""The server's lifecycle, shared by every frontend: loading, ready, stopping."""
+"""The server's lifecycle, shared by every frontend: loading, ready, draining, stopping.
+
+Every stream a frontend runs is admitted here (`admit`), so the server knows what is in
+flight: draining refuses new streams while the admitted ones keep their engine, and waits
+(`wait_idle`) until they have ended.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +13,44 @@ from collections.abc import Iterable
 
 from salience.core.engine import Engine
 from salience.errors import InvalidArgument, Unavailable
+from salience.metrics import StreamRecord
 
-__all__ = ["Phase", "ServerStatus"]
+__all__ = ["Admitted", "Phase", "ServerStatus"]
 
 
 class Phase(enum.Enum):
     LOADING = "loading"
     READY = "ready"
+    DRAINING = "draining"  # in-flight streams finish; new ones are refused
     STOPPING = "stopping"
+
+
+class Admitted:
+    """A stream admitted to run: its engine, counted in flight until `end`.
+
+    As a context manager it ends the stream on exit if the body did not: `cancelled`
+    when the body was cancelled, `error` when it raised."""
+
+    def __init__(self, status: ServerStatus, engine: Engine, frontend: str, kind: str) -> None:
+        self.engine = engine
+        self.kind = kind
+        self._status = status
+        self._record = StreamRecord(frontend, kind)
+
+    def end(self, finish_reason: str) -> None:
+        """`stop`, `length`, `cancelled` or `error`; only the first call counts."""
+        if not self._record.ended:
+            self._record.end(finish_reason)
+            self._status._stream_ended()
+
+    def __enter__(self) -> Admitted:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: object, tb: object) -> None:
+        if kind is not None:
+            self.end("cancelled" if issubclass(kind, (asyncio.CancelledError, GeneratorExit)) else "error")
+        else:
+            self.end("cancelled")
 
 
 class ServerStatus:
@@ -27,6 +62,9 @@ class ServerStatus:
         self.phase = Phase.LOADING
         self.engine: Engine | None = None
         self.changed = asyncio.Event()
+        self.in_flight = 0  # admitted streams that have not ended
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     def ready(self, engine: Engine) -> None:
         self.engine = engine
@@ -36,14 +74,39 @@ class ServerStatus:
         """The engine, or Unavailable saying why requests cannot run now."""
         if self.phase is Phase.LOADING:
             raise Unavailable("the model is still loading; retry in a few seconds")
+        if self.phase is Phase.DRAINING:
+            raise Unavailable("the server is draining; retry on another instance (requests in flight are finishing)")
         if self.phase is Phase.STOPPING or self.engine is None:
             raise Unavailable("the server is shutting down")
         return self.engine
+
+    def admit(self, frontend: str, kind: str) -> Admitted:
+        """Admit a stream (`kind`: generate, score, session_generate), or raise Unavailable."""
+        engine = self.serving_engine()
+        self.in_flight += 1
+        self._idle.clear()
+        return Admitted(self, engine, frontend, kind)
+
+    def _stream_ended(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        """Until no admitted stream is running; False if `timeout` seconds passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def check_model(self, model: str | None) -> None:
         """A request naming a model (None: it names none) must name the served one."""
         if model is not None and model not in self.model_names:
             raise InvalidArgument(f"model {model!r} is not served here; this server serves {self.model_name!r}")
+
+    def draining(self) -> None:
+        self._set(Phase.DRAINING)
 
     def stopping(self) -> None:
         self._set(Phase.STOPPING)

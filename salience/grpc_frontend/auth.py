@@ -6,7 +6,9 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from salience import metrics, request_ids
 from salience.auth import bearer_matches
+from salience.errors import InvalidArgument
 
 __all__ = ["BearerAuthInterceptor"]
 
@@ -15,7 +17,16 @@ _OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
 
 async def _deny(request: object, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization metadata)")
+    request_id = dict(context.invocation_metadata() or ()).get(request_ids.HEADER)
+    try:
+        request_id = request_ids.check(request_id)
+    except InvalidArgument:
+        request_id = request_ids.new()
+    await context.abort(
+        grpc.StatusCode.UNAUTHENTICATED,
+        f"missing or wrong bearer token (authorization metadata) (request_id={request_id})",
+        ((request_ids.HEADER, request_id),),
+    )
 
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
@@ -33,4 +44,5 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         metadata = dict(handler_call_details.invocation_metadata or ())
         if bearer_matches(self._token, metadata.get("authorization", "")):
             return await continuation(handler_call_details)
+        metrics.AUTH_FAILURES.labels("grpc").inc()
         return self._deny

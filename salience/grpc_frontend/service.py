@@ -7,10 +7,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from salience import metrics
 from salience.core.sessions import SessionStore, SessionToken, Turn, TurnDone
 from salience.core.status import ServerStatus
 from salience.core.types import FinishReason, ImageBlock, SamplingOptions
 from salience.grpc_frontend.status_codes import translating, translating_stream
+from salience.logs import REQUEST_ID
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
 
@@ -59,16 +61,22 @@ class SalienceService(salience_pb2_grpc.SalienceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateEvent]:
-        run = await self._sessions.start(request.session_id, _turn(request))
-        async with contextlib.aclosing(aiter(run)) as tokens:
-            async for token in tokens:
-                yield pb.GenerateEvent(token=_token(token))
-        assert run.done is not None
-        yield pb.GenerateEvent(done=_done(run.done))
+        with self._status.admit("grpc", "session_generate") as admitted:
+            run = await self._sessions.start(request.session_id, _turn(request, REQUEST_ID.get()), admitted.engine)
+            async with contextlib.aclosing(aiter(run)) as tokens:
+                async for token in tokens:
+                    if token.readout is not None:
+                        metrics.READOUT_POSITIONS.labels("grpc").inc()
+                        metrics.READOUT_BYTES.labels("grpc").inc(4 * len(token.readout))
+                    yield pb.GenerateEvent(token=_token(token))
+            assert run.done is not None
+            admitted.end(run.done.finish_reason.value)
+            yield pb.GenerateEvent(done=_done(run.done))
 
 
-def _turn(request: pb.GenerateRequest) -> Turn:
+def _turn(request: pb.GenerateRequest, request_id: str | None = None) -> Turn:
     return Turn(
+        request_id=request_id,
         offset=request.offset,
         truncating=request.truncating,
         append=tuple(request.append_tokens),

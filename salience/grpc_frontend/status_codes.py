@@ -1,17 +1,26 @@
-"""Salience errors as gRPC status codes: the one place the mapping lives."""
+"""Salience errors as gRPC status codes: the one place the mapping lives.
+
+The wrappers also give every call its request id (the `x-request-id` metadata, else a
+new one): set as the call's logging context, sent back as initial metadata, and on an
+error at the end of the message (` (request_id=...)`) and as trailing metadata.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import grpc
 
-from salience import errors
+from salience import errors, metrics, request_ids
+from salience.logs import REQUEST_ID
 
-__all__ = ["code_for", "translating", "translating_stream"]
+__all__ = ["abort", "code_for", "translating", "translating_stream"]
+
+log = logging.getLogger(__name__)
 
 _CODES: dict[type[errors.SalienceError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -36,6 +45,30 @@ def code_for(exc: errors.SalienceError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, kind: str) -> None:
+    """End the call with `code`, naming the request in the message and trailing metadata; raises."""
+    request_id = REQUEST_ID.get() or request_ids.new()
+    metrics.ERRORS.labels("grpc", kind).inc()
+    log.info("request failed", extra={"request_id": request_id, "code": code.name, "kind": kind, "error": message})
+    await context.abort(code, f"{message} (request_id={request_id})", ((request_ids.HEADER, request_id),))
+
+
+async def _begin(context: grpc.aio.ServicerContext) -> None:
+    """Set the call's request id (its x-request-id metadata, else a new one) and send it back.
+    Each call runs in a task of its own, so the id stays with this call."""
+    given = dict(context.invocation_metadata() or ()).get(request_ids.HEADER)
+    REQUEST_ID.set(request_ids.new())
+    if given is not None:
+        request_ids.check(given, "x-request-id metadata")  # InvalidArgument, named by the new id
+        REQUEST_ID.set(given)
+    await context.send_initial_metadata(((request_ids.HEADER, REQUEST_ID.get()),))
+
+
+async def _internal(context: grpc.aio.ServicerContext) -> None:
+    log.exception("call failed")
+    await abort(context, grpc.StatusCode.INTERNAL, "internal server error", "InternalError")
+
+
 def translating(
     method: Callable[..., Awaitable[Resp]],
 ) -> Callable[..., Awaitable[Resp]]:
@@ -44,9 +77,14 @@ def translating(
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext) -> Resp:
         try:
+            await _begin(context)
             return await method(self, request, context)
         except errors.SalienceError as exc:
-            await context.abort(code_for(exc), str(exc))  # raises
+            await abort(context, code_for(exc), str(exc), type(exc).__name__)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            await _internal(context)
 
     return wrapper
 
@@ -59,12 +97,19 @@ def translating_stream(
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
         try:
+            await _begin(context)
+            log.debug("stream started", extra={"method": method.__name__})
             # aclosing: a cancelled call must close the inner generator now (aborting
             # its engine request), not whenever it is garbage-collected.
             async with contextlib.aclosing(method(self, request, context)) as items:
                 async for item in items:
                     yield item
+            log.debug("stream ended", extra={"method": method.__name__})
         except errors.SalienceError as exc:
-            await context.abort(code_for(exc), str(exc))
+            await abort(context, code_for(exc), str(exc), type(exc).__name__)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            await _internal(context)
 
     return wrapper

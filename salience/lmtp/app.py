@@ -1,4 +1,4 @@
-"""The aiohttp application: LMTP over WebSocket at `/`, `GET /health`, and the browser page at `/ui/`."""
+"""The aiohttp application: LMTP over WebSocket at `/`, `GET /health`, `GET /metrics`, and the page at `/ui/`."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ from collections.abc import AsyncIterator
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from salience import metrics, request_ids
 from salience.auth import bearer_matches
 from salience.core.sessions import SessionStore
 from salience.core.status import Phase, ServerStatus
-from salience.lmtp.codec import MAX_LINE_BYTES
-from salience.lmtp.session import LmtpConfig, LmtpSession
+from salience.errors import InvalidArgument
+from salience.lmtp.session import OVERSIZED_FRAME, LmtpConfig, LmtpSession
 from salience.ui import UI_PATH, add_routes
 
-__all__ = ["LMTP_CONFIG", "STATUS", "make_app", "serve_session"]
+__all__ = ["LMTP_CONFIG", "STATUS", "make_app", "make_metrics_app", "serve_session"]
 
 STATUS = web.AppKey("status", ServerStatus)
 AUTH_CLOSE_CODE = 4401  # WebSocket close code for a missing or wrong token (4000-4999: application codes)
@@ -25,13 +26,36 @@ AUTH_CLOSE_CODE = 4401  # WebSocket close code for a missing or wrong token (400
 LMTP_CONFIG = web.AppKey("lmtp_config", LmtpConfig)
 SESSIONS = web.AppKey("sessions", SessionStore)
 SOCKETS = web.AppKey("sockets", weakref.WeakSet[web.WebSocketResponse])
+CONNECTIONS = web.AppKey("connections", weakref.WeakSet[LmtpSession])
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 once the engine is loaded and warmed up; 503 while loading or stopping."""
+    """200 once the engine is loaded and warmed up; 503 while loading, draining or stopping."""
     status = request.app[STATUS]
     body = {"status": status.phase.value, "model": status.model_name}
     return web.json_response(body, status=200 if status.phase is Phase.READY else 503)
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    """Prometheus text format, behind the bearer token when the server has one."""
+    token = request.app[LMTP_CONFIG].auth_token
+    if token and not bearer_matches(token, request.headers.get("Authorization"), request.query.get("token")):
+        metrics.AUTH_FAILURES.labels("metrics").inc()
+        raise web.HTTPUnauthorized(
+            headers={"WWW-Authenticate": "Bearer"}, text="unauthorized: missing or wrong bearer token"
+        )
+    return await open_metrics(request)
+
+
+async def open_metrics(request: web.Request) -> web.Response:
+    return web.Response(body=metrics.exposition(), headers={"Content-Type": metrics.CONTENT_TYPE})
+
+
+def make_metrics_app() -> web.Application:
+    """`GET /metrics` alone, without auth: for --metrics-port, on a network only operators reach."""
+    app = web.Application()
+    app.router.add_get("/metrics", open_metrics)
+    return app
 
 
 async def serve_session(session: LmtpSession, lines: AsyncIterator[str | bytes], send, close) -> None:
@@ -52,28 +76,42 @@ async def serve_session(session: LmtpSession, lines: AsyncIterator[str | bytes],
     finally:
         session.close()
         await session.wait_closed()
+        # What is queued (such as the error that ended the input) goes out first; to a client
+        # that has gone, sending fails at once.
+        await asyncio.wait({pump}, timeout=5)
         watcher.cancel()
         pump.cancel()
         await asyncio.gather(pump, watcher, return_exceptions=True)
 
 
 async def lmtp_websocket(request: web.Request) -> web.StreamResponse:
-    ws = web.WebSocketResponse(max_msg_size=MAX_LINE_BYTES)
+    # Messages up to the frame ceiling are read, so one over the message limit costs only itself.
+    ws = web.WebSocketResponse(max_msg_size=request.app[LMTP_CONFIG].limits.max_frame_bytes)
     if not ws.can_prepare(request).ok:
         raise web.HTTPFound(UI_PATH)  # a browser opening the server's address gets the page
+    prefix = request.headers.get(request_ids.HEADER)
+    if prefix is not None:  # browsers cannot set it, so refusing before the upgrade is fine
+        try:
+            request_ids.check(prefix, "the x-request-id header")
+        except InvalidArgument as exc:
+            raise web.HTTPBadRequest(text=str(exc)) from None
     await ws.prepare(request)
     config = request.app[LMTP_CONFIG]
     if config.auth_token and not bearer_matches(
         config.auth_token, request.headers.get("Authorization"), request.query.get("token")
     ):
         # Close after the upgrade, not a 401 before it: browsers see close codes, never HTTP statuses.
+        metrics.AUTH_FAILURES.labels("lmtp_ws").inc()
         await ws.close(code=AUTH_CLOSE_CODE, message=b"unauthorized: missing or wrong token")
         return ws
     request.app[SOCKETS].add(ws)
-    session = LmtpSession(request.app[STATUS], config, request.app[SESSIONS])
+    session = LmtpSession(request.app[STATUS], config, request.app[SESSIONS], request_id_prefix=prefix)
+    request.app[CONNECTIONS].add(session)
 
     async def lines() -> AsyncIterator[str | bytes]:
         async for message in ws:
+            if message.type is WSMsgType.ERROR and getattr(message.data, "code", None) == WSCloseCode.MESSAGE_TOO_BIG:
+                session.dropping(OVERSIZED_FRAME)
             if message.type in (WSMsgType.TEXT, WSMsgType.BINARY):
                 # One message per frame; a frame of several lines is read line by line.
                 data = message.data
@@ -89,6 +127,8 @@ async def lmtp_websocket(request: web.Request) -> web.StreamResponse:
 
 
 async def _close_sockets(app: web.Application) -> None:
+    # What the connections have queued (a drain's last payloads, "stopping") goes out first.
+    await asyncio.gather(*(session.flush(2.0) for session in list(app[CONNECTIONS])))
     for ws in list(app[SOCKETS]):
         await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
 
@@ -100,8 +140,10 @@ def make_app(status: ServerStatus, config: LmtpConfig, sessions: SessionStore | 
     app[LMTP_CONFIG] = config
     app[SESSIONS] = sessions if sessions is not None else SessionStore(status.serving_engine)
     app[SOCKETS] = weakref.WeakSet()
+    app[CONNECTIONS] = weakref.WeakSet()
     app.router.add_get("/", lmtp_websocket)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_endpoint)
     add_routes(app)
     app.on_shutdown.append(_close_sockets)
     return app

@@ -23,7 +23,9 @@ from typing import Any
 
 import orjson
 
+from salience import request_ids
 from salience.core.types import ImageBlock
+from salience.errors import InvalidArgument
 from salience.lmtp.messages import (
     Cancel,
     ClientMessage,
@@ -41,20 +43,35 @@ from salience.lmtp.messages import (
     Tokenize,
 )
 
-__all__ = ["MAX_LINE_BYTES", "LmtpError", "msg_frame", "parse_client_line", "parse_server_line", "token_frame"]
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "MAX_MESSAGE_BYTES",
+    "LmtpError",
+    "msg_frame",
+    "parse_client_line",
+    "parse_server_line",
+    "token_frame",
+]
 
-MAX_LINE_BYTES = 16 * 1024 * 1024
+# The largest message parsed (--lmtp-max-message-bytes); a larger one gets an error, unparsed.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# The hard ceiling the transports read up to (--lmtp-max-frame-bytes); past it they close.
+MAX_FRAME_BYTES = 256 * 1024 * 1024
 _INT_LIMIT = 2**63
 
 
 class LmtpError(Exception):
-    """A line the server cannot act on; `stream_id` is None if the line named none."""
+    """A line the server cannot act on; `stream_id` is None if the line named none, and
+    `request_id` is the line's own if it holds a valid one."""
 
-    def __init__(self, message: str, *, stream_id: int | None = None, kind: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, stream_id: int | None = None, kind: str | None = None, request_id: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.stream_id = stream_id
         self.kind = kind
+        self.request_id = request_id
 
 
 # ---- field readers: each raises a message naming the field -------------------
@@ -91,6 +108,21 @@ def _str(value: Any, name: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{name} must be a string, got {_show(value)}")
     return value
+
+
+def _request_id(value: Any, name: str) -> str:
+    try:
+        return request_ids.check(value, name)
+    except InvalidArgument as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _valid_request_id(value: Any) -> str | None:
+    """A line's request_id if it is valid, so an error about the line's other fields can name it."""
+    try:
+        return request_ids.check(value)
+    except InvalidArgument:
+        return None
 
 
 def _tokens(value: Any, name: str) -> tuple[int, ...]:
@@ -180,6 +212,7 @@ _GENERATE: dict[str, _Reader] = {
     "ignore_eos": _bool,
     "text": _bool,
     "readout": _ranges,
+    "request_id": _request_id,
 }
 _SCORE: dict[str, _Reader] = {
     "stream_id": _int,
@@ -189,6 +222,7 @@ _SCORE: dict[str, _Reader] = {
     "top_logprobs": lambda v, n: _int(v, n, 0),
     "text": _bool,
     "readout": _ranges,
+    "request_id": _request_id,
 }
 _SESSION_GENERATE: dict[str, _Reader] = {
     "stream_id": _int,
@@ -202,7 +236,7 @@ _SESSION_GENERATE: dict[str, _Reader] = {
     "readout": _ranges,
     **{
         name: _GENERATE[name]
-        for name in ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "priority", "text")
+        for name in ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "priority", "text", "request_id")
     },
     "images": _images,
 }
@@ -237,13 +271,16 @@ _TYPES: dict[str, tuple[type, dict[str, _Reader], frozenset[str]]] = {
 }
 
 
-def parse_client_line(line: str | bytes) -> ClientMessage:
-    """Parse one client line; raise LmtpError with a message fit to send back."""
+def parse_client_line(line: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> ClientMessage:
+    """Parse one client line; raise LmtpError with a message fit to send back.
+
+    A line over `max_bytes` is not parsed: the error names its type and stream_id if they can
+    be found cheaply (see _oversized), so it can still go to the stream it belongs to."""
     if isinstance(line, str):
         line = line.encode("utf-8", "surrogatepass")
-    if len(line) > MAX_LINE_BYTES:
-        raise LmtpError(f"message of {len(line)} bytes exceeds the limit of {MAX_LINE_BYTES}")
     line = line.rstrip(b"\r\n")
+    if len(line) > max_bytes:
+        raise _oversized(line, max_bytes)
     kind_bytes, sep, body = line.partition(b" ")
     try:
         kind = kind_bytes.decode("ascii")
@@ -262,24 +299,52 @@ def parse_client_line(line: str | bytes) -> ClientMessage:
     cls, readers, required = _TYPES[kind]
     stream_id = data.get("stream_id")
     stream_id = stream_id if type(stream_id) is int and -_INT_LIMIT <= stream_id < _INT_LIMIT else None
+    request_id = _valid_request_id(data.get("request_id")) if "request_id" in readers else None
+    where = {"stream_id": stream_id, "kind": kind, "request_id": request_id}
     unknown = sorted(set(data) - set(readers))
     if unknown:
-        raise LmtpError(
-            f"{kind}: unknown field {unknown[0]!r}; known: {', '.join(readers)}", stream_id=stream_id, kind=kind
-        )
+        raise LmtpError(f"{kind}: unknown field {unknown[0]!r}; known: {', '.join(readers)}", **where)
     missing = sorted(name for name in required if data.get(name) is None)
     if missing:
-        raise LmtpError(f"{kind}: missing field {missing[0]!r}", stream_id=stream_id, kind=kind)
+        raise LmtpError(f"{kind}: missing field {missing[0]!r}", **where)
     try:
         fields = {name: readers[name](value, name) for name, value in data.items() if value is not None}
     except ValueError as exc:
-        raise LmtpError(f"{kind}: {exc}", stream_id=stream_id, kind=kind) from None
+        raise LmtpError(f"{kind}: {exc}", **where) from None
     if cls is ModelInfo:
         fields.pop("data", None)  # LMQL's copy of the model name
     return cls(**fields)
 
 
 _STREAM_ID = re.compile(rb'"stream_id"\s*:\s*(-?\d{1,18})\b')
+_CANDIDATES = 16  # "stream_id" keys tried in an oversized message: a valid one holds one
+
+
+def _oversized(line: bytes, limit: int) -> LmtpError:
+    """The error for a message over the limit, without parsing it: its type is its first word,
+    and its stream_id the first `"stream_id": N` found by a plain byte search (the key is
+    usually near the start, or last, where LMQL writes it; a JSON string cannot hold the key
+    unescaped, and a value "stream_id" has no colon after it)."""
+    kind_bytes, sep, _ = line[:32].partition(b" ")
+    kind = kind_bytes.decode("ascii", "replace") if sep else ""
+    if kind not in _TYPES:
+        kind = ""
+    stream_id, start = None, 0
+    for _ in range(_CANDIDATES if kind else 0):
+        at = line.find(b'"stream_id"', start)
+        if at < 0:
+            break
+        found = _STREAM_ID.match(line, at)
+        if found is not None:
+            stream_id = int(found.group(1))
+            break
+        start = at + 1
+    what = f"{kind} message" if kind else "message"
+    return LmtpError(
+        f"{what} of {len(line)} bytes exceeds the limit of {limit} bytes (--lmtp-max-message-bytes)",
+        stream_id=stream_id,
+        kind=kind or None,
+    )
 
 
 def _slow_json(body: bytes, kind: str, error: Exception) -> Any:

@@ -56,6 +56,7 @@ class Generate:
     ignore_eos: bool = False
     text: bool = False
     readout: tuple[tuple[int, int], ...] = ()
+    request_id: str | None = None  # the client's id for the stream (default: the server makes one)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +68,7 @@ class Score:
     top_logprobs: int = 0
     text: bool = False
     readout: tuple[tuple[int, int], ...] = ()
+    request_id: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +151,7 @@ class SessionGenerate:
     priority: int = 0
     text: bool = False
     images: tuple[ImageBlock, ...] = ()
+    request_id: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

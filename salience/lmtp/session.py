@@ -12,27 +12,41 @@ gets, once `max_pending` payloads wait, every stream ended with an error and
 the connection closed (`closed` is set; the adapter closes its transport).
 Closing the session (client gone, server stopping) cancels every stream,
 which aborts its engine request at once.
+
+A CANCEL can come at any moment of a stream's life, even in the frame that
+started it, before its task has run: it is remembered (`_cancels`), cancels
+the stream's work if it exists, and otherwise cancels it as it is attached,
+before anything has reached the engine.
+
+Each stream has a request id: the message's `request_id`, else `<prefix>-<stream_id>`
+when the connection brought an `x-request-id` prefix, else a new uuid4 hex. It is set
+as the stream task's logging context, given to the engine, and put on the stream's
+terminal payload and on every error payload.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import math
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 
+import orjson
+
+from salience import metrics, request_ids
 from salience.core.engine import Engine, Generation
 from salience.core.images import Vision
 from salience.core.sessions import SessionStore, SessionToken, Turn, TurnRun
-from salience.core.status import Phase, ServerStatus
+from salience.core.status import Admitted, Phase, ServerStatus
 from salience.core.text import TextStream
 from salience.core.types import SamplingOptions, ScoredToken, TokenEvent
-from salience.errors import SalienceError
-from salience.lmtp.codec import LmtpError, msg_frame, parse_client_line, token_frame
+from salience.errors import InvalidArgument, SalienceError
+from salience.lmtp.codec import MAX_FRAME_BYTES, MAX_MESSAGE_BYTES, LmtpError, msg_frame, parse_client_line, token_frame
 from salience.lmtp.messages import (
     Cancel,
     ClientMessage,
@@ -49,16 +63,34 @@ from salience.lmtp.messages import (
     Status,
     Tokenize,
 )
+from salience.logs import REQUEST_ID
 
 __all__ = ["ConnectionLimits", "LmtpConfig", "LmtpSession"]
 
 log = logging.getLogger(__name__)
+
+_KINDS = {Generate: "generate", Score: "score", SessionGenerate: "session_generate"}
+
+# Why a connection was dropped (salience_connections_dropped_total's `cause`).
+CLIENT_GONE, SLOW_CLIENT, SEND_TIMEOUT = "client_gone", "slow_client", "send_timeout"
+OVERSIZED_FRAME, SERVER_SHUTDOWN = "oversized_frame", "server_shutdown"
 
 
 @dataclass(frozen=True, kw_only=True)
 class ConnectionLimits:
     max_pending: int = 65536  # payloads waiting for a client that does not read
     send_timeout: float = 30.0  # seconds one frame may take to go out
+    # A message over max_message_bytes gets an error (its stream's, if it names one), unparsed;
+    # one over max_frame_bytes closes the connection: the transports read no further.
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_frame_bytes: int = MAX_FRAME_BYTES
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_message_bytes <= self.max_frame_bytes:
+            raise InvalidArgument(
+                f"--lmtp-max-message-bytes ({self.max_message_bytes}) must be positive and at most "
+                f"--lmtp-max-frame-bytes ({self.max_frame_bytes})"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,16 +100,35 @@ class LmtpConfig:
 
 
 class LmtpSession:
-    def __init__(self, status: ServerStatus, config: LmtpConfig, sessions: SessionStore) -> None:
+    def __init__(
+        self,
+        status: ServerStatus,
+        config: LmtpConfig,
+        sessions: SessionStore,
+        *,
+        frontend: str = "lmtp_ws",
+        request_id_prefix: str | None = None,
+    ) -> None:
         self._status = status
         self._sessions = sessions
         self._limits = config.limits
+        self._frontend = frontend
+        self._request_id_prefix = request_id_prefix  # the connection's x-request-id header
+        self._request_ids: dict[int, str] = {}  # running streams
+        self._finished: dict[int, str] = {}  # finish reasons sent, until the stream's task ends
+        self._drop_cause: str | None = None
+        self._ended = False
+        self._readout_positions = metrics.READOUT_POSITIONS.labels(frontend)
+        self._readout_bytes = metrics.READOUT_BYTES.labels(frontend)
+        metrics.CONNECTIONS_ACTIVE.labels(frontend).inc()
         self._tasks: set[asyncio.Task] = set()
         self._watcher: asyncio.Task | None = None
         self._queue: deque[tuple[str, dict]] = deque()
         self._wake = asyncio.Event()
+        self._sending = False  # the pump has a frame on its way out
         self._streams: dict[int, asyncio.Task] = {}
         self._generations: dict[int, Generation | TurnRun] = {}
+        self._cancels: set[int] = set()  # running streams a CANCEL named (see _attach)
         self.closed = asyncio.Event()
 
     # ---- input -------------------------------------------------------------------
@@ -87,26 +138,32 @@ class LmtpSession:
         if self.closed.is_set():
             return
         try:
-            message = parse_client_line(line)
+            message = parse_client_line(line, self._limits.max_message_bytes)
         except LmtpError as exc:
-            self._reject(exc.kind, exc.stream_id, exc.message)
+            self._reject(exc.kind, exc.stream_id, exc.message, exc.request_id)
             return
         self._dispatch(message)
 
     def reject(self, message: str) -> None:
         """Report a transport-level problem (e.g. an oversized line) to the client."""
-        self._msg({"stream_id": None, "error": message})
+        self._msg(self._failed(None, message, "LmtpError"))
+
+    def dropping(self, cause: str) -> None:
+        """The transport is about to close the connection, for `cause` (e.g. OVERSIZED_FRAME)."""
+        self._drop_cause = self._drop_cause or cause
 
     def _dispatch(self, message: ClientMessage) -> None:
         match message:
             case Generate() | Score() | SessionGenerate():
                 self._start(message)
             case Cancel(stream_id=stream_id):
-                generation = self._generations.get(stream_id)
-                if generation is not None:
-                    self._spawn(generation.cancel())
-                elif stream_id not in self._streams:
+                if stream_id not in self._streams:
                     self._error(stream_id, f"CANCEL: stream {stream_id} is not running")
+                elif stream_id not in self._cancels:
+                    self._cancels.add(stream_id)
+                    work = self._generations.get(stream_id)
+                    if work is not None:
+                        self._spawn(work.cancel(), self._request_ids.get(stream_id))
             case ModelInfo(stream_id=stream_id):
                 self._msg({"stream_id": stream_id, "model_info": self._model_info()})
             case Status(stream_id=stream_id):
@@ -120,47 +177,79 @@ class LmtpSession:
             case OpenSession() | CloseSession() | ForkSession() | DumpSession():
                 self._spawn(self._session_reply(message))
 
-    def _reject(self, kind: str | None, stream_id: int | None, message: str) -> None:
+    def _reject(self, kind: str | None, stream_id: int | None, message: str, request_id: str | None = None) -> None:
         # Stream errors go where LMQL's client looks for them, or it waits forever.
         if kind in ("GENERATE", "SCORE", "SESSION_GENERATE") and stream_id is not None:
-            self._error(stream_id, message)
+            self._error(stream_id, message, request_id=request_id)
         else:
-            self._msg({"stream_id": stream_id, "error": message})
+            self._msg(self._failed(stream_id, message, "LmtpError", request_id))
 
     # ---- streams -------------------------------------------------------------------
 
     def _start(self, request: Generate | Score | SessionGenerate) -> None:
         stream_id = request.stream_id
+        request_id = request.request_id or self._new_request_id(stream_id)
         if stream_id in self._streams:
-            self._error(stream_id, f"stream_id {stream_id} is already running on this connection")
+            message = f"stream_id {stream_id} is already running on this connection"
+            self._error(stream_id, message, request_id=request_id)
             return
         try:
-            engine = self._status.serving_engine()
+            self._status.serving_engine()
             self._status.check_model(getattr(request, "model", None))
+            admitted = self._status.admit(self._frontend, _KINDS[type(request)])
         except SalienceError as exc:
-            self._error(stream_id, str(exc))
+            self._error(stream_id, str(exc), kind=type(exc).__name__, request_id=request_id)
             return
         handlers = {Generate: self._generate, Score: self._score, SessionGenerate: self._session_generate}
         run = handlers[type(request)]
-        task = asyncio.create_task(self._guard(stream_id, run(engine, request)))
+        self._request_ids[stream_id] = request_id
+        task = asyncio.create_task(self._guard(stream_id, request_id, admitted, run(admitted.engine, request)))
         self._streams[stream_id] = task
-        task.add_done_callback(lambda _: self._streams.pop(stream_id, None))
+        task.add_done_callback(lambda _: self._forget(stream_id, admitted))
 
-    async def _guard(self, stream_id: int, work: Awaitable[None]) -> None:
+    def _forget(self, stream_id: int, admitted: Admitted) -> None:
+        # A task cancelled before it ever ran (the client left at once) never enters _guard's
+        # finally: end its admission here, or drain and the active gauge wait for it forever.
+        admitted.end("cancelled")
+        self._streams.pop(stream_id, None)
+        self._cancels.discard(stream_id)
+
+    async def _attach(self, stream_id: int, work: Generation | TurnRun) -> None:
+        """Let CANCEL reach `work`. A CANCEL that came before the work existed (in the same frame
+        as its request, or while a session turn was set up) cancels it now, before it reaches
+        the engine: iterating it then ends at once with finish_reason CANCELLED."""
+        self._generations[stream_id] = work
+        if stream_id in self._cancels:
+            await work.cancel()
+
+    async def _guard(self, stream_id: int, request_id: str, admitted: Admitted, work: Awaitable[None]) -> None:
+        REQUEST_ID.set(request_id)  # this task's context: every line it logs names the request
+        log.debug("stream started", extra={"stream_id": stream_id, "kind": admitted.kind})
+        reason = "cancelled"
         try:
             await work
+            reason = self._finished.get(stream_id, "cancelled")
         except SalienceError as exc:
-            self._error(stream_id, str(exc))
+            reason = "error"
+            self._error(stream_id, str(exc), kind=type(exc).__name__)
         except asyncio.CancelledError:
             raise
         except Exception:
+            reason = "error"
             log.exception("stream failed", extra={"stream_id": stream_id})
-            self._error(stream_id, "internal server error")
+            self._error(stream_id, "internal server error", kind="InternalError")
+        finally:
+            admitted.end(reason)
+            self._request_ids.pop(stream_id, None)
+            self._finished.pop(stream_id, None)
+            log.debug("stream ended", extra={"stream_id": stream_id, "finish_reason": reason})
 
     async def _generate(self, engine: Engine, request: Generate) -> None:
-        generation = engine.generate(request.prompt, _options(request), readout_ranges=request.readout)
         stream_id = request.stream_id
-        self._generations[stream_id] = generation
+        generation = engine.generate(
+            request.prompt, _options(request), request_id=self._request_ids[stream_id], readout_ranges=request.readout
+        )
+        await self._attach(stream_id, generation)
         text = TextStream(engine.tokenizer, request.prompt) if request.text else None
         ended = False
         try:
@@ -180,9 +269,23 @@ class LmtpSession:
     async def _score(self, engine: Engine, request: Score) -> None:
         prompt, continuation = engine.check_scoring(request.prompt, request.scored)
         scored = []
+        # A SCORE is one short pass, not aborted once running: cancelled before it, it is never
+        # submitted; cancelled during it, its results are dropped. Either way it ends "cancelled".
+        cancelled = {"stream_id": request.stream_id, "finish_reason": "cancelled"}
+        if request.stream_id in self._cancels:
+            self._token(cancelled)
+            return
         if continuation or request.readout:  # one pass: the prompt's readouts and the continuation's scores
             ids = prompt + continuation
-            scores = await engine.prefill(ids, top_logprobs=request.top_logprobs, readout_ranges=request.readout)
+            scores = await engine.prefill(
+                ids,
+                top_logprobs=request.top_logprobs,
+                readout_ranges=request.readout,
+                request_id=self._request_ids[request.stream_id],
+            )
+            if request.stream_id in self._cancels:
+                self._token(cancelled)
+                return
             readouts = {p: r for p, r in scores.readouts.items() if p < len(prompt)}
             self._prompt_readouts(request.stream_id, request.prompt, readouts)
             scored = [scores.at(p) for p in range(len(prompt), len(ids))]
@@ -221,10 +324,11 @@ class LmtpSession:
                 stop_token_ids=request.stop_token_ids,
                 priority=request.priority,
             ),
+            request_id=self._request_ids[request.stream_id],
         )
-        run = await self._sessions.start(request.session_id, turn)
+        run = await self._sessions.start(request.session_id, turn, engine)
         stream_id = request.stream_id
-        self._generations[stream_id] = run
+        await self._attach(stream_id, run)
         text = None
         try:
             async with contextlib.aclosing(aiter(run)) as tokens:
@@ -263,7 +367,7 @@ class LmtpSession:
                 case DumpSession(session_id=session_id):
                     reply |= {"session_id": session_id, "tokens": self._sessions.tokens(session_id)}
         except SalienceError as exc:
-            reply["error"] = str(exc)
+            reply = self._failed(request.stream_id, str(exc), type(exc).__name__)
         self._msg(reply)
 
     def _prompt_readouts(self, stream_id: int, prompt: tuple[int, ...], readouts: dict) -> None:
@@ -314,12 +418,16 @@ class LmtpSession:
                 tokens = engine.check_tokens("tokens", request.tokens)
                 reply = {"stream_id": request.stream_id, "text": engine.tokenizer.decode(tokens)}
         except SalienceError as exc:
-            reply = {"stream_id": request.stream_id, "error": str(exc)}
+            reply = self._failed(request.stream_id, str(exc), type(exc).__name__)
         self._msg(reply)
 
-    def _spawn(self, work: Awaitable[None]) -> None:
-        """Run a reply that must await, keeping the task referenced until it ends."""
-        task = asyncio.ensure_future(work)
+    def _spawn(self, work: Coroutine[object, object, None], request_id: str | None = None) -> None:
+        """Run a reply that must await, keeping the task referenced until it ends; what it
+        logs names `request_id`."""
+        context = contextvars.copy_context()
+        if request_id is not None:
+            context.run(REQUEST_ID.set, request_id)
+        task = asyncio.get_running_loop().create_task(work, context=context)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -341,16 +449,37 @@ class LmtpSession:
                 "height": height,
             }
         except SalienceError as exc:
-            reply["error"] = str(exc)
+            reply = self._failed(request.stream_id, str(exc), type(exc).__name__)
         self._msg(reply)
 
     # ---- output ------------------------------------------------------------------------
 
     def _token(self, payload: dict) -> None:
+        stream_id = payload["stream_id"]
+        if payload.get("finish_reason") is not None:  # the stream's terminal payload
+            self._finished[stream_id] = payload["finish_reason"]
+            payload["request_id"] = self._request_ids.get(stream_id)
+        if "readout" in payload and not self.closed.is_set():
+            self._readout_positions.inc()
+            self._readout_bytes.inc(len(orjson.dumps(payload["readout"])))
         self._put("TOKEN", payload)
 
-    def _error(self, stream_id: int, message: str) -> None:
-        self._put("TOKEN", {"stream_id": stream_id, "error": message}, force=True)
+    def _error(self, stream_id: int, message: str, *, kind: str = "LmtpError", request_id: str | None = None) -> None:
+        """End a stream with an error (`kind`: the SalienceError class, or what else went wrong)."""
+        self._put("TOKEN", self._failed(stream_id, message, kind, request_id), force=True)
+
+    def _failed(self, stream_id: int | None, message: str, kind: str, request_id: str | None = None) -> dict:
+        """An error payload naming its request; counted and logged."""
+        request_id = request_id or self._request_ids.get(stream_id) or self._new_request_id(stream_id)
+        metrics.ERRORS.labels(self._frontend, kind).inc()
+        extra = {"request_id": request_id, "stream_id": stream_id, "kind": kind, "error": message}
+        log.info("request failed", extra=extra)
+        return {"stream_id": stream_id, "error": message, "request_id": request_id}
+
+    def _new_request_id(self, stream_id: int | None) -> str:
+        if self._request_id_prefix is not None and stream_id is not None:
+            return f"{self._request_id_prefix}-{stream_id}"
+        return request_ids.new()
 
     def _msg(self, payload: dict) -> None:
         self._put("MSG", payload, force=True)
@@ -367,9 +496,10 @@ class LmtpSession:
     def _overflow(self) -> None:
         message = f"client is not reading: more than {self._limits.max_pending} messages are waiting; closing"
         log.warning("slow client", extra={"pending": len(self._queue)})
+        self.dropping(SLOW_CLIENT)
         for stream_id, task in list(self._streams.items()):
             task.cancel()
-            self._error(stream_id, message)
+            self._error(stream_id, message, kind="SlowClient")
         self.closed.set()
 
     async def pump(self, send: Callable[[str], Awaitable[None]]) -> None:
@@ -387,22 +517,45 @@ class LmtpSession:
                     run.append(self._queue.popleft()[1])
                 frame = token_frame(run) if kind == "TOKEN" else msg_frame(run)
                 try:
+                    self._sending = True
                     await asyncio.wait_for(send(frame), self._limits.send_timeout)
                 except TimeoutError:
                     log.warning("send timed out; closing", extra={"timeout": self._limits.send_timeout})
+                    self.dropping(SEND_TIMEOUT)
                     self.close()
                     return
+                finally:
+                    self._sending = False
         finally:
             self.close()
 
     def close(self) -> None:
         """Cancel every stream (aborting its engine request) and stop accepting input."""
+        if not self._ended:
+            self._ended = True
+            metrics.CONNECTIONS_ACTIVE.labels(self._frontend).dec()
+            cause = self._drop_cause
+            if cause is None and self._status.phase is Phase.STOPPING:
+                cause = SERVER_SHUTDOWN
+            elif cause is None and self._streams:
+                cause = CLIENT_GONE
+            if cause is not None:
+                metrics.CONNECTIONS_DROPPED.labels(self._frontend, cause).inc()
+                log.info("connection dropped", extra={"cause": cause, "streams": len(self._streams)})
         for task in list(self._streams.values()):
             task.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
         self.closed.set()
         self._wake.set()
+
+    async def flush(self, timeout: float) -> None:
+        """Until what is queued has been sent, for up to `timeout` seconds: the server's
+        shutdown waits for it (a drain's last payloads) before it closes the transport."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while (self._queue or self._sending) and not self.closed.is_set():
+                    await asyncio.sleep(0.01)
 
     async def wait_closed(self) -> None:
         """Until every stream task has finished (their engine requests are aborted)."""

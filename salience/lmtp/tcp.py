@@ -9,8 +9,7 @@ from collections.abc import AsyncIterator
 from salience.core.sessions import SessionStore
 from salience.core.status import ServerStatus
 from salience.lmtp.app import serve_session
-from salience.lmtp.codec import MAX_LINE_BYTES
-from salience.lmtp.session import LmtpConfig, LmtpSession
+from salience.lmtp.session import OVERSIZED_FRAME, LmtpConfig, LmtpSession
 
 __all__ = ["start_tcp_server"]
 
@@ -19,7 +18,7 @@ async def start_tcp_server(
     status: ServerStatus, config: LmtpConfig, sessions: SessionStore, host: str, port: int
 ) -> asyncio.Server:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        session = LmtpSession(status, config, sessions)
+        session = LmtpSession(status, config, sessions, frontend="lmtp_tcp")
 
         async def lines() -> AsyncIterator[bytes]:
             while True:
@@ -30,7 +29,9 @@ async def start_tcp_server(
                         yield exc.partial
                     return
                 except asyncio.LimitOverrunError:
-                    session.reject(f"line exceeds the limit of {MAX_LINE_BYTES} bytes; closing")
+                    session.dropping(OVERSIZED_FRAME)
+                    limit = config.limits.max_frame_bytes
+                    session.reject(f"message exceeds the hard limit of {limit} bytes (--lmtp-max-frame-bytes); closing")
                     return
                 if line.strip():
                     yield line
@@ -49,4 +50,5 @@ async def start_tcp_server(
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
 
-    return await asyncio.start_server(handle, host, port, limit=MAX_LINE_BYTES + 1)
+    # readuntil accepts a line whose content (before the newline) is at most `limit` bytes.
+    return await asyncio.start_server(handle, host, port, limit=config.limits.max_frame_bytes)

@@ -208,3 +208,87 @@ def test_odd_but_valid_json_gets_a_message_or_an_error(kind: str, body: dict) ->
             assert exc.stream_id == body["stream_id"]
     else:
         assert type(message).__name__.upper().replace("INFO", "_INFO") == kind
+
+
+# ---- messages over the limit: not parsed, but named (type and stream_id) -----------------------
+
+LIMIT = 64 * 1024
+
+
+def big_generate(where: str, stream_id: int = 7, size: int = 100 * 1024) -> str:
+    """A GENERATE of about `size` bytes with its stream_id at the start, in the middle (before a
+    second long list), at the end (where LMQL writes it), or absent."""
+    field = f'"stream_id": {stream_id}'
+    half = "1, " * (size // 6)
+    fields = {
+        "start": [field, f'"prompt": [{half}{half}1]'],
+        "middle": [f'"prompt": [{half}1]', field, f'"stop_token_ids": [{half}1]'],
+        "end": ['"model": "stream_id"', f'"prompt": [{half}{half}1]', field],
+        "absent": [f'"prompt": [{half}{half}1]'],
+    }[where]
+    return "GENERATE {" + ", ".join(fields) + "}"
+
+
+def oversized_message(kind: str, size: int, limit: int = LIMIT) -> str:
+    return f"{kind} message of {size} bytes exceeds the limit of {limit} bytes (--lmtp-max-message-bytes)"
+
+
+@pytest.mark.parametrize("form", ["str", "bytes"])
+@pytest.mark.parametrize(("where", "stream_id"), [("start", 7), ("middle", -3), ("end", 123456789), ("absent", None)])
+def test_a_message_over_the_limit_is_named_not_parsed(form: str, where: str, stream_id: int | None) -> None:
+    line = big_generate(where, stream_id if stream_id is not None else 0)
+    with pytest.raises(LmtpError) as info:
+        parse_client_line(line if form == "str" else line.encode(), LIMIT)
+    assert info.value.message == oversized_message("GENERATE", len(line))
+    assert (info.value.kind, info.value.stream_id) == ("GENERATE", stream_id)
+
+
+def test_the_limit_is_inclusive_and_counts_utf8_bytes() -> None:
+    head = 'TOKENIZE {"stream_id": 4, "text": "'
+    fill = LIMIT - len(head) - 2
+    exact = head + "x" * fill + '"}'
+    assert len(exact.encode()) == LIMIT
+    assert parse_client_line(exact, LIMIT) == Tokenize(stream_id=4, text="x" * fill)
+    accented = head + "é" * (fill // 2 + 1) + '"}'  # fewer characters than the limit, more bytes
+    assert len(accented) < LIMIT < len(accented.encode())
+    with pytest.raises(LmtpError) as info:
+        parse_client_line(accented, LIMIT)
+    assert info.value.message == oversized_message("TOKENIZE", len(accented.encode()))
+    assert (info.value.kind, info.value.stream_id) == ("TOKENIZE", 4)
+
+
+def test_a_stream_id_cut_by_a_search_window_is_read_whole() -> None:
+    for pad in range(4070, 4100):  # the key or its number straddles the first 4 KB
+        line = (
+            'SCORE {"model": "'
+            + "m" * pad
+            + '", "stream_id": 98765, "prompt": ['
+            + "1, " * 30000
+            + '1], "scored": [1]}'
+        )
+        with pytest.raises(LmtpError) as info:
+            parse_client_line(line, LIMIT)
+        assert (info.value.kind, info.value.stream_id) == ("SCORE", 98765)
+
+
+@pytest.mark.parametrize(
+    ("line", "kind"),
+    [
+        ("FROB " + "x" * LIMIT, None),  # an unknown type is not named
+        ("x" * (LIMIT + 1), None),  # nor is a line with no type at all
+        ('GENERATE {"prompt": [' + "1, " * 30000 + '1], "stream_id": true}', "GENERATE"),  # no integer id
+    ],
+)
+def test_an_oversized_message_without_a_stream_id_is_a_connection_error(line: str, kind: str | None) -> None:
+    with pytest.raises(LmtpError) as info:
+        parse_client_line(line, LIMIT)
+    assert info.value.message == oversized_message(kind or "", len(line)).lstrip()
+    assert (info.value.kind, info.value.stream_id) == (kind, None)
+
+
+def test_the_default_limit_is_16_mib() -> None:
+    line = big_generate("end", 5, size=16 * 2**20)
+    with pytest.raises(LmtpError) as info:
+        parse_client_line(line)
+    assert info.value.message == oversized_message("GENERATE", len(line), 16 * 2**20)
+    assert info.value.stream_id == 5

@@ -5,9 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 
+import aiohttp
 import pytest
+from aiohttp import WSCloseCode, web
 
+from salience.core.status import ServerStatus
 from salience.core.types import SamplingOptions
+from salience.lmtp.app import make_app
+from salience.lmtp.codec import parse_server_line
+from salience.lmtp.session import ConnectionLimits, LmtpConfig
+from salience.lmtp.tcp import start_tcp_server
+from tests.conftest import free_port
 from tests.lmtp.conftest import LmtpServer
 
 PROMPT = [0, *range(40, 60)]
@@ -31,11 +39,13 @@ async def test_generate_payloads_have_exactly_what_lmql_reads(lmtp_server: LmtpS
     expected = await direct(lmtp_server, PROMPT, max_tokens=6, temperature=0.0, logprobs=3)
     assert [p["token"] for p in payloads] == [e.token_id for e in expected]
     for payload, event in zip(payloads, expected, strict=True):
-        assert set(payload) == {"token", "stream_id", "logprob", "finish_reason", "top_logprobs"}
+        last = {"request_id"} if payload["finish_reason"] else set()  # the server made one: uuid4 hex
+        assert set(payload) == {"token", "stream_id", "logprob", "finish_reason", "top_logprobs"} | last
         assert payload["stream_id"] == 1 and isinstance(payload["logprob"], float)
         assert payload["logprob"] == pytest.approx(event.logprob, abs=1e-6)
         assert payload["top_logprobs"] == pytest.approx({str(t): lp for t, lp in event.top_logprobs}, abs=1e-6)
     assert [p["finish_reason"] for p in payloads] == [None] * 5 + ["length"]
+    assert len(payloads[-1]["request_id"]) == 32 and int(payloads[-1]["request_id"], 16) >= 0
 
 
 async def test_score_payloads(lmtp_server: LmtpServer, connect) -> None:
@@ -95,6 +105,46 @@ async def test_cancel_ends_the_stream_with_cancelled(lmtp_server: LmtpServer, co
     assert "not running" in (await client.stream(8))[0]["error"]
 
 
+async def engine_idle(lmtp_server: LmtpServer) -> None:
+    for _ in range(100):
+        if lmtp_server.engine.num_unfinished_requests() == 0:
+            return
+        await asyncio.sleep(0.05)
+    assert lmtp_server.engine.num_unfinished_requests() == 0
+
+
+SCORE_LINE = "SCORE " + json.dumps({"model": "tiny", "prompt": PROMPT, "scored": [300, 301, 302], "stream_id": 43})
+
+
+@pytest.mark.parametrize("when", ["same frame", "next frame"])
+async def test_cancel_before_the_first_token_ends_the_stream_at_once(
+    lmtp_server: LmtpServer, connect, when: str
+) -> None:
+    """A CANCEL that reaches the server before its stream's first token (in the GENERATE's own
+    frame, or the frame after it) ends that stream with "cancelled" instead of being dropped."""
+    client = await connect()
+    await client.send(generate(40, max_tokens=64))  # a neighbour on the same connection
+    await asyncio.wait_for(client.streams.setdefault(40, asyncio.Queue()).get(), 30)
+    lines = [generate(41, max_tokens=500), 'CANCEL {"stream_id": 41}']
+    if when == "same frame":  # a SCORE too: the frame is read whole before any stream starts
+        await client.send("\n".join([*lines, SCORE_LINE, 'CANCEL {"stream_id": 43}']))
+    else:
+        for line in lines:
+            await client.send(line)
+    started = asyncio.get_running_loop().time()
+    cancelled = await client.stream(41, timeout=30)
+    elapsed = asyncio.get_running_loop().time() - started
+    assert cancelled[-1]["finish_reason"] == "cancelled" and "error" not in cancelled[-1]
+    assert len([p for p in cancelled if "token" in p]) <= 2, f"{len(cancelled)} payloads in {elapsed:.2f}s"
+    if when == "same frame":  # never started: nothing went out before the end
+        score = await client.stream(43, timeout=30)
+        for payloads in (cancelled, score):
+            assert len(payloads) == 1 and "token" not in payloads[0] and payloads[0]["finish_reason"] == "cancelled"
+    neighbour = await client.stream(40)
+    assert len(neighbour) == 63 and neighbour[-1]["finish_reason"] == "length"
+    await engine_idle(lmtp_server)
+
+
 @pytest.mark.parametrize(
     ("line", "stream_id", "message"),
     [
@@ -134,6 +184,87 @@ async def test_connection_level_errors_come_as_msg(connect, line: str, message: 
     assert message in reply["error"]
     await client.send(generate(1, max_tokens=2))
     assert len(await client.stream(1)) == 2
+
+
+def oversized(stream_id: int, size: int) -> str:
+    """A GENERATE of `size` bytes, stream_id last (where LMQL writes it)."""
+    head, tail = 'GENERATE {"model": "tiny", "prompt": [', f'1], "stream_id": {stream_id}}}'
+    count, spaces = divmod(size - len(head) - len(tail), 3)
+    return head + "1, " * count + " " * spaces + tail
+
+
+def errors(payloads: list[dict]) -> list[dict]:
+    """Error payloads as {stream_id, error}, whatever else they carry."""
+    return [{"stream_id": p["stream_id"], "error": p["error"]} for p in payloads]
+
+
+async def test_an_oversized_message_costs_only_itself(lmtp_server: LmtpServer, connect) -> None:
+    """A 20 MB GENERATE (over the 16 MiB message limit, under the 256 MiB frame ceiling) gets
+    its stream's error; the stream running beside it and the connection carry on."""
+    client = await connect()
+    await client.send(generate(60, max_tokens=64))
+    first = await asyncio.wait_for(client.streams.setdefault(60, asyncio.Queue()).get(), 30)
+    big = oversized(61, 20 * 2**20)
+    await client.send(big)
+    error = await client.stream(61, timeout=30)
+    limit = 16 * 2**20
+    message = f"GENERATE message of {len(big)} bytes exceeds the limit of {limit} bytes (--lmtp-max-message-bytes)"
+    assert errors(error) == [{"stream_id": 61, "error": message}]
+    survivor = [first, *await client.stream(60)]
+    assert len(survivor) == 64 and survivor[-1]["finish_reason"] == "length"
+    expected = await direct(lmtp_server, PROMPT, max_tokens=64, temperature=0.0)
+    assert [p["token"] for p in survivor] == [e.token_id for e in expected]
+    await client.send(generate(62, max_tokens=3))
+    assert len(await client.stream(62)) == 3
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", lmtp_server.tcp_port, limit=2**20)
+    writer.write((generate(63, max_tokens=64) + "\n" + big + "\n" + generate(64, max_tokens=3) + "\n").encode())
+    await writer.drain()
+    payloads: dict[int, list] = {}
+    while len(payloads.get(63, [])) < 64 or len(payloads.get(64, [])) < 3 or 61 not in payloads:
+        kind, replies = parse_server_line((await asyncio.wait_for(reader.readline(), 30)).decode())
+        assert kind == "TOKEN"
+        for payload in replies:
+            payloads.setdefault(payload["stream_id"], []).append(payload)
+    writer.close()
+    assert errors(payloads[61]) == [{"stream_id": 61, "error": message}]
+    assert [p["token"] for p in payloads[63]] == [e.token_id for e in expected]
+
+
+async def test_past_the_frame_ceiling_the_connection_closes(lmtp_server: LmtpServer) -> None:
+    """Between the message limit and the frame ceiling: a stream error. Past the ceiling: the
+    WebSocket closes with 1009; the TCP connection closes after a MSG error."""
+    status = ServerStatus("tiny")
+    status.ready(lmtp_server.engine)
+    config = LmtpConfig(limits=ConnectionLimits(max_message_bytes=64 * 1024, max_frame_bytes=2**20))
+    runner = web.AppRunner(make_app(status, config, lmtp_server.sessions))
+    await runner.setup()
+    port, tcp_port = free_port(), free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    tcp = await start_tcp_server(status, config, lmtp_server.sessions, "127.0.0.1", tcp_port)
+    between = "GENERATE message of 102400 bytes exceeds the limit of 65536 bytes (--lmtp-max-message-bytes)"
+    try:
+        async with aiohttp.ClientSession() as http, http.ws_connect(f"http://127.0.0.1:{port}/") as ws:
+            await ws.send_str(oversized(1, 100 * 1024))
+            kind, payloads = parse_server_line((await ws.receive(10)).data)
+            assert (kind, errors(payloads)) == ("TOKEN", [{"stream_id": 1, "error": between}])
+            await ws.send_str(oversized(2, 2**20 + 1))
+            closing = await ws.receive(10)
+            assert closing.type is aiohttp.WSMsgType.CLOSE and closing.data == WSCloseCode.MESSAGE_TOO_BIG
+
+        reader, writer = await asyncio.open_connection("127.0.0.1", tcp_port)
+        writer.write((oversized(1, 100 * 1024) + "\n").encode())
+        kind, payloads = parse_server_line((await asyncio.wait_for(reader.readline(), 10)).decode())
+        assert (kind, errors(payloads)) == ("TOKEN", [{"stream_id": 1, "error": between}])
+        writer.write((oversized(2, 2**20 + 1) + "\n").encode())
+        ceiling = "message exceeds the hard limit of 1048576 bytes (--lmtp-max-frame-bytes); closing"
+        kind, payloads = parse_server_line((await asyncio.wait_for(reader.readline(), 10)).decode())
+        assert (kind, errors(payloads)) == ("MSG", [{"stream_id": None, "error": ceiling}])
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+    finally:
+        tcp.close()
+        await runner.cleanup()
 
 
 async def test_reused_stream_id_is_an_error_for_that_id_only(lmtp_server: LmtpServer, connect) -> None:

@@ -107,6 +107,49 @@ async def test_session_errors_belong_to_their_stream(lmtp_server: LmtpServer, co
     assert rest[-1]["usage"]["completion_tokens"] == len(streamed)
 
 
+@pytest.mark.parametrize("when", ["same frame", "next frame", "during setup"])
+async def test_cancel_before_a_turns_first_token(lmtp_server: LmtpServer, connect, monkeypatch, when: str) -> None:
+    """A turn cancelled before its first token (or while SessionStore.start still sets it up, as
+    with images to decode) ends "cancelled" at once; its append is kept, as with any cancel."""
+    if when == "during setup":
+        start = lmtp_server.sessions.start
+
+        async def slow_start(*args):
+            await asyncio.sleep(0.3)  # like decoding an image in a thread
+            return await start(*args)
+
+        monkeypatch.setattr(lmtp_server.sessions, "start", slow_start)
+    client = await connect()
+    sid = await open_session(client)
+    await client.send(line("GENERATE", stream_id=9, prompt=PROMPT, max_tokens=64, ignore_eos=True, temperature=0.0))
+    turn = line("SESSION_GENERATE", stream_id=2, session_id=sid, offset=0, append=PROMPT, max_tokens=500, temperature=0)
+    cancel = line("CANCEL", stream_id=2)
+    if when == "same frame":
+        await client.send(turn + "\n" + cancel)
+    else:
+        await client.send(turn)
+        if when == "during setup":
+            await asyncio.sleep(0.1)
+        await client.send(cancel)
+    payloads = await client.stream(2, timeout=30)
+    assert payloads[-1]["finish_reason"] == "cancelled"
+    streamed = [p["token"] for p in payloads if "token" in p]
+    assert len(streamed) <= 2 and payloads[-1]["usage"]["completion_tokens"] == len(streamed)
+    if when != "next frame":
+        assert streamed == []
+    assert lmtp_server.sessions.tokens(sid) == PROMPT + streamed
+    neighbour = await client.stream(9)
+    assert len(neighbour) == 64 and neighbour[-1]["finish_reason"] == "length"
+    for _ in range(100):
+        if lmtp_server.engine.num_unfinished_requests() == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert lmtp_server.engine.num_unfinished_requests() == 0
+    # The session is free for its next turn.
+    await client.send(line("SESSION_GENERATE", stream_id=3, session_id=sid, offset=len(PROMPT) + len(streamed)))
+    assert (await client.stream(3))[-1]["finish_reason"] == "length"
+
+
 async def test_text_mode_in_a_session(lmtp_server: LmtpServer, connect) -> None:
     tokenizer = lmtp_server.engine.tokenizer
     client = await connect()

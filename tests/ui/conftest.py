@@ -2,8 +2,8 @@
 
 The server runs in-process (as in tests/lmtp/conftest.py) so a test can build a second app
 on the same engine to walk the page through loading, ready, lost and unauthorized. Chromium
-is Debian's (`tools/setup_env.sh` installs it); Playwright's own browser download is never
-used. Every test leaves a screenshot in artifacts/ui/.
+is Debian's (`tools/setup_browser.sh`, run by `make test`, installs it); Playwright's own
+browser download is never used. Every test leaves a screenshot in artifacts/ui/.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ async def server(engine: Engine) -> AsyncIterator[str]:
 @pytest_asyncio.fixture(scope="module")
 async def browser() -> AsyncIterator[Browser]:
     if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} is missing: `make setup` installs Debian's chromium")
+        pytest.fail(f"{CHROMIUM} is missing: `make test` (tools/setup_browser.sh) installs Debian's chromium")
     async with async_playwright() as playwright:
         browser = await playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         yield browser

@@ -155,7 +155,7 @@ async def test_score_mode_reads_the_prompt_in_a_narrow_window(ui: Ui, server: st
     assert ui.errors == []
 
 
-async def test_connection_state_loading_ready_stopping_lost_and_back(ui: Ui, engine: Engine) -> None:
+async def test_connection_state_loading_ready_draining_stopping_lost_and_back(ui: Ui, engine: Engine) -> None:
     port = free_port()
     status = ServerStatus(engine.model_name)
     runner = await serve(make_app(status, LmtpConfig()), port)
@@ -167,6 +167,10 @@ async def test_connection_state_loading_ready_stopping_lost_and_back(ui: Ui, eng
         await expect(ui.page.get_by_role("button", name="Generate")).to_be_disabled()
         status.ready(engine)
         await expect(state).to_have_text("ready")
+        status.draining()  # SIGTERM: running requests finish, new ones are refused
+        await expect(state).to_have_text("server draining: finishing running requests")
+        await expect(ui.page.get_by_role("button", name="Generate")).to_be_disabled()
+        await ui.screenshot("draining")
         status.stopping()
         await expect(state).to_have_text("server shutting down")
         await runner.cleanup()

@@ -4,9 +4,9 @@
 // `MSG [...]` frames whose payloads name their `stream_id`. This client routes TOKEN
 // payloads to the stream that asked (GENERATE, SCORE) and MSG payloads to the request
 // that asked (TOKENIZE, DETOKENIZE, MODEL_INFO), and keeps one STATUS subscription open
-// so the page always knows whether the model is loading, ready or stopping.
+// so the page always knows whether the model is loading, ready, draining or stopping.
 //
-// Connection states, reported as `state` events: connecting, loading, ready, stopping,
+// Connection states, reported as `state` events: connecting, loading, ready, draining, stopping,
 // lost (will reconnect by itself), unauthorized (close code 4401: waits for a new token).
 
 const STATUS_ID = 0;

@@ -31,6 +31,7 @@ const LABELS = {
   connecting: "connecting…",
   loading: "loading model…",
   ready: "ready",
+  draining: "server draining: finishing running requests",
   stopping: "server shutting down",
   lost: "connection lost",
   unauthorized: "unauthorized",

@@ -1,0 +1,234 @@
+"""Graceful drain, as a user runs it: `salience serve` in a process of its own, real signals.
+
+SIGTERM: new streams are refused and health says "draining" at once, the streams in flight
+finish, the process exits 0. With --drain-timeout, what is left is cancelled; a second SIGTERM
+skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from salience.lmtp.codec import parse_server_line
+from salience.proto.salience.v1 import salience_pb2 as pb
+from salience.proto.salience.v1 import salience_pb2_grpc
+from tests.conftest import free_port
+
+SALIENCE = str(Path(sys.executable).with_name("salience"))
+PROMPT = [0, *range(5, 15)]
+
+
+@dataclass
+class Served:
+    process: subprocess.Popen
+    http: str
+    grpc_target: str
+    metrics: str | None
+
+
+@asynccontextmanager
+async def serve(tiny_model: Path, *flags: str, metrics: bool = False) -> AsyncIterator[Served]:
+    port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    command = [SALIENCE, "serve", "--model", str(tiny_model), "--max-model-len", "1024"]
+    command += ["--lmtp-port", str(port), "--grpc-port", str(grpc_port), *flags]
+    if metrics:
+        command += ["--metrics-port", str(metrics_port)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    served = Served(
+        process,
+        f"http://127.0.0.1:{port}",
+        f"127.0.0.1:{grpc_port}",
+        f"http://127.0.0.1:{metrics_port}/metrics" if metrics else None,
+    )
+    try:
+        async with aiohttp.ClientSession() as http:
+            deadline = time.monotonic() + 300
+            while (await health(http, served.http))[0] != 200:
+                assert process.poll() is None, process.stdout.read()
+                assert time.monotonic() < deadline, "not ready in time"
+                await asyncio.sleep(0.2)
+        yield served
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+async def health(http: aiohttp.ClientSession, url: str) -> tuple[int | None, dict]:
+    try:
+        async with http.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=2)) as response:
+            return response.status, await response.json()
+    except (aiohttp.ClientError, TimeoutError):
+        return None, {}
+
+
+@dataclass
+class Client:
+    """A WebSocket client that files every payload under its stream."""
+
+    ws: aiohttp.ClientWebSocketResponse
+    payloads: dict[int, list[dict]] = field(default_factory=dict)
+    messages: list[dict] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def read_forever(self) -> None:
+        async for message in self.ws:
+            kind, items = parse_server_line(message.data)
+            for item in items:
+                if kind == "TOKEN":
+                    self.payloads.setdefault(item["stream_id"], []).append(item)
+                else:
+                    self.messages.append(item)
+            self.changed.set()
+
+    async def until(self, condition, timeout: float = 120) -> None:
+        async with asyncio.timeout(timeout):
+            while not condition():
+                self.changed.clear()
+                await self.changed.wait()
+
+    def ended(self, stream_id: int) -> bool:
+        last = self.payloads.get(stream_id, [{}])[-1]
+        return last.get("finish_reason") is not None or last.get("error") is not None
+
+    def tokens(self, stream_id: int) -> int:
+        return sum(1 for p in self.payloads.get(stream_id, []) if "token" in p)
+
+
+@asynccontextmanager
+async def connect(http: aiohttp.ClientSession, url: str) -> AsyncIterator[Client]:
+    async with http.ws_connect(url) as ws:
+        client = Client(ws)
+        reader = asyncio.create_task(client.read_forever())
+        try:
+            yield client
+        finally:
+            reader.cancel()
+
+
+def generate(stream_id: int, max_tokens: int) -> str:
+    body = {"stream_id": stream_id, "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    return "GENERATE " + json.dumps(body)
+
+
+async def start_streams(client: Client, ids: range, max_tokens: int) -> None:
+    for stream_id in ids:
+        await client.ws.send_str(generate(stream_id, max_tokens))
+    await client.until(lambda: all(client.tokens(i) > 0 for i in ids))  # all running
+
+
+def exit_code(process: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    output, _ = process.communicate(timeout=timeout)
+    return process.returncode, output
+
+
+def grpc_health(target: str) -> int:
+    with grpc.insecure_channel(target) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+
+
+async def test_sigterm_lets_in_flight_streams_finish_and_refuses_new_work(tiny_model: Path) -> None:
+    n, max_tokens = 8, 900
+    async with serve(tiny_model) as served, aiohttp.ClientSession() as http, connect(http, served.http) as client:
+        await client.ws.send_str('STATUS {"stream_id": 100}')
+        await start_streams(client, range(1, n + 1), max_tokens)
+
+        served.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        while (status := await health(http, served.http))[0] != 503:
+            await asyncio.sleep(0.01)
+        assert time.monotonic() - signalled < 0.5, "health must flip at once"
+        assert status[1]["status"] == "draining"
+        assert await asyncio.to_thread(grpc_health, served.grpc_target) == health_pb2.HealthCheckResponse.NOT_SERVING
+        running = [i for i in range(1, n + 1) if not client.ended(i)]
+        assert running, "the streams should outlast the checks; raise max_tokens"
+
+        # New work is refused with a clear error, on an open connection, a new one, and gRPC.
+        await client.ws.send_str(generate(50, 4))
+        await client.until(lambda: client.ended(50))
+        assert client.payloads[50][-1]["error"].startswith("the server is draining")
+        async with connect(http, served.http) as late:
+            await late.ws.send_str(generate(1, 4))
+            await late.until(lambda: late.ended(1))
+            assert late.payloads[1][-1]["error"].startswith("the server is draining")
+        async with grpc.aio.insecure_channel(served.grpc_target) as channel:
+            stub = salience_pb2_grpc.SalienceStub(channel)
+            try:
+                await stub.OpenSession(pb.OpenSessionRequest(model=str(tiny_model)))
+                raise AssertionError("a session was opened while draining")
+            except grpc.aio.AioRpcError as error:
+                assert error.code() is grpc.StatusCode.UNAVAILABLE and "draining" in error.details()
+        assert any(m.get("status") == "draining" for m in client.messages), client.messages  # STATUS watchers
+
+        await client.until(lambda: all(client.ended(i) for i in range(1, n + 1)))
+        for stream_id in range(1, n + 1):
+            assert client.tokens(stream_id) == max_tokens
+            assert client.payloads[stream_id][-1]["finish_reason"] == "length"
+        code, output = await asyncio.to_thread(exit_code, served.process, 60)
+    assert code == 0, output
+    assert "msg=draining" in output and "msg=stopped" in output, output
+    assert "drain cut short" not in output
+
+
+def vllm_sample(text: str, name: str) -> float:
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+async def test_drain_timeout_cancels_what_is_left_multiprocess(tiny_model: Path) -> None:
+    """Also: vLLM's engine metrics reach the frontend's registry when the worker is a process of its own."""
+    n, max_tokens = 4, 1000
+    flags = ("--drain-timeout", "1", "--multiprocess")
+    async with (
+        serve(tiny_model, *flags, metrics=True) as served,
+        aiohttp.ClientSession() as http,
+        connect(http, served.http) as client,
+    ):
+        await start_streams(client, range(1, n + 1), max_tokens)
+        async with http.get(served.metrics) as response:  # --metrics-port: no token needed
+            text = await response.text()
+        assert vllm_sample(text, "vllm:num_requests_running") == n
+        assert vllm_sample(text, "vllm:time_to_first_token_seconds_count") >= n
+
+        served.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        await client.until(lambda: all(client.ended(i) for i in range(1, n + 1)), timeout=30)
+        for stream_id in range(1, n + 1):
+            assert client.payloads[stream_id][-1]["finish_reason"] == "cancelled"
+            assert 0 < client.tokens(stream_id) < max_tokens
+        code, output = await asyncio.to_thread(exit_code, served.process, 30)
+        elapsed = time.monotonic() - signalled
+    assert code == 0, output
+    assert "drain cut short" in output and "cause=timeout" in output, output
+    assert elapsed < 15, f"took {elapsed:.1f} s to stop after a 1 s drain"
+
+
+async def test_a_second_sigterm_stops_at_once(tiny_model: Path) -> None:
+    n, max_tokens = 4, 1000
+    async with serve(tiny_model) as served, aiohttp.ClientSession() as http, connect(http, served.http) as client:
+        await start_streams(client, range(1, n + 1), max_tokens)
+        served.process.send_signal(signal.SIGTERM)
+        while (await health(http, served.http))[0] != 503:
+            await asyncio.sleep(0.01)
+        served.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        code, output = await asyncio.to_thread(exit_code, served.process, 30)
+        elapsed = time.monotonic() - signalled
+        await client.until(lambda: all(client.ended(i) for i in range(1, n + 1)), timeout=10)
+        assert all(client.payloads[i][-1]["finish_reason"] == "cancelled" for i in range(1, n + 1))
+    assert code == 0, output
+    assert "cause=signal" in output, output
+    assert elapsed < 10, f"took {elapsed:.1f} s to stop"
