@@ -83,7 +83,18 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     engine.add_argument("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
     engine.add_argument("--max-images", type=int, default=16, help="vision-language models: images per session")
-    engine.add_argument("--compile", action="store_true", help="torch.compile the model: faster, slower to start")
+    mode = engine.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--compile",
+        dest="compile",
+        action="store_true",
+        default=True,
+        help="run the model compiled, readouts included (the default): faster; the first start of a model "
+        "and concept set compiles for minutes, later ones reuse the cache under $SALIENCE_HOME",
+    )
+    mode.add_argument(
+        "--eager", dest="compile", action="store_false", help="run the model eagerly: starts sooner, runs slower"
+    )
     engine.add_argument(
         "--multiprocess",
         action=argparse.BooleanOptionalAction,
@@ -101,9 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--concepts", type=Path, help="concept set for readouts (default model: the built-in set, built once)"
     )
-    serve.add_argument(
-        "--no-readouts", dest="readouts", action="store_false", help="no concept set, no hooks: full speed"
-    )
+    serve.add_argument("--no-readouts", dest="readouts", action="store_false", help="no concept set, no readout taps")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     concepts = commands.add_parser("concepts", help="build or inspect concept sets").add_subparsers(

@@ -57,7 +57,7 @@ class LogfmtFormatter(logging.Formatter):
         return line
 
 
-# What vLLM says of settings Salience chooses deliberately (eager mode for the readout hooks,
+# What vLLM says of settings Salience chooses deliberately (eager mode when asked for,
 # whole-prompt prefill on CPU, token prompts, its CPU build's missing extras): nothing an
 # operator can act on.
 _EXPECTED = (

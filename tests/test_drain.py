@@ -43,7 +43,7 @@ class Served:
 @asynccontextmanager
 async def serve(tiny_model: Path, *flags: str, metrics: bool = False) -> AsyncIterator[Served]:
     port, grpc_port, metrics_port = free_port(), free_port(), free_port()
-    command = [SALIENCE, "serve", "--model", str(tiny_model), "--max-model-len", "1024"]
+    command = [SALIENCE, "serve", "--model", str(tiny_model), "--max-model-len", "1024", "--eager"]
     command += ["--lmtp-port", str(port), "--grpc-port", str(grpc_port), *flags]
     if metrics:
         command += ["--metrics-port", str(metrics_port)]

@@ -57,6 +57,15 @@ async def test_prompt_and_decoded_positions_match_reference(
     assert_readout_close(last[len(ids) - 1], want[len(ids) - 1])
 
 
+async def test_taps_are_traced_into_the_compiled_graph(engine: Engine) -> None:
+    """vLLM compiles with fullgraph=True, so a tap that broke the graph would fail the start;
+    this shows the compiled engine really traced a graph, with the taps in the model it traced."""
+    graph = await engine.readouts.graph()
+    assert graph["taps"] == len(TINY_LAYERS)
+    if engine.compiled:
+        assert graph["graphs"] >= 1 and graph["graph_breaks"] == {}
+
+
 async def test_only_requested_positions_and_none_without_ranges(engine: Engine) -> None:
     prompt = PROMPTS[1]
     generation = engine.generate(
@@ -97,6 +106,29 @@ async def test_eight_concurrent_requests_see_only_their_own(
         assert sorted(decoded) == [len(PROMPTS[i]) + 1, len(PROMPTS[i]) + 2]
         for position, readout in decoded.items():
             assert_readout_close(readout, want[position])
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4, 5])
+async def test_decode_batches_of_every_size(
+    engine: Engine, reference: Reference, concepts: ConceptSet, batch: int
+) -> None:
+    """Decode steps of `batch` rows: on GPU 1 and 4 are CUDA-graph capture sizes and 3 and 5 fall
+    between them (replayed padded: the padding rows must never reach a request); on CPU one
+    dynamic-shape graph serves every size."""
+
+    async def run(i: int):
+        prompt = PROMPTS[i][: 10 + i]
+        generation = engine.generate(
+            prompt, SamplingOptions(max_tokens=5, temperature=0.0, ignore_eos=True), readout_ranges=[(len(prompt), 99)]
+        )
+        return prompt, [e async for e in generation]
+
+    for prompt, events in await asyncio.gather(*(run(i) for i in range(batch))):
+        ids = prompt + [e.token_id for e in events]
+        assert ids[len(prompt) :] == reference.greedy(prompt, 5)
+        want = reference_readouts(reference, concepts, ids)
+        for event in events:
+            assert_readout_close(event.readout, want[event.position])
 
 
 async def test_prefix_cache_hit_still_gives_every_position(
@@ -232,8 +264,9 @@ async def test_readouts_over_lmtp(engine: Engine, concepts: ConceptSet) -> None:
         await runner.cleanup()
 
 
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
 async def test_multiprocess_layout_and_chunked_prefill(
-    tiny_model: Path, concepts: ConceptSet, reference: Reference
+    tiny_model: Path, concepts: ConceptSet, reference: Reference, mode: str
 ) -> None:
     """vLLM's default three-process layout, with prompts prefilled in 64-token chunks."""
     chunked = await start_engine(
@@ -241,6 +274,7 @@ async def test_multiprocess_layout_and_chunked_prefill(
         max_model_len=1024,
         concepts=concepts,
         multiprocess=True,
+        compile=mode == "compiled",
         engine_args={"enable_chunked_prefill": True, "max_num_batched_tokens": 64},
     )
     try:
@@ -260,9 +294,14 @@ async def test_multiprocess_layout_and_chunked_prefill(
         chunked.shutdown()
 
 
-async def test_tensor_parallel_two_ranks(tiny_model: Path, concepts: ConceptSet, reference: Reference) -> None:
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+async def test_tensor_parallel_two_ranks(
+    tiny_model: Path, concepts: ConceptSet, reference: Reference, mode: str
+) -> None:
     """TP=2 on the two CPU cores: the residual is whole on every rank; rank 0 alone reports."""
-    parallel = await start_engine(tiny_model, max_model_len=512, concepts=concepts, tensor_parallel_size=2)
+    parallel = await start_engine(
+        tiny_model, max_model_len=512, concepts=concepts, tensor_parallel_size=2, compile=mode == "compiled"
+    )
     try:
         prompt = PROMPTS[5]
         generation = parallel.generate(

@@ -27,7 +27,8 @@ def concepts(default_model: Path) -> ConceptSet:
 
 @pytest_asyncio.fixture(scope="module")
 async def engine(default_model: Path, concepts: ConceptSet) -> AsyncIterator[Engine]:
-    engine = await start_engine(default_model, max_model_len=2048, concepts=concepts)
+    # Compiled, as `salience serve` runs it by default; the eager path is proven on the tiny model.
+    engine = await start_engine(default_model, max_model_len=2048, concepts=concepts, compile=True)
     yield engine
     engine.shutdown()
 

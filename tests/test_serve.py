@@ -66,6 +66,7 @@ def test_serve_reports_ready_then_exits_cleanly_on_sigterm(tiny_model: Path) -> 
             process.kill()
     assert process.returncode == 0, output
     assert "msg=ready" in output and "msg=stopped" in output
+    assert "mode=compiled" in output, "serve runs the model compiled unless --eager says otherwise"
     assert "no auth token configured" in output
     # Quiet and structured: vLLM's processes log through Salience's logfmt handler, and the
     # warnings about what Salience chooses on purpose (eager mode, ...) are left out.

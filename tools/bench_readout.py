@@ -1,89 +1,200 @@
-"""Decode throughput with concept readouts on every token against the same requests without.
+"""What readouts cost a user: `salience serve` with readouts against the fastest server without.
 
-One engine (the default model with its built-in concept set, all layers), one run:
-batches of N concurrent streams of M tokens, each run once asking for readouts of
-every decoded position and once asking for none, in alternating order, repeated;
-prints tokens/s for both and the ratio (target: >= 0.90 at batch 8).
+Three servers on the default model, started once, driven over LMTP in one run:
 
-    .venv/bin/python tools/bench_readout.py [--batches 1,8] [--tokens 64] [--repeats 3]
+- `--no-readouts`: the fastest configuration a user could pick without readouts (compiled);
+- the default: compiled, readout taps on every layer of the built-in concept set, and every
+  generated token asks for its readout;
+- `--eager`: readouts in eager mode (the path before readouts were compiled).
+
+For each stream count N, N concurrent streams (greedy, P-token prompts, M tokens each,
+EOS masked) go to each server in rotating order, repeated; the medians give tokens/s and the
+ratios against `--no-readouts`. Servers are started one after another (a first start
+compiles, which is reported) and then idle while another is measured.
+
+    .venv/bin/python tools/bench_readout.py [--streams 1,8,16] [--tokens 64] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
-from salience.core.home import configure_environment
-from salience.logs import setup_logging
+import aiohttp
 
-configure_environment()
-setup_logging()  # before vLLM is imported: its processes log quietly too
+from salience.lmtp.client import LmtpClient
 
-from salience.cli import _default_concepts  # noqa: E402
-from salience.core.concepts import ConceptSet  # noqa: E402
-from salience.core.default_model import DEFAULT_MODEL_NAME, ensure_default_model  # noqa: E402
-from salience.core.engine import Engine  # noqa: E402
-from salience.core.settings import EngineSettings  # noqa: E402
-from salience.core.types import SamplingOptions  # noqa: E402
+CONFIGS = {
+    "compiled, no readouts": ["--no-readouts"],
+    "default: compiled + readouts": [],
+    "eager + readouts": ["--eager"],
+}
 
 
-async def run(engine: Engine, n: int, tokens: int, readouts: bool) -> tuple[float, int, int]:
-    options = SamplingOptions(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=1)
+@dataclass
+class Server:
+    name: str
+    flags: list[str]
+    port: int
+    process: subprocess.Popen | None = None
+    start_seconds: float = 0.0
+    env: dict[str, str] = field(default_factory=dict)
+    rates: dict[int, list[float]] = field(default_factory=dict)
 
-    async def one(i: int) -> tuple[int, int]:
-        prompt = [1, *((131 * i + 17 * j) % 40000 + 100 for j in range(31))]
-        ranges = [(len(prompt), len(prompt) + tokens)] if readouts else []
-        events = [e async for e in engine.generate(prompt, options, readout_ranges=ranges)]
-        return len(events), sum(e.readout is not None for e in events)
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/"
 
-    started = time.perf_counter()
-    results = await asyncio.gather(*(one(i) for i in range(n)))
-    return time.perf_counter() - started, sum(r[0] for r in results), sum(r[1] for r in results)
+
+async def start(server: Server, model_name: str, timeout: float = 1800) -> None:
+    """Start one server and wait for /health; prints a progress line every 30 s."""
+    command = [sys.executable, "-m", "salience", "serve", "--lmtp-port", str(server.port), "--no-grpc"]
+    command += ["--max-model-len", "2048", *server.flags]
+    env = os.environ | server.env
+    server.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    started = time.monotonic()
+    last = started
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() - started < timeout:
+            if server.process.poll() is not None:
+                raise RuntimeError(f"{server.name}: the server exited with {server.process.returncode}")
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.get(f"http://127.0.0.1:{server.port}/health") as response:
+                    if response.status == 200:
+                        server.start_seconds = time.monotonic() - started
+                        print(f"  {server.name}: ready in {server.start_seconds:.0f} s", file=sys.stderr)
+                        return
+            if time.monotonic() - last > 30:
+                last = time.monotonic()
+                print(f"  {server.name}: starting, {last - started:.0f} s so far", file=sys.stderr)
+            await asyncio.sleep(1)
+    raise TimeoutError(f"{server.name}: not ready after {timeout:.0f} s")
+
+
+def stop(server: Server) -> None:
+    if server.process is not None and server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(timeout=120)
+
+
+@contextlib.asynccontextmanager
+async def servers(model_name: str, cache: str) -> AsyncIterator[tuple[list[Server], float]]:
+    """The three servers, ready; and how long the default one took to start with empty
+    compile caches (its measured start then reuses what that start compiled)."""
+    base = 19000 + os.getpid() % 500 * 4
+    running = [Server(name, flags, base + i) for i, (name, flags) in enumerate(CONFIGS.items())]
+    fresh = {"TORCHINDUCTOR_CACHE_DIR": f"{cache}/torchinductor", "VLLM_CACHE_ROOT": f"{cache}/vllm"}
+    cold = Server("default, empty compile cache", [], base + 3, env=fresh)
+    running[1].env = fresh
+    try:
+        await start(cold, model_name)
+        stop(cold)
+        for server in running:
+            await start(server, model_name)
+        yield running, cold.start_seconds
+    finally:
+        for server in [cold, *running]:
+            stop(server)
+
+
+def prompts(n: int, length: int) -> list[list[int]]:
+    return [[1, *((97 * i + 31 * j) % 40000 + 50 for j in range(length - 1))] for i in range(n)]
+
+
+async def run(server: Server, model: str, batch: list[list[int]], tokens: int, eos: int) -> tuple[float, int, int]:
+    """Seconds for the batch, tokens received, readouts received."""
+    client = await LmtpClient.connect(server.url)
+    readouts = "--no-readouts" not in server.flags
+    try:
+
+        async def one(prompt: list[int]) -> tuple[int, int]:
+            fields = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0}
+            if readouts:
+                fields["readout"] = [[len(prompt), len(prompt) + tokens]]
+            payloads = [p async for p in client.stream("GENERATE", logit_bias={str(eos): -100.0}, **fields)]
+            return sum("token" in p for p in payloads), sum(p.get("readout") is not None for p in payloads)
+
+        started = time.perf_counter()
+        counts = await asyncio.gather(*map(one, batch))
+        return time.perf_counter() - started, sum(c[0] for c in counts), sum(c[1] for c in counts)
+    finally:
+        await client.close()
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--streams", default="1,8,16")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    model = ensure_default_model()
-    concepts = ConceptSet.load(_default_concepts(model))
+    counts = [int(n) for n in args.streams.split(",")]
+
+    from salience.core.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+    from salience.core.home import configure_environment
+
+    configure_environment()
+    eos = _eos(ensure_default_model())
+    print("starting three servers on the default model, one after another", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as cache:
+        async with servers(DEFAULT_MODEL_NAME, cache) as (running, cold):
+            await measure(running, counts, args, eos)
+    report(running, counts, args, cold)
+
+
+async def measure(running: list[Server], counts: list[int], args: argparse.Namespace, eos: int) -> None:
+    from salience.core.default_model import DEFAULT_MODEL_NAME
+
+    for server in running:  # the first request of each pays for lazy initialisation
+        await run(server, DEFAULT_MODEL_NAME, prompts(1, 8), 4, eos)
+    for n in counts:
+        batch = prompts(n, args.prompt_tokens)
+        for repeat in range(args.repeats):
+            shift = repeat % len(running)
+            for server in running[shift:] + running[:shift]:
+                seconds, produced, read = await run(server, DEFAULT_MODEL_NAME, batch, args.tokens, eos)
+                expected = n * args.tokens
+                assert produced == expected, f"{server.name}: {produced} tokens, expected {expected}"
+                if "--no-readouts" not in server.flags:
+                    assert read == expected, f"{server.name}: {read} readouts, expected {expected}"
+                server.rates.setdefault(n, []).append(produced / seconds)
+                print(
+                    f"  N={n:<3} {server.name:30} run {repeat + 1}: {produced / seconds:7.1f} tok/s",
+                    file=sys.stderr,
+                )
+
+
+def report(running: list[Server], counts: list[int], args: argparse.Namespace, cold: float) -> None:
+    from salience.core.default_model import DEFAULT_MODEL_NAME
+
     print(
-        f"loading {DEFAULT_MODEL_NAME} with {len(concepts.concepts)} concepts x {len(concepts.layers)} layers",
-        file=sys.stderr,
+        f"\n{DEFAULT_MODEL_NAME}, LMTP, greedy, {args.prompt_tokens}-token prompts, {args.tokens} tokens per stream, "
+        f"median of {args.repeats}; readouts on every generated token, every layer"
     )
-    engine = await Engine.start(
-        EngineSettings(model=model, served_model_name=DEFAULT_MODEL_NAME, concepts=concepts, max_model_len=2048)
-    )
-    rows = []
-    try:
-        for n in [int(b) for b in args.batches.split(",")]:
-            times = {False: [], True: []}
-            for repeat in range(args.repeats):
-                for readouts in (False, True) if repeat % 2 == 0 else (True, False):
-                    seconds, produced, with_readout = await run(engine, n, args.tokens, readouts)
-                    assert produced == n * args.tokens
-                    assert with_readout == (n * (args.tokens - 1) if readouts else 0)
-                    times[readouts].append(seconds)
-                    label = "readouts" if readouts else "plain"
-                    print(f"  batch {n} {label:8} run {repeat + 1}: {produced / seconds:7.1f} tok/s", file=sys.stderr)
-            total = n * args.tokens
-            plain, with_readouts = total / statistics.median(times[False]), total / statistics.median(times[True])
-            rows.append((n, plain, with_readouts))
-    finally:
-        engine.shutdown()
-    width = len(concepts.layers) * len(concepts.concepts)
-    print(
-        f"\n{DEFAULT_MODEL_NAME}, {args.tokens} tokens per stream, readout of {width} floats per token, "
-        f"median of {args.repeats}"
-    )
-    print(f"{'batch':>5} {'plain tok/s':>12} {'readouts tok/s':>15} {'ratio':>7}")
-    for n, plain, with_readouts in rows:
-        print(f"{n:>5} {plain:>12.1f} {with_readouts:>15.1f} {with_readouts / plain:>7.3f}")
+    names = " | ".join(f"{s.name} tok/s" for s in running)
+    print(f"\n| streams | {names} | default / fastest | eager / fastest | default / eager |")
+    print("|---:" * (len(running) + 4) + "|")
+    for n in counts:
+        a, b, c = (statistics.median(s.rates[n]) for s in running)
+        print(f"| {n} | {a:.1f} | {b:.1f} | {c:.1f} | {b / a:.2f} | {c / a:.2f} | {b / c:.2f} |")
+    starts = ", ".join(f"{s.name} {s.start_seconds:.0f} s" for s in running)
+    print(f"\nstart to ready: default with empty compile caches {cold:.0f} s; then {starts}")
+
+
+def _eos(model) -> int:
+    import json
+
+    return int(json.loads((model / "config.json").read_text())["eos_token_id"])
 
 
 if __name__ == "__main__":

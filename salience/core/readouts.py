@@ -113,6 +113,10 @@ class ReadoutHub:
         await self._fetch()
         return (await self._llm.collective_rpc("salience_readout_stored"))[0]
 
+    async def graph(self) -> dict:
+        """The worker's taps and compiler counters (readout_worker.salience_readout_graph)."""
+        return (await self._llm.collective_rpc("salience_readout_graph"))[0]
+
     async def _fetch(self) -> None:
         if self._inflight is None or self._inflight.done():
             self._inflight = asyncio.create_task(self._fetch_now())

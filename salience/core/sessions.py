@@ -29,7 +29,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from salience import metrics
-from salience.core.engine import Engine, Generation, PlacedImage, PromptScores
+from salience.core.engine import Engine
+from salience.core.generation import Generation, PlacedImage, PromptScores
 from salience.core.images import ImageFacts, Vision
 from salience.core.types import FinishReason, ImageBlock, SamplingOptions, covers
 from salience.errors import (

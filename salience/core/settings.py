@@ -29,9 +29,9 @@ class EngineSettings:
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
-    compile: bool = False  # torch.compile: faster decode, slower start, no readout hooks
+    compile: bool = False  # vLLM's compiled graph, readout taps included: faster decode, slower first start
     multiprocess: bool | None = None  # None: in-process worker on CPU, vLLM's default on GPU
     seed: int = 0
     max_images: int = 16  # vision-language models: images one request (a session) may carry
-    concepts: ConceptSet | None = None  # readouts on (forward hooks, eager mode) when set
+    concepts: ConceptSet | None = None  # readouts on (taps in the model's forward) when set
     engine_args: dict[str, Any] = field(default_factory=dict)

