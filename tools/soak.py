@@ -1171,11 +1171,15 @@ async def lmtp_worker(soak: Soak, slot: Slot, deck: Deck, rng: random.Random) ->
 
 
 async def disconnect_worker(soak: Soak, rng: random.Random) -> None:
-    """Connections of their own: dropped by this side mid-stream, or sent a frame too large to read."""
+    """Connections of their own: dropped by this side mid-stream, or sent a frame too large to read
+    (the first one always, so that a short soak has one)."""
+    first = True
     while soak.running():
         await asyncio.sleep(rng.uniform(1.0, 4.0))
         with tool_errors(soak):
-            if soak.server.max_frame_bytes and "oversized-frame" not in soak.options.skip and rng.random() < 0.25:
+            oversized = first or rng.random() < 0.25
+            first = False
+            if soak.server.max_frame_bytes and "oversized-frame" not in soak.options.skip and oversized:
                 await oversized_frame_job(soak)
             else:
                 await disconnect_job(soak, rng)

@@ -27,6 +27,49 @@ LMTP_CONFIG = web.AppKey("lmtp_config", LmtpConfig)
 SESSIONS = web.AppKey("sessions", SessionStore)
 SOCKETS = web.AppKey("sockets", weakref.WeakSet[web.WebSocketResponse])
 CONNECTIONS = web.AppKey("connections", weakref.WeakSet[LmtpSession])
+LINGER_SECONDS = 5.0  # how long a connection closed mid-frame reads on, for its close to arrive
+
+
+class LingeringWebSocket(web.WebSocketResponse):
+    """Closes after an oversized frame without a reset, so the client sees 1009.
+
+    aiohttp stops at the frame's header, writes the 1009 close frame and closes the socket while
+    the rest of the frame is still arriving; closing a socket with unread data makes the kernel
+    send a reset, and a reset discards the close frame at the client before it is read (1006, or
+    a failed send). Instead this sends FIN after the close frame and keeps the socket reading
+    (aiohttp's protocol drops what arrives once the reader has failed) until the client closes or
+    LINGER_SECONDS pass. `close()`, which `receive()` awaits, returns only then, because the
+    request handler closes the socket when the handler returns.
+    """
+
+    _close_code_sent: int | None = None
+    _linger: asyncio.Task[None] | None = None
+
+    async def close(self, *, code: int = WSCloseCode.OK, message: bytes = b"", drain: bool = True) -> bool:
+        if not self.closed:
+            self._close_code_sent = code
+        closed = await super().close(code=code, message=message, drain=drain)
+        if self._linger is not None:
+            await self._linger
+        return closed
+
+    def _close_transport(self) -> None:
+        transport = self._req.transport if self._req is not None else None
+        if self._close_code_sent != WSCloseCode.MESSAGE_TOO_BIG or transport is None or self._linger is not None:
+            super()._close_transport()
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+        transport.resume_reading()
+        self._linger = asyncio.get_running_loop().create_task(_close_when_peer_closes(transport))
+
+
+async def _close_when_peer_closes(transport: asyncio.Transport) -> None:
+    # The transport closes itself on the peer's FIN; nothing else signals that, so poll.
+    deadline = asyncio.get_running_loop().time() + LINGER_SECONDS
+    while not transport.is_closing() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+    transport.close()
 
 
 async def health(request: web.Request) -> web.Response:
@@ -86,7 +129,7 @@ async def serve_session(session: LmtpSession, lines: AsyncIterator[str | bytes],
 
 async def lmtp_websocket(request: web.Request) -> web.StreamResponse:
     # Messages up to the frame ceiling are read, so one over the message limit costs only itself.
-    ws = web.WebSocketResponse(max_msg_size=request.app[LMTP_CONFIG].limits.max_frame_bytes)
+    ws = LingeringWebSocket(max_msg_size=request.app[LMTP_CONFIG].limits.max_frame_bytes)
     if not ws.can_prepare(request).ok:
         raise web.HTTPFound(UI_PATH)  # a browser opening the server's address gets the page
     prefix = request.headers.get(request_ids.HEADER)

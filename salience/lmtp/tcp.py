@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from salience.core.sessions import SessionStore
 from salience.core.status import ServerStatus
-from salience.lmtp.app import serve_session
+from salience.lmtp.app import LINGER_SECONDS, serve_session
 from salience.lmtp.session import OVERSIZED_FRAME, LmtpConfig, LmtpSession
 
 __all__ = ["start_tcp_server"]
@@ -19,8 +19,10 @@ async def start_tcp_server(
 ) -> asyncio.Server:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = LmtpSession(status, config, sessions, frontend="lmtp_tcp")
+        overrun = False
 
         async def lines() -> AsyncIterator[bytes]:
+            nonlocal overrun
             while True:
                 try:
                     line = await reader.readuntil(b"\n")
@@ -29,6 +31,7 @@ async def start_tcp_server(
                         yield exc.partial
                     return
                 except asyncio.LimitOverrunError:
+                    overrun = True
                     session.dropping(OVERSIZED_FRAME)
                     limit = config.limits.max_frame_bytes
                     session.reject(f"message exceeds the hard limit of {limit} bytes (--lmtp-max-frame-bytes); closing")
@@ -41,14 +44,32 @@ async def start_tcp_server(
             await writer.drain()
 
         async def close() -> None:
-            writer.close()
+            if not overrun:  # after an overrun, the `finally` below closes
+                writer.close()
 
         try:
             await serve_session(session, lines(), send, close)
         finally:
+            if overrun:
+                await _linger(reader, writer)
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
 
     # readuntil accepts a line whose content (before the newline) is at most `limit` bytes.
     return await asyncio.start_server(handle, host, port, limit=config.limits.max_frame_bytes)
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """After the error for an over-ceiling line: FIN, then read and drop the rest of the line.
+
+    Closing a socket with unread data makes the kernel send a reset, which discards the error
+    line at the client before it is read; so read on until the client closes, for at most
+    LINGER_SECONDS, as the WebSocket does (salience.lmtp.app.LingeringWebSocket).
+    """
+    with contextlib.suppress(OSError, TimeoutError):
+        if writer.can_write_eof():
+            writer.write_eof()
+        async with asyncio.timeout(LINGER_SECONDS):
+            while await reader.read(2**16):
+                pass

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -231,24 +233,50 @@ async def test_an_oversized_message_costs_only_itself(lmtp_server: LmtpServer, c
     assert [p["token"] for p in payloads[63]] == [e.token_id for e in expected]
 
 
-async def test_past_the_frame_ceiling_the_connection_closes(lmtp_server: LmtpServer) -> None:
-    """Between the message limit and the frame ceiling: a stream error. Past the ceiling: the
-    WebSocket closes with 1009; the TCP connection closes after a MSG error."""
+CEILING = 2**20
+CEILING_ERROR = f"message exceeds the hard limit of {CEILING} bytes (--lmtp-max-frame-bytes); closing"
+
+
+@contextlib.asynccontextmanager
+async def small_limits(lmtp_server: LmtpServer) -> AsyncIterator[tuple[str, int]]:
+    """A WebSocket URL and a TCP port on the tiny engine, with a 64 KiB message limit and a 1 MiB ceiling."""
     status = ServerStatus("tiny")
     status.ready(lmtp_server.engine)
-    config = LmtpConfig(limits=ConnectionLimits(max_message_bytes=64 * 1024, max_frame_bytes=2**20))
+    config = LmtpConfig(limits=ConnectionLimits(max_message_bytes=64 * 1024, max_frame_bytes=CEILING))
     runner = web.AppRunner(make_app(status, config, lmtp_server.sessions))
     await runner.setup()
     port, tcp_port = free_port(), free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     tcp = await start_tcp_server(status, config, lmtp_server.sessions, "127.0.0.1", tcp_port)
-    between = "GENERATE message of 102400 bytes exceeds the limit of 65536 bytes (--lmtp-max-message-bytes)"
     try:
-        async with aiohttp.ClientSession() as http, http.ws_connect(f"http://127.0.0.1:{port}/") as ws:
+        yield f"http://127.0.0.1:{port}/", tcp_port
+    finally:
+        tcp.close()
+        await runner.cleanup()
+
+
+async def past_the_ceiling_over_tcp(tcp_port: int, line: str) -> None:
+    """The MSG error for the line, then EOF (not a reset)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", tcp_port)
+    try:
+        writer.write((line + "\n").encode())
+        kind, payloads = parse_server_line((await asyncio.wait_for(reader.readline(), 10)).decode())
+        assert (kind, errors(payloads)) == ("MSG", [{"stream_id": None, "error": CEILING_ERROR}])
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+    finally:
+        writer.close()
+
+
+async def test_past_the_frame_ceiling_the_connection_closes(lmtp_server: LmtpServer) -> None:
+    """Between the message limit and the frame ceiling: a stream error. Past the ceiling: the
+    WebSocket closes with 1009; the TCP connection closes after a MSG error."""
+    between = "GENERATE message of 102400 bytes exceeds the limit of 65536 bytes (--lmtp-max-message-bytes)"
+    async with small_limits(lmtp_server) as (url, tcp_port):
+        async with aiohttp.ClientSession() as http, http.ws_connect(url) as ws:
             await ws.send_str(oversized(1, 100 * 1024))
             kind, payloads = parse_server_line((await ws.receive(10)).data)
             assert (kind, errors(payloads)) == ("TOKEN", [{"stream_id": 1, "error": between}])
-            await ws.send_str(oversized(2, 2**20 + 1))
+            await ws.send_str(oversized(2, CEILING + 1))
             closing = await ws.receive(10)
             assert closing.type is aiohttp.WSMsgType.CLOSE and closing.data == WSCloseCode.MESSAGE_TOO_BIG
 
@@ -256,15 +284,23 @@ async def test_past_the_frame_ceiling_the_connection_closes(lmtp_server: LmtpSer
         writer.write((oversized(1, 100 * 1024) + "\n").encode())
         kind, payloads = parse_server_line((await asyncio.wait_for(reader.readline(), 10)).decode())
         assert (kind, errors(payloads)) == ("TOKEN", [{"stream_id": 1, "error": between}])
-        writer.write((oversized(2, 2**20 + 1) + "\n").encode())
-        ceiling = "message exceeds the hard limit of 1048576 bytes (--lmtp-max-frame-bytes); closing"
-        kind, payloads = parse_server_line((await asyncio.wait_for(reader.readline(), 10)).decode())
-        assert (kind, errors(payloads)) == ("MSG", [{"stream_id": None, "error": ceiling}])
-        assert await asyncio.wait_for(reader.read(), 10) == b""
         writer.close()
-    finally:
-        tcp.close()
-        await runner.cleanup()
+        await past_the_ceiling_over_tcp(tcp_port, oversized(2, CEILING + 1))
+
+
+async def test_every_frame_past_the_ceiling_reaches_the_client_as_its_close(lmtp_server: LmtpServer) -> None:
+    """The rest of an oversized frame is still arriving when the server closes; closing a socket
+    with unread data sends a reset, which discards the close frame (or the MSG error) before the
+    client reads it: 1006 instead of 1009. The server reads the rest before closing, so every
+    one arrives, just past the ceiling and far past it, each on a fresh connection."""
+    async with small_limits(lmtp_server) as (url, tcp_port), aiohttp.ClientSession() as http:
+        for size in [CEILING + 1, 8 * CEILING] * 20:
+            frame = oversized(2, size)
+            async with http.ws_connect(url) as ws:
+                await ws.send_str(frame)
+                closing = await ws.receive(10)
+                assert (closing.type, closing.data) == (aiohttp.WSMsgType.CLOSE, WSCloseCode.MESSAGE_TOO_BIG), size
+            await past_the_ceiling_over_tcp(tcp_port, frame)
 
 
 async def test_reused_stream_id_is_an_error_for_that_id_only(lmtp_server: LmtpServer, connect) -> None:
