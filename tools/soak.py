@@ -815,9 +815,12 @@ def judge_bad_input(soak: Soak, kind: str, bad: BadInput, got: Received) -> None
 async def duplicate_stream_id(soak: Soak, conn: Connection, rng: random.Random) -> None:
     """A GENERATE reusing a running stream's id: an error for that id; the running stream carries on.
 
-    The duplicate goes out when the carrier's first token arrives. If the carrier's last token
-    had arrived before that (this side fell behind), the id was free again and the duplicate
-    runs as a stream of its own: then only that stream is checked, and nothing is tallied."""
+    The duplicate goes out when the carrier's first token arrives. If the carrier had ended
+    before the duplicate reached the server (this side fell behind: the carrier's last token can
+    be waiting unread in the socket), the id was free again and the duplicate runs as a stream
+    of its own, after the carrier's end on the connection: then only that stream is checked, and
+    nothing is tallied. (A server that let a duplicate run beside its carrier would mix the two
+    streams, and the carrier's check fails.)"""
     kind = "duplicate-stream-id"
     fields = generate_fields(soak, rng, soak.model.prompt(rng), soak.long_tokens, sampled=False)
     stream_id = conn.new_id()
@@ -843,7 +846,7 @@ async def duplicate_stream_id(soak: Soak, conn: Connection, rng: random.Random) 
     try:
         await conn.send(line("GENERATE", {"stream_id": stream_id, **fields}))
         got = await receive(queue, soak.timeout, on_token=reuse, tolerate=duplicate_error)
-        raced = bool(sent_at and not duplicate_errors and got.arrivals[-1] <= sent_at[0])
+        raced = bool(sent_at and not duplicate_errors and got.finish is not None)
         second = await receive(queue, soak.timeout) if raced else None
     finally:
         conn.unroute(stream_id)
