@@ -1,4 +1,4 @@
-"""A minute of tools/soak.py against the tiny model in a `salience serve` process.
+"""A minute of the soak (tools/soak/) against the tiny model in a `salience serve` process.
 
 Mixed valid streams (LMTP and gRPC sessions) beside every kind of bad input and CANCEL, and
 clients that drop their connections mid-stream: nothing may be lost, every bad input must get

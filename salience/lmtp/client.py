@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import orjson
@@ -32,7 +32,7 @@ class LmtpClient:
         self._reader = asyncio.create_task(self._read())
 
     @classmethod
-    async def connect(cls, url: str, headers: dict[str, str] | None = None) -> LmtpClient:
+    async def connect(cls, url: str, headers: dict[str, str] | None = None) -> Self:
         session = aiohttp.ClientSession(headers=headers)
         try:
             ws = await session.ws_connect(url, max_msg_size=0)
@@ -48,6 +48,11 @@ class LmtpClient:
         await self._ws.close()
         await self._session.close()
 
+    @property
+    def close_code(self) -> int | None:
+        """The WebSocket close code, once the connection has closed."""
+        return self._ws.close_code
+
     async def _read(self) -> None:
         try:
             async for message in self._ws:
@@ -55,20 +60,32 @@ class LmtpClient:
                     continue
                 kind, payloads = parse_server_line(message.data)
                 for payload in payloads:
-                    stream_id = payload.get("stream_id")
-                    if kind == "TOKEN" and stream_id in self._streams:
-                        self._streams[stream_id].put_nowait(payload)
-                    elif kind == "MSG" and stream_id in self._replies:
-                        self._replies.pop(stream_id).set_result(payload)
+                    self._received(kind, payload)
         finally:
-            for queue in self._streams.values():
-                queue.put_nowait(None)
-            for future in self._replies.values():
-                if not future.done():
-                    future.set_exception(ConnectionError("connection closed"))
+            self._ended()
+
+    def _received(self, kind: str, payload: dict) -> None:
+        """Each payload the server sends, in order (a subclass may route them its own way)."""
+        stream_id = payload.get("stream_id")
+        if kind == "TOKEN" and stream_id in self._streams:
+            self._streams[stream_id].put_nowait(payload)
+        elif kind == "MSG" and stream_id in self._replies:
+            self._replies.pop(stream_id).set_result(payload)
+
+    def _ended(self) -> None:
+        """The connection has closed, or the client was closed: whoever waits is told."""
+        for queue in self._streams.values():
+            queue.put_nowait(None)
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(ConnectionError("connection closed"))
 
     async def _send(self, kind: str, payload: dict[str, Any]) -> None:
-        await self._ws.send_str(kind + " " + orjson.dumps(payload).decode())
+        await self.send_lines(kind + " " + orjson.dumps(payload).decode())
+
+    async def send_lines(self, *lines: str) -> None:
+        """Lines as they are, in one frame: several messages at once, or one that is malformed."""
+        await self._ws.send_str("\n".join(lines))
 
     async def request(self, kind: str, **fields: Any) -> dict:
         """Send a message answered by one MSG payload (MODEL_INFO, TOKENIZE, ...)."""
