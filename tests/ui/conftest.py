@@ -43,9 +43,15 @@ CHROMIUM_ARGS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def concepts(default_model: Path) -> ConceptSet:
+    # A plain fixture, so no event loop is running: on a cold cache the set is built with
+    # asyncio.run, as `salience serve` builds it.
+    return ConceptSet.load(_default_concepts(default_model))
+
+
 @pytest_asyncio.fixture(scope="module")
-async def engine(default_model: Path) -> AsyncIterator[Engine]:
-    concepts = ConceptSet.load(_default_concepts(default_model))
+async def engine(default_model: Path, concepts: ConceptSet) -> AsyncIterator[Engine]:
     engine = await start_engine(default_model, max_model_len=2048, concepts=concepts)
     yield engine
     engine.shutdown()
