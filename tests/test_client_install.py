@@ -24,17 +24,11 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from aiohttp import web
 
 from salience.core.atomic import build_folder_once
 from salience.core.engine import Engine
 from salience.core.home import salience_home
-from salience.core.sessions import SessionStore
-from salience.core.status import ServerStatus
-from salience.grpc_frontend.server import start_grpc_server
-from salience.lmtp.app import make_app
-from salience.lmtp.session import LmtpConfig
-from tests.conftest import free_port
+from tests.inprocess import frontends
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGING = [ROOT / "setup.cfg", ROOT / "pyproject.toml"]
@@ -128,18 +122,8 @@ def test_the_command_line_helps(client_install: ClientInstall) -> None:
 @pytest_asyncio.fixture(scope="module")
 async def server(tiny_engine: Engine) -> AsyncIterator[tuple[str, str]]:
     """The tiny model over LMTP and gRPC, in this process: (WebSocket URL, gRPC target)."""
-    status = ServerStatus("tiny")
-    status.ready(tiny_engine)
-    sessions = SessionStore(status.serving_engine)
-    runner = web.AppRunner(make_app(status, LmtpConfig(), sessions))
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    grpc_server = await start_grpc_server(status, sessions, "127.0.0.1", 0, None)
-    await grpc_server.serving(True)
-    yield f"ws://127.0.0.1:{port}/", f"127.0.0.1:{grpc_server.port}"
-    await grpc_server.stop(0)
-    await runner.cleanup()
+    async with frontends(tiny_engine) as served:
+        yield served.ws, served.grpc_target
 
 
 CLIENTS = """

@@ -12,7 +12,6 @@ import gc
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -20,22 +19,17 @@ import grpc
 import orjson
 import pytest
 import pytest_asyncio
-from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from salience.core.concepts import ConceptSet
-from salience.core.engine import Engine
 from salience.core.sessions import SessionLimits, SessionStore
-from salience.core.status import ServerStatus
 from salience.grpc_frontend.client import AsyncSalienceClient
-from salience.grpc_frontend.server import start_grpc_server
-from salience.lmtp.app import make_app
 from salience.lmtp.codec import parse_server_line
 from salience.lmtp.session import ConnectionLimits, LmtpConfig, LmtpSession
-from salience.lmtp.tcp import start_tcp_server
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
-from tests.conftest import free_port, start_engine
+from tests.conftest import start_engine
+from tests.inprocess import Frontends, frontends
 
 TOKEN = "metrics-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -44,32 +38,12 @@ PROMPT = [0, *range(40, 50)]
 LIMITS = ConnectionLimits(max_message_bytes=4096, max_frame_bytes=8192)  # small, to send a frame over them
 
 
-@dataclass
-class Server:
-    engine: Engine
-    status: ServerStatus
-    http: str
-    tcp_port: int
-    grpc_target: str
-
-
 @pytest_asyncio.fixture(scope="module")
-async def server(tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Server]:
+async def server(tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Frontends]:
     engine = await start_engine(tiny_model, served_model_name="tiny", max_model_len=1024, concepts=tiny_concepts)
-    status = ServerStatus("tiny")
-    status.ready(engine)
-    sessions = SessionStore(status.serving_engine)
-    runner = web.AppRunner(make_app(status, LmtpConfig(auth_token=TOKEN, limits=LIMITS), sessions))
-    await runner.setup()
-    port, tcp_port = free_port(), free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    tcp = await start_tcp_server(status, LmtpConfig(limits=LIMITS), sessions, "127.0.0.1", tcp_port)
-    grpc_server = await start_grpc_server(status, sessions, "127.0.0.1", 0, TOKEN)
-    await grpc_server.serving(True)
-    yield Server(engine, status, f"http://127.0.0.1:{port}", tcp_port, f"127.0.0.1:{grpc_server.port}")
-    await grpc_server.stop(0)
-    tcp.close()
-    await runner.cleanup()
+    lmtp, tcp = LmtpConfig(auth_token=TOKEN, limits=LIMITS), LmtpConfig(limits=LIMITS)
+    async with frontends(engine, lmtp=lmtp, tcp=tcp, grpc_token=TOKEN) as served:
+        yield served
     engine.shutdown()
 
 
@@ -120,7 +94,7 @@ def readout_sizes(payloads: list[dict]) -> tuple[int, int]:
     return len(readouts), sum(len(orjson.dumps(r)) for r in readouts)
 
 
-async def test_counters_move_by_exactly_what_the_clients_did(server: Server) -> None:
+async def test_counters_move_by_exactly_what_the_clients_did(server: Frontends) -> None:
     # The session gauges sum every live SessionStore: let earlier modules' stores go first.
     gc.collect()
     async with aiohttp.ClientSession() as http:
@@ -277,7 +251,7 @@ async def wait_until_idle(http: aiohttp.ClientSession, url: str) -> None:
     raise AssertionError("streams or connections still active")
 
 
-async def test_dropped_connections_are_counted_by_cause(server: Server) -> None:
+async def test_dropped_connections_are_counted_by_cause(server: Frontends) -> None:
     async with aiohttp.ClientSession() as http:
         before = await scrape(http, server.http)
         # A frame over the hard limit closes its connection, on either transport.

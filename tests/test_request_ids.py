@@ -13,55 +13,31 @@ import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
-from aiohttp import web
 
 from salience.core.concepts import ConceptSet
-from salience.core.engine import Engine
-from salience.core.sessions import SessionStore
-from salience.core.status import ServerStatus
-from salience.grpc_frontend.server import start_grpc_server
-from salience.lmtp.app import make_app
 from salience.lmtp.codec import LmtpError, parse_client_line, parse_server_line
-from salience.lmtp.session import LmtpConfig
 from salience.logs import LogfmtFormatter, RequestIdFilter
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
-from tests.conftest import free_port, start_engine
+from tests.conftest import start_engine
+from tests.inprocess import Frontends, frontends
 from tests.test_metrics import line, ws_stream
 
 PROMPT = [0, *range(60, 70)]
 HEX32 = re.compile(r"[0-9a-f]{32}")
 
 
-@dataclass
-class Server:
-    engine: Engine
-    url: str
-    grpc_target: str
-
-
 @pytest_asyncio.fixture(scope="module")
-async def server(tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Server]:
+async def server(tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Frontends]:
     engine = await start_engine(tiny_model, served_model_name="tiny", max_model_len=1024, concepts=tiny_concepts)
-    status = ServerStatus("tiny")
-    status.ready(engine)
-    sessions = SessionStore(status.serving_engine)
-    runner = web.AppRunner(make_app(status, LmtpConfig(), sessions))
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    grpc_server = await start_grpc_server(status, sessions, "127.0.0.1", 0)
-    await grpc_server.serving(True)
-    yield Server(engine, f"http://127.0.0.1:{port}/", f"127.0.0.1:{grpc_server.port}")
-    await grpc_server.stop(0)
-    await runner.cleanup()
+    async with frontends(engine) as served:
+        yield served
     engine.shutdown()
 
 
@@ -98,8 +74,8 @@ def lines() -> Iterator[Lines]:
         logger.setLevel(level)
 
 
-async def test_an_lmtp_request_id_reaches_the_logs_vllm_and_the_client(server: Server, lines: Lines) -> None:
-    async with aiohttp.ClientSession() as http, http.ws_connect(server.url) as ws:
+async def test_an_lmtp_request_id_reaches_the_logs_vllm_and_the_client(server: Frontends, lines: Lines) -> None:
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws) as ws:
         # The last token's readout takes one more pass: vLLM hears of it as <id>-last.
         end = len(PROMPT) + 3
         body = {"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True, "readout": [[end - 1, end]]}
@@ -138,10 +114,10 @@ async def test_an_lmtp_request_id_reaches_the_logs_vllm_and_the_client(server: S
 
 
 async def test_the_websocket_header_prefixes_each_stream_and_servers_make_the_rest(
-    server: Server, lines: Lines
+    server: Frontends, lines: Lines
 ) -> None:
     async with aiohttp.ClientSession() as http:
-        async with http.ws_connect(server.url, headers={"x-request-id": "edge-42"}) as ws:
+        async with http.ws_connect(server.ws, headers={"x-request-id": "edge-42"}) as ws:
             await ws.send_str(line("GENERATE", stream_id=7, prompt=PROMPT, max_tokens=2))
             assert (await ws_stream(ws, 7))[-1]["request_id"] == "edge-42-7"
             await ws.send_str(line("GENERATE", stream_id=8, prompt=PROMPT, max_tokens=2, request_id="own"))
@@ -155,13 +131,13 @@ async def test_the_websocket_header_prefixes_each_stream_and_servers_make_the_re
             )
         assert lines.vllm_added("edge-42-7") and lines.about("edge-42-9")
 
-        async with http.ws_connect(server.url) as ws:
+        async with http.ws_connect(server.ws) as ws:
             await ws.send_str(line("GENERATE", stream_id=1, prompt=PROMPT, max_tokens=2))
             made = (await ws_stream(ws, 1))[-1]["request_id"]
             assert HEX32.fullmatch(made) and lines.vllm_added(made)
 
         with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
-            await http.ws_connect(server.url, headers={"x-request-id": "no spaces"})
+            await http.ws_connect(server.ws, headers={"x-request-id": "no spaces"})
         assert refused.value.status == 400
 
 
@@ -186,9 +162,9 @@ def test_a_bad_request_id_field_is_a_stream_error(request_id, message: str) -> N
 
 
 async def test_a_reused_in_flight_id_is_suffixed_and_cancel_stops_only_its_own_stream(
-    server: Server, lines: Lines
+    server: Frontends, lines: Lines
 ) -> None:
-    async with aiohttp.ClientSession() as http, http.ws_connect(server.url) as ws:
+    async with aiohttp.ClientSession() as http, http.ws_connect(server.ws) as ws:
         body = {"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "request_id": "same"}
         await ws.send_str(line("GENERATE", stream_id=1, **body))
         firsts, ends = set(), {}
@@ -215,7 +191,7 @@ async def test_a_reused_in_flight_id_is_suffixed_and_cancel_stops_only_its_own_s
     assert not [x for x in lines.about("same") if "same.2" in x and "abort" in x.lower()]
 
 
-async def test_grpc_metadata_names_the_call_in_logs_vllm_metadata_and_errors(server: Server, lines: Lines) -> None:
+async def test_grpc_metadata_names_the_call_in_logs_vllm_metadata_and_errors(server: Frontends, lines: Lines) -> None:
     async with grpc.aio.insecure_channel(server.grpc_target) as channel:
         stub = salience_pb2_grpc.SalienceStub(channel)
         opened = stub.OpenSession(pb.OpenSessionRequest(model="tiny"), metadata=(("x-request-id", "rpc-open"),))
