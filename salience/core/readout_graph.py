@@ -1,32 +1,36 @@
-"""Concept readouts inside the model's forward, compiled or eager.
+"""Concept readouts and steering inside the model's forward, compiled or eager.
 
 Theory of operation. vLLM compiles the decoder stack (torch.compile; CUDA graphs
 on GPU) when the engine starts, before any RPC could reach the worker, and
-forward hooks do not fire in a compiled graph. So the readout must be part of
-the model the compiler sees:
+forward hooks do not fire in a compiled graph. So readouts and steering must be
+part of the model the compiler sees:
 
 - `SalienceLoader`, registered as vLLM load format `salience_readouts`, loads
-  the weights as vLLM's default loader does and then wraps each readout layer
-  in a `ReadoutTap`. vLLM resolves the worker extension (readout_worker.py,
-  which imports this module) before it loads the model, so the registration
-  is in place in every worker process.
-- A `ReadoutTap` runs its decoder layer, then projects `hidden + residual`
+  the weights as vLLM's default loader does and then wraps each layer that
+  readouts read or steering can name in a `LayerTap`. vLLM resolves the worker
+  extension (worker.py, which imports this module) before it loads the model,
+  so the registration is in place in every worker process.
+- A `LayerTap` runs its decoder layer; takes the residual `hidden + residual`
   (the layer's output before the final norm, in vLLM's fused add-norm layers)
-  onto the layer's `[hidden, concepts]` matrix in float32 and writes the
-  `[tokens, concepts]` result into slot i of one persistent, statically
-  addressed buffer `[max_tokens, layers, concepts]` through the op
-  `salience::readout_store`, which declares the buffer as mutated (as vLLM's
-  attention ops declare their output buffer). The projection is ordinary
-  tensor code, traced and fused with the layer; only the small float32 block
-  leaves the graph, never a hidden state.
+  in float32; applies the step's steering coefficients to it (see LayerTap),
+  which the worker wrote into two static buffers before the step
+  (steering_worker.py); and projects the result onto the layer's
+  `[hidden, concepts]` matrix, writing the `[tokens, concepts]` result into
+  slot i of one persistent, statically addressed buffer
+  `[max_tokens, layers, concepts]` through the op `salience::readout_store`,
+  which declares the buffer as mutated (as vLLM's attention ops declare their
+  output buffer). Both are ordinary tensor code, traced and fused with the
+  layer; only the small float32 readout block leaves the graph, never a hidden
+  state, and only small coefficient blocks enter it.
 - After each step the worker copies the rows requests asked for out of the
   buffer (readout_worker.py); rows past the step's real tokens (padding to a
-  compiled or captured batch size) are never read.
+  compiled or captured batch size) are never read, and their steering
+  coefficients are zero.
 
-The concept vectors are loaded here, before compilation, from a content-
-addressed file named in vLLM's `additional_config`. vLLM folds
-`additional_config` into the hash that keys its compile cache, so a graph
-built for one concept set is never reused for another.
+The vectors are loaded here, before compilation, from content-addressed files
+named in vLLM's `additional_config`. vLLM folds `additional_config` into the
+hash that keys its compile cache, so a graph built for one concept set (or
+steering set, or without steering) is never reused for another.
 """
 
 from __future__ import annotations
@@ -43,16 +47,22 @@ from torch import nn
 __all__ = [
     "CONFIG_KEY",
     "LOAD_FORMAT",
-    "ReadoutTap",
+    "STEERING_KEY",
+    "LayerTap",
     "decoder_stack",
     "file_digest",
     "readout_buffer",
+    "steering_buffers",
+    "taps",
 ]
 
 log = logging.getLogger(__name__)
 
 LOAD_FORMAT = "salience_readouts"
 CONFIG_KEY = "salience_readouts"  # in vLLM's additional_config: {"path", "sha256", "layers"}
+# {"version", "steering": {"path", "sha256"} or None}: steering along the concept set's vectors
+# and those of the steering set, if any. Absent: no steering in the graph.
+STEERING_KEY = "salience_steering"
 
 
 @torch.library.custom_op("salience::readout_store", mutates_args=("buffer",))
@@ -66,15 +76,32 @@ def _(values: torch.Tensor, buffer: torch.Tensor, slot: int) -> None:
     return None
 
 
-class ReadoutTap(nn.Module):
-    """A decoder layer followed by its concept projection."""
+class LayerTap(nn.Module):
+    """A decoder layer followed by its steering and its concept projection (either may be absent).
 
-    def __init__(self, layer: nn.Module, slot: int, matrix: torch.Tensor, buffer: torch.Tensor) -> None:
+    Steering: with h the layer's output residual (float32) and D the layer's `[hidden, K]` unit
+    directions, h' = h + (a + b * (h @ D)) @ D.T, where a and b are this layer's `[tokens, K]`
+    slices of two buffers the worker fills before each step (steering_worker.py). The delta goes
+    into the layer's `hidden` output, so the next layer's fused add-norm sees h'; an unsteered
+    row has a = b = 0 and gets exactly 0.0 added. The readout projects h'.
+    """
+
+    def __init__(self, layer: nn.Module) -> None:
         super().__init__()
         self.layer = layer
-        self.slot = slot
+        self.readout_slot: int | None = None
+        self.steering_slot: int | None = None
+
+    def read_into(self, slot: int, matrix: torch.Tensor, buffer: torch.Tensor) -> None:
+        self.readout_slot = slot
         self.register_buffer("matrix", matrix, persistent=False)  # [hidden, concepts] float32
-        self.register_buffer("out", buffer, persistent=False)  # shared by every tap
+        self.register_buffer("out", buffer, persistent=False)  # [rows, readout layers, concepts], shared
+
+    def steer_from(self, slot: int, directions: torch.Tensor, add: torch.Tensor, scale: torch.Tensor) -> None:
+        self.steering_slot = slot
+        self.register_buffer("directions", directions, persistent=False)  # [hidden, K] float32
+        self.register_buffer("steer_add", add, persistent=False)  # a: [rows, steering layers, K], shared
+        self.register_buffer("steer_scale", scale, persistent=False)  # b: the same shape
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         output = self.layer(*args, **kwargs)
@@ -83,7 +110,16 @@ class ReadoutTap(nn.Module):
         else:
             hidden, residual = output, None
         state = hidden.float() if residual is None else hidden.float() + residual.float()
-        torch.ops.salience.readout_store(state @ self.matrix, self.out, self.slot)
+        if self.steering_slot is not None:
+            rows = state.shape[0]
+            a = self.steer_add[:rows, self.steering_slot]
+            b = self.steer_scale[:rows, self.steering_slot]
+            delta = (a + b * (state @ self.directions)) @ self.directions.T
+            state = state + delta
+            hidden = (hidden.float() + delta).to(hidden.dtype)
+            output = (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+        if self.readout_slot is not None:
+            torch.ops.salience.readout_store(state @ self.matrix, self.out, self.readout_slot)
         return output
 
 
@@ -102,33 +138,73 @@ def decoder_stack(model: nn.Module) -> tuple[range, nn.ModuleList]:
     raise AttributeError(f"no decoder layers found in {type(model).__name__}")
 
 
+def taps(model: nn.Module) -> list[LayerTap]:
+    return [layer for layer in decoder_stack(model)[1] if isinstance(layer, LayerTap)]
+
+
 def readout_buffer(model: nn.Module) -> torch.Tensor | None:
-    """The buffer the taps write, or None if the model has no taps."""
-    for layer in decoder_stack(model)[1]:
-        if isinstance(layer, ReadoutTap):
-            return layer.out
-    return None
+    """The buffer the taps write readouts into, or None if no tap reads out."""
+    return next((tap.out for tap in taps(model) if tap.readout_slot is not None), None)
+
+
+def steering_buffers(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]] | None:
+    """The coefficient buffers (a, b) and each steerable layer's slot in them, or None without steering."""
+    held = decoder_stack(model)[1]
+    slots = {index: layer.steering_slot for index, layer in enumerate(held) if isinstance(layer, LayerTap)}
+    slots = {index: slot for index, slot in slots.items() if slot is not None}
+    if not slots:
+        return None
+    first = held[next(iter(slots))]
+    return first.steer_add, first.steer_scale, slots
 
 
 def file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _install_taps(model: nn.Module, spec: dict, max_tokens: int, device: torch.device) -> None:
+def _load_checked(spec: dict):
     from salience.core.concepts import ConceptSet
 
     path = Path(spec["path"])
     if file_digest(path) != spec["sha256"]:
         raise RuntimeError(f"concept set {path} changed after the engine was configured")
-    concepts = ConceptSet.load(path)
+    return ConceptSet.load(path)
+
+
+def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch.device) -> None:
+    from salience.core.steering import Directions
+
+    readout_spec, steering_spec = config.get(CONFIG_KEY), config.get(STEERING_KEY)
+    concepts = _load_checked(readout_spec) if readout_spec is not None else None
+    directions = None
+    if steering_spec is not None:
+        extra = _load_checked(steering_spec["steering"]) if steering_spec.get("steering") else None
+        directions = Directions(concepts, extra)
     held, layers = decoder_stack(model)
-    buffer = torch.zeros(max_tokens, len(concepts.layers), len(concepts.concepts), dtype=torch.float32, device=device)
-    for slot, index in enumerate(concepts.layers):
-        if index not in held:
-            continue  # another pipeline stage holds this layer
-        matrix = concepts.vectors[index].to(device=device, dtype=torch.float32).T.contiguous()
-        layers[index] = ReadoutTap(layers[index], slot, matrix, buffer)
-    log.debug("readout taps installed", extra={"layers": concepts.layers, "rows": max_tokens})
+    tapped: dict[int, LayerTap] = {}
+
+    def tap(index: int) -> LayerTap:
+        if index not in tapped:
+            tapped[index] = layers[index] = LayerTap(layers[index])
+        return tapped[index]
+
+    # Every layer gets its slot whether or not this pipeline stage holds it, so slots agree across stages.
+    if concepts is not None:
+        buffer = torch.zeros(
+            max_tokens, len(concepts.layers), len(concepts.concepts), dtype=torch.float32, device=device
+        )
+        for slot, index in enumerate(concepts.layers):
+            if index in held:
+                matrix = concepts.vectors[index].to(device=device, dtype=torch.float32).T.contiguous()
+                tap(index).read_into(slot, matrix, buffer)
+    if directions is not None:
+        shape = (max_tokens, len(directions.layers), len(directions.names))
+        add = torch.zeros(shape, dtype=torch.float32, device=device)
+        scale = torch.zeros(shape, dtype=torch.float32, device=device)
+        for slot, index in enumerate(directions.layers):
+            if index in held:
+                tap(index).steer_from(slot, directions.matrix(index).to(device).contiguous(), add, scale)
+    log.debug("layer taps installed", extra={"layers": sorted(tapped), "rows": max_tokens})
 
 
 def _register_loader() -> None:
@@ -137,7 +213,7 @@ def _register_loader() -> None:
 
     @register_model_loader(LOAD_FORMAT)
     class SalienceLoader(DefaultModelLoader):
-        """vLLM's default loader, then readout taps on the concept set's layers."""
+        """vLLM's default loader, then taps on the layers readouts read and steering can name."""
 
         def __init__(self, load_config) -> None:
             # The weights themselves are found as "auto" finds them.
@@ -145,11 +221,12 @@ def _register_loader() -> None:
 
         def load_model(self, vllm_config, model_config, prefix: str = "") -> nn.Module:
             model = super().load_model(vllm_config, model_config, prefix)
-            spec = (vllm_config.additional_config or {}).get(CONFIG_KEY)
-            if spec is not None:  # every rank taps (the same values); rank 0's are read
+            config = vllm_config.additional_config or {}
+            if CONFIG_KEY in config or STEERING_KEY in config:
+                # Every rank taps and steers (the same values); rank 0's readouts are read.
                 rows = vllm_config.scheduler_config.max_num_batched_tokens
                 device = next(model.parameters()).device
-                _install_taps(model, spec, rows, device)
+                _install_taps(model, config, rows, device)
             return model
 
 

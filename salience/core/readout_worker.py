@@ -28,7 +28,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from salience.core.readout_graph import ReadoutTap, decoder_stack, readout_buffer
+from salience.core.readout_graph import readout_buffer, taps
 
 TAG = "salience_readout"
 
@@ -69,12 +69,11 @@ class ReadoutWorker:
 
     def salience_readout_graph(self) -> dict:
         """What the compiler made of the model: traced graphs and graph breaks (dynamo's own
-        counters, this process), and how many readout taps the model holds."""
+        counters, this process), and how many layer taps the model holds."""
         from torch._dynamo.utils import counters
 
-        taps = sum(isinstance(layer, ReadoutTap) for layer in decoder_stack(self.model_runner.get_model())[1])
         return {
-            "taps": taps,
+            "taps": len(taps(self.model_runner.get_model())),
             "graphs": int(counters["stats"]["unique_graphs"]),
             "graph_breaks": dict(counters["graph_break"]),
         }

@@ -32,6 +32,7 @@ from salience import metrics
 from salience.core.engine import Engine
 from salience.core.generation import Generation, PlacedImage, PromptScores
 from salience.core.images import ImageFacts, Vision
+from salience.core.steering import Intervention
 from salience.core.types import FinishReason, ImageBlock, SamplingOptions, covers
 from salience.errors import (
     ContextOverflow,
@@ -74,6 +75,8 @@ class Turn:
     readout_ranges: Sequence[Range] = ()
     sampling: SamplingOptions = field(default_factory=lambda: SamplingOptions(max_tokens=0))
     request_id: str | None = None  # vLLM's id for the turn (default: a new uuid4 hex)
+    # This call's interventions: `prompt` is the session's tokens after the append, `generated` what it decodes.
+    steer: Sequence[Intervention] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -239,6 +242,7 @@ class SessionStore:
         readout_ranges = _check_ranges("readout_ranges", turn.readout_ranges, end)
         if budget and not tokens:
             raise InvalidArgument("the session is empty: append at least one token to generate from")
+        steer = engine.resolve_steer(turn.steer, len(tokens)).interventions
         growth = len(tokens) - length + budget
         self._make_room(sessions=0, tokens=max(growth, 0), keep=session)
 
@@ -260,6 +264,7 @@ class SessionStore:
                 readout_ranges=readout_ranges,
                 prompt_logprobs=turn.logprob_top_k if scored else None,
                 images=images,
+                steer=steer,
             )
         elif prefill_wanted:
             top_k = turn.logprob_top_k if scored else None
@@ -267,7 +272,12 @@ class SessionStore:
 
             def scoring() -> Awaitable[PromptScores]:
                 return engine.prefill(
-                    tokens, top_logprobs=top_k, readout_ranges=readout_ranges, images=images, request_id=turn.request_id
+                    tokens,
+                    top_logprobs=top_k,
+                    readout_ranges=readout_ranges,
+                    images=images,
+                    request_id=turn.request_id,
+                    steer=steer,
                 )
 
         # Committed: the append is the client's content whatever happens to the turn.

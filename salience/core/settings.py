@@ -34,4 +34,6 @@ class EngineSettings:
     seed: int = 0
     max_images: int = 16  # vision-language models: images one request (a session) may carry
     concepts: ConceptSet | None = None  # readouts on (taps in the model's forward) when set
+    steering_set: ConceptSet | None = None  # more directions to steer along (--steering FILE)
+    steering: bool = True  # steering along the concept set's and steering set's vectors
     engine_args: dict[str, Any] = field(default_factory=dict)
