@@ -50,7 +50,7 @@ async def test_prompt_and_decoded_positions_match_reference(
     for position, readout in generation.prompt_readouts.items():
         assert len(readout) == len(TINY_LAYERS) * len(TINY_CONCEPTS)
         assert_readout_close(readout, want[position])
-    # The last token, never fed back, is read out by one more pass that reuses the prefix cache.
+    # The last token is read out by one more decode step whose token is dropped (the lookahead).
     for event in events:
         assert_readout_close(event.readout, want[event.position])
     last = await engine.readout(ids, [(len(ids) - 1, len(ids))])
@@ -64,6 +64,33 @@ async def test_taps_are_traced_into_the_compiled_graph(engine: Engine) -> None:
     assert graph["taps"] == len(TINY_LAYERS)
     if engine.compiled:
         assert graph["graphs"] >= 1 and graph["graph_breaks"] == {}
+
+
+async def test_the_last_token_is_read_out_however_the_generation_ends(
+    engine: Engine, reference: Reference, concepts: ConceptSet
+) -> None:
+    """By the lookahead step (finish `length`), by one more pass after a stop token; a generation
+    that fills the context leaves its last token without one (no room for either)."""
+    prompt = PROMPTS[3]
+    greedy = reference.greedy(prompt, 6)
+    stop = greedy[3]
+    full = [0, *[(5 * j) % 1900 + 3 for j in range(1024 - 5)]]
+    cases = [
+        (prompt, SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True), "length", 6),
+        (prompt, SamplingOptions(max_tokens=6, temperature=0.0, stop_token_ids=[stop]), "stop", greedy.index(stop) + 1),
+        (full, SamplingOptions(max_tokens=4, temperature=0.0, ignore_eos=True), "length", 4),
+    ]
+    for tokens, options, reason, count in cases:
+        generation = engine.generate(tokens, options, readout_ranges=[(len(tokens), len(tokens) + 10)])
+        events = [e async for e in generation]
+        assert len(events) == count and events[-1].finish_reason.value == reason
+        ids = tokens + [e.token_id for e in events]
+        assert ids[len(tokens) :] == reference.greedy(tokens, count)
+        want = reference_readouts(reference, concepts, ids)
+        filled = len(ids) == engine.max_model_len
+        for event in events[:-1] if filled else events:
+            assert_readout_close(event.readout, want[event.position])
+        assert (events[-1].readout is None) == filled
 
 
 async def test_only_requested_positions_and_none_without_ranges(engine: Engine) -> None:

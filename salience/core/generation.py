@@ -161,6 +161,15 @@ class Generation:
         self._held: list[TokenEvent] = []
         self._hub = hub if ranges else None
         self._ranges = ranges or []
+        # The last token's residual exists once it is fed back. With room in the context, decode
+        # one token more than asked and drop it: one more row in a batched decode step instead
+        # of a separate pass over the whole sequence after the end (which stays the fallback).
+        self._limit = params.max_tokens
+        last = len(prompt) + params.max_tokens - 1
+        self._lookahead = self._hub is not None and self._covered(last) and last + 1 < llm.model_config.max_model_len
+        if self._lookahead:
+            params.max_tokens += 1
+        self._looked_ahead = False  # the extra token came: every delivered token has been fed
         self._submitted = False  # vLLM's generator starts (and adds the request) on the first __anext__
         self._cancelled = False
         self._engine_finished = False  # vLLM sent the last output; its generator has yet to return
@@ -220,8 +229,9 @@ class Generation:
         finished = self.finish_reason is not None
         self._held = [] if finished or not candidates else candidates[-1:]
         ready = candidates if finished else candidates[:-1]
-        # Every token but the newest has been fed through the model by now.
-        fed = candidates[:-1]
+        # Every token but the newest has been fed through the model by now; all of them once
+        # the extra token decoded after the last has come.
+        fed = candidates if self._looked_ahead else candidates[:-1]
         wanted = [e.position for e in fed if self._covered(e.position)]
         prompt = [p for p in range(self.prompt_tokens) if self._covered(p)] if first else []
         got = await self._hub.take(self.request_id, prompt + wanted) if prompt or wanted else {}
@@ -232,6 +242,8 @@ class Generation:
                 readout = await self._read_last(self._tokens[: last + 1], last)
                 if readout is not None:
                     got[last] = readout
+        if finished and ready and self._looked_ahead:  # the output that finished held only the dropped token
+            ready[-1] = dataclasses.replace(ready[-1], finish_reason=self.finish_reason)
         self._pending.extend(dataclasses.replace(e, readout=got[e.position]) if e.position in got else e for e in ready)
 
     async def cancel(self) -> None:
@@ -273,7 +285,12 @@ class Generation:
         completion = out.outputs[0]
         logprobs = completion.logprobs
         events = []
-        for i, token in enumerate(completion.token_ids):
+        tokens = list(completion.token_ids)
+        room = self._limit - (self._next_position - self.prompt_tokens)
+        if len(tokens) > room:  # the lookahead token: never delivered
+            tokens = tokens[:room]
+            self._looked_ahead = True
+        for i, token in enumerate(tokens):
             entry = logprobs[i]
             events.append(
                 TokenEvent(
@@ -284,13 +301,14 @@ class Generation:
                 )
             )
             self._next_position += 1
-        self._tokens += completion.token_ids
+        self._tokens += tokens
         if out.finished:
             self._engine_finished = True
             reason = completion.finish_reason
             if reason not in _FINISH:
                 raise EngineError(f"the engine ended the request with {reason!r}")
-            self.finish_reason = _FINISH[reason]
+            # After the lookahead token the asked-for length was reached, whatever ended the extra one.
+            self.finish_reason = FinishReason.LENGTH if self._looked_ahead else _FINISH[reason]
             if events:
                 events[-1] = dataclasses.replace(events[-1], finish_reason=self.finish_reason)
         return events
