@@ -11,7 +11,7 @@ from pathlib import Path
 
 from salience.auth import AUTH_TOKEN_ENV, token_from_environment
 from salience.core.home import configure_environment
-from salience.errors import SalienceError
+from salience.errors import InvalidArgument, SalienceError
 
 __all__ = ["main"]
 
@@ -113,6 +113,15 @@ def _parser() -> argparse.ArgumentParser:
         "--concepts", type=Path, help="concept set for readouts (default model: the built-in set, built once)"
     )
     serve.add_argument("--no-readouts", dest="readouts", action="store_false", help="no concept set, no readout taps")
+    serve.add_argument(
+        "--steering",
+        type=Path,
+        metavar="FILE",
+        help="more directions to steer along: a concept set's format (docs/steering.md)",
+    )
+    serve.add_argument(
+        "--no-steering", dest="steer", action="store_false", help="no steering: the concept set is read, never written"
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     concepts = commands.add_parser("concepts", help="build or inspect concept sets").add_subparsers(
@@ -155,6 +164,16 @@ def _serve(args: argparse.Namespace) -> int:
         path = args.concepts or _default_concepts(folder.path)
         concept_set = ConceptSet.load(path)
         concept_set.check_model(folder.path)
+    steering_set = None
+    if args.steering is not None:
+        from salience.core.concepts import ConceptSet
+        from salience.core.steering import Directions
+
+        if not args.steer:
+            raise InvalidArgument("--steering and --no-steering contradict each other")
+        steering_set = ConceptSet.load(args.steering)
+        steering_set.check_model(folder.path)
+        Directions(concept_set, steering_set)  # names the sets share, or a zero vector: refused now
     settings = EngineSettings(
         model=folder.path,
         served_model_name=name,
@@ -170,6 +189,8 @@ def _serve(args: argparse.Namespace) -> int:
         multiprocess=args.multiprocess,
         engine_args=dict(args.engine_arg),
         concepts=concept_set,
+        steering_set=steering_set,
+        steering=args.steer,
     )
     options = ServeOptions(
         host=args.host,

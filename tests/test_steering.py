@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+import torch
 
-from salience.core.concepts import ConceptSet
+from salience.core.concepts import ConceptSet, model_fingerprint
 from salience.core.engine import Engine
 from salience.core.steering import MAX_INTERVENTIONS, Intervention, Op
 from salience.core.types import SamplingOptions
@@ -58,11 +59,12 @@ async def in_one_step(engine: Engine, runs: list) -> list:
 
 
 def check_against_reference(
-    reference: Reference, concepts: ConceptSet, prompt, interventions, generation, events
+    reference: Reference, concepts: ConceptSet, prompt, interventions, generation, events, steering_set=None
 ) -> list[int]:
     """Greedy tokens, logprobs (prompt and decoded) and readouts (every position) equal the hooked reference."""
     ids = prompt + [e.token_id for e in events]
-    with steered(reference.model, [concepts], interventions, len(prompt)):
+    sets = [concepts] if steering_set is None else [concepts, steering_set]
+    with steered(reference.model, sets, interventions, len(prompt)):
         greedy = reference.greedy(prompt, len(events))
         logprobs = reference.logprobs(ids).float()
         want = reference_readouts(reference, concepts, ids)
@@ -247,3 +249,61 @@ async def test_bad_interventions_never_reach_the_engine(engine: Engine, interven
 async def test_a_server_without_directions_refuses_steering(tiny_engine: Engine) -> None:
     with pytest.raises(InvalidArgument, match="nothing to steer along"):
         tiny_engine.generate([0, 1], GREEDY, steer=[steer("alpha", 2, "add", 1.0, generated=True)])
+
+
+@pytest.fixture(scope="module")
+def steering_set(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> ConceptSet:
+    """Two directions at layers 1 and 2: layer 1 holds no concept vector, so it is tapped for steering only."""
+    generator = torch.Generator().manual_seed(2)
+    vectors = {layer: torch.randn(2, 128, generator=generator) * 3 for layer in (1, 2)}  # not unit: normalised
+    built = ConceptSet(
+        concepts=("up", "down"),
+        vectors=vectors,
+        hidden_size=128,
+        num_layers=4,
+        model_fingerprint=model_fingerprint(tiny_model),
+    )
+    path = tmp_path_factory.mktemp("steering") / "steering.safetensors"
+    built.save(path)
+    return ConceptSet.load(path)
+
+
+async def test_a_steering_set_and_a_server_without_steering(
+    engine: Engine, tiny_model: Path, tiny_concepts: ConceptSet, steering_set: ConceptSet, tiny_reference: Reference
+) -> None:
+    """`--steering FILE` adds directions, at layers readouts do not read too; with steering off the
+    numbers are those of the steering engine's unsteered requests, bit for bit (in the engine's mode)."""
+    both = await start_engine(
+        tiny_model, max_model_len=1024, concepts=tiny_concepts, steering_set=steering_set, compile=engine.compiled
+    )
+    try:
+        assert both.steering.names == (*tiny_concepts.concepts, "up", "down")
+        assert (await both.readouts.graph())["taps"] == len(TINY_LAYERS) + 1
+        interventions = [
+            steer("up", 1, "add", 4.0, prompt=True, generated=True),
+            steer("down", 2, "set", -2.0, generated=True),
+            steer("alpha", 2, "add", 2.0, ranges=((4, 12),)),
+        ]
+        generation, events = await run(both, PROMPTS[4], interventions)
+        check_against_reference(
+            tiny_reference, tiny_concepts, PROMPTS[4], interventions, generation, events, steering_set
+        )
+        with pytest.raises(InvalidArgument, match=r"'up' has no vector at layer 0 \(it has \[1, 2\]\)"):
+            both.generate(PROMPTS[0], GREEDY, steer=[steer("up", 0, "add", 1.0, generated=True)])
+    finally:
+        both.shutdown()
+    off = await start_engine(
+        tiny_model, max_model_len=1024, concepts=tiny_concepts, steering=False, compile=engine.compiled
+    )
+    try:
+        assert off.steering is None
+        with pytest.raises(InvalidArgument, match="nothing to steer along"):
+            off.generate(PROMPTS[0], GREEDY, steer=[steer("alpha", 2, "add", 1.0, generated=True)])
+        for prompt in PROMPTS[:3]:
+            without, events_without = await run(off, prompt, ())
+            with_, events_with = await run(engine, prompt, ())
+            assert events_without == events_with
+            assert without.prompt_readouts == with_.prompt_readouts
+            assert without.prompt_scores().entries == with_.prompt_scores().entries
+    finally:
+        off.shutdown()

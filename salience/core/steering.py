@@ -137,6 +137,11 @@ class Directions:
         self._column = {name: k for k, name in enumerate(self.names)}
         self.defined_at: dict[str, frozenset[int]] = {name: frozenset(s.layers) for s in sets for name in s.concepts}
         self.layers: tuple[int, ...] = tuple(sorted(set().union(*(s.layers for s in sets))))
+        for s in sets:
+            for layer, vectors in s.vectors.items():
+                zero = [s.concepts[k] for k, norm in enumerate(vectors.norm(dim=1).tolist()) if norm == 0]
+                if zero:
+                    raise ModelError(f"{zero[0]!r} is the zero vector at layer {layer}: it cannot be steered along")
 
     def manifest(self) -> dict:
         """What clients are told (LMTP MODEL_INFO, gRPC GetSteeringManifest): each direction's
@@ -159,10 +164,7 @@ class Directions:
         for s in self._sets:
             if layer in s.vectors:
                 vectors = s.vectors[layer].to(torch.float64)
-                norms = vectors.norm(dim=1, keepdim=True)
-                if bool((norms == 0).any()):
-                    raise ModelError(f"a direction at layer {layer} is the zero vector: it cannot be steered along")
-                out[:, first : first + len(s.concepts)] = (vectors / norms).T
+                out[:, first : first + len(s.concepts)] = (vectors / vectors.norm(dim=1, keepdim=True)).T
             first += len(s.concepts)
         return out.to(torch.float32)
 

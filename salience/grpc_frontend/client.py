@@ -9,6 +9,8 @@ call first re-reads the length with DumpSession.
         session = client.open_session("SmolLM2-135M-Instruct")
         result = session.generate(prompt_ids, max_tokens=16, top_k=1, readout_ranges=[(0, None)])
         branch = session.fork(len(prompt_ids))
+        steered = branch.generate(more_ids, max_tokens=16, top_k=1,
+                                  steer=[{"direction": "french", "layers": [15], "value": 8}])
 
 `AsyncSalienceClient` is the same over grpc.aio, with `stream()` to consume tokens as they come.
 """
@@ -20,6 +22,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from salience.core.steering import Intervention, Op, parse_interventions
+from salience.proto.salience.ext.v1 import extensions_pb2 as ext
+from salience.proto.salience.ext.v1 import extensions_pb2_grpc
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
 
@@ -113,6 +118,36 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
+_OPS = {Op.ADD: ext.Intervention.OP_ADD, Op.SET: ext.Intervention.OP_SET, Op.ABLATE: ext.Intervention.OP_ABLATE}
+
+
+def _interventions(steer: Sequence[Intervention | dict]) -> list[ext.Intervention]:
+    """`steer` as the extension's messages: Interventions, or their JSON form (as LMTP takes it)."""
+    out = []
+    for item in steer:
+        i = item if isinstance(item, Intervention) else parse_interventions([item])[0]
+        out.append(
+            ext.Intervention(
+                direction=i.direction,
+                layers=i.layers,
+                op=_OPS[i.op],
+                value=i.value,
+                prompt=i.prompt,
+                ranges=[pb.PositionRange(start=s, end=e) for s, e in i.ranges],
+                generated=i.generated,
+            )
+        )
+    return out
+
+
+def _generate_call(client, request: pb.GenerateRequest, steer: Sequence[Intervention | dict]):
+    """The seed's Generate, or with interventions the extension's SteeredGenerate (same events)."""
+    if not steer:
+        return client._stub.Generate(request, metadata=client._metadata)
+    steered = ext.SteeredGenerateRequest(generate=request, interventions=_interventions(steer))
+    return client._extensions.SteeredGenerate(steered, metadata=client._metadata)
+
+
 class Session:
     """One server session, driven synchronously."""
 
@@ -129,13 +164,18 @@ class Session:
         return self._ledger.length
 
     def stream(
-        self, append: Sequence[int] = (), *, truncate_to: int | None = None, **params
+        self,
+        append: Sequence[int] = (),
+        *,
+        truncate_to: int | None = None,
+        steer: Sequence[Intervention | dict] = (),
+        **params,
     ) -> Iterator[pb.GenerateEvent]:
         """Append (after rewinding to `truncate_to`), then yield the call's events. See `generate`."""
         if not self._ledger.synced:
             self._ledger.length = len(self.dump())
         request = self._ledger.request(append, truncate_to, **_defaults(params))
-        call = self._client._stub.Generate(request, metadata=self._client._metadata)
+        call = _generate_call(self._client, request, steer)
         try:
             first = True
             for event in call:
@@ -147,12 +187,20 @@ class Session:
         finally:
             call.cancel()  # a no-op once the call has ended; aborts the engine request otherwise
 
-    def generate(self, append: Sequence[int] = (), *, truncate_to: int | None = None, **params) -> GenerateResult:
+    def generate(
+        self,
+        append: Sequence[int] = (),
+        *,
+        truncate_to: int | None = None,
+        steer: Sequence[Intervention | dict] = (),
+        **params,
+    ) -> GenerateResult:
         """One Generate: params are GenerateRequest's fields (max_tokens, logprobs_ranges,
         logprob_top_k, readout_ranges, temperature, top_p, top_k, stop_token_ids, priority, images).
-        A range `(start, None)` runs through the last position this call can produce."""
+        A range `(start, None)` runs through the last position this call can produce. `steer`
+        (Interventions, or dicts in their LMTP form) makes it a SteeredGenerate (docs/steering.md)."""
         result = GenerateResult()
-        for event in self.stream(append, truncate_to=truncate_to, **params):
+        for event in self.stream(append, truncate_to=truncate_to, steer=steer, **params):
             result.add(event)
         return result
 
@@ -176,6 +224,7 @@ class SalienceClient:
     def __init__(self, target: str, *, token: str | None = None, channel: grpc.Channel | None = None) -> None:
         self._channel = channel or grpc.insecure_channel(target)
         self._stub = salience_pb2_grpc.SalienceStub(self._channel)
+        self._extensions = extensions_pb2_grpc.SalienceExtensionsStub(self._channel)
         self._metadata = _metadata(token)
 
     def open_session(self, model: str) -> Session:
@@ -185,6 +234,9 @@ class SalienceClient:
 
     def readout_manifest(self) -> pb.ReadoutManifest:
         return self._stub.GetReadoutManifest(pb.GetReadoutManifestRequest(), metadata=self._metadata)
+
+    def steering_manifest(self) -> ext.SteeringManifest:
+        return self._extensions.GetSteeringManifest(ext.GetSteeringManifestRequest(), metadata=self._metadata)
 
     def close(self) -> None:
         self._channel.close()
@@ -212,12 +264,17 @@ class AsyncSession:
         return self._ledger.length
 
     async def stream(
-        self, append: Sequence[int] = (), *, truncate_to: int | None = None, **params
+        self,
+        append: Sequence[int] = (),
+        *,
+        truncate_to: int | None = None,
+        steer: Sequence[Intervention | dict] = (),
+        **params,
     ) -> AsyncIterator[pb.GenerateEvent]:
         if not self._ledger.synced:
             self._ledger.length = len(await self.dump())
         request = self._ledger.request(append, truncate_to, **_defaults(params))
-        call = self._client._stub.Generate(request, metadata=self._client._metadata)
+        call = _generate_call(self._client, request, steer)
         try:
             first = True
             async for event in call:
@@ -229,9 +286,16 @@ class AsyncSession:
         finally:
             call.cancel()  # a no-op once the call has ended; aborts the engine request otherwise
 
-    async def generate(self, append: Sequence[int] = (), *, truncate_to: int | None = None, **params) -> GenerateResult:
+    async def generate(
+        self,
+        append: Sequence[int] = (),
+        *,
+        truncate_to: int | None = None,
+        steer: Sequence[Intervention | dict] = (),
+        **params,
+    ) -> GenerateResult:
         result = GenerateResult()
-        async for event in self.stream(append, truncate_to=truncate_to, **params):
+        async for event in self.stream(append, truncate_to=truncate_to, steer=steer, **params):
             result.add(event)
         return result
 
@@ -257,6 +321,7 @@ class AsyncSalienceClient:
     def __init__(self, target: str, *, token: str | None = None, channel: grpc.aio.Channel | None = None) -> None:
         self._channel = channel or grpc.aio.insecure_channel(target)
         self._stub = salience_pb2_grpc.SalienceStub(self._channel)
+        self._extensions = extensions_pb2_grpc.SalienceExtensionsStub(self._channel)
         self._metadata = _metadata(token)
 
     async def open_session(self, model: str) -> AsyncSession:
@@ -266,6 +331,9 @@ class AsyncSalienceClient:
 
     async def readout_manifest(self) -> pb.ReadoutManifest:
         return await self._stub.GetReadoutManifest(pb.GetReadoutManifestRequest(), metadata=self._metadata)
+
+    async def steering_manifest(self) -> ext.SteeringManifest:
+        return await self._extensions.GetSteeringManifest(ext.GetSteeringManifestRequest(), metadata=self._metadata)
 
     async def close(self) -> None:
         await self._channel.close()

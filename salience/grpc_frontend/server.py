@@ -51,7 +51,7 @@ async def start_grpc_server(
         ],
     )
     salience_pb2_grpc.add_SalienceServicer_to_server(SalienceService(status, sessions), server)
-    extensions_pb2_grpc.add_SalienceExtensionsServicer_to_server(ExtensionsService(status), server)
+    extensions_pb2_grpc.add_SalienceExtensionsServicer_to_server(ExtensionsService(status, sessions), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (

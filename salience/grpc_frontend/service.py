@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
 from salience import metrics
 from salience.core.sessions import SessionStore, SessionToken, Turn, TurnDone
 from salience.core.status import ServerStatus
+from salience.core.steering import Intervention
 from salience.core.types import FinishReason, ImageBlock, SamplingOptions
 from salience.grpc_frontend.status_codes import translating, translating_stream
 from salience.logs import REQUEST_ID
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
 
-__all__ = ["SalienceService"]
+__all__ = ["SalienceService", "run_turn", "turn_from"]
 
 _FINISH = {
     FinishReason.STOP: pb.GenerateDone.FINISH_REASON_EOS,
@@ -61,21 +62,33 @@ class SalienceService(salience_pb2_grpc.SalienceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateEvent]:
-        with self._status.admit("grpc", "session_generate") as admitted:
-            run = await self._sessions.start(request.session_id, _turn(request, REQUEST_ID.get()), admitted.engine)
-            async with contextlib.aclosing(aiter(run)) as tokens:
-                async for token in tokens:
-                    if token.readout is not None:
-                        metrics.READOUT_POSITIONS.labels("grpc").inc()
-                        metrics.READOUT_BYTES.labels("grpc").inc(4 * len(token.readout))
-                    yield pb.GenerateEvent(token=_token(token))
-            assert run.done is not None
-            admitted.end(run.done.finish_reason.value)
-            yield pb.GenerateEvent(done=_done(run.done))
+        turn = turn_from(request, REQUEST_ID.get())
+        async with contextlib.aclosing(run_turn(self._status, self._sessions, request.session_id, turn)) as events:
+            async for event in events:
+                yield event
 
 
-def _turn(request: pb.GenerateRequest, request_id: str | None = None) -> Turn:
+async def run_turn(
+    status: ServerStatus, sessions: SessionStore, session_id: str, turn: Turn
+) -> AsyncIterator[pb.GenerateEvent]:
+    """A session turn as the seed's GenerateEvents: tokens, then one Done."""
+    with status.admit("grpc", "session_generate") as admitted:
+        run = await sessions.start(session_id, turn, admitted.engine)
+        async with contextlib.aclosing(aiter(run)) as tokens:
+            async for token in tokens:
+                if token.readout is not None:
+                    metrics.READOUT_POSITIONS.labels("grpc").inc()
+                    metrics.READOUT_BYTES.labels("grpc").inc(4 * len(token.readout))
+                yield pb.GenerateEvent(token=_token(token))
+        assert run.done is not None
+        admitted.end(run.done.finish_reason.value)
+        yield pb.GenerateEvent(done=_done(run.done))
+
+
+def turn_from(request: pb.GenerateRequest, request_id: str | None = None, steer: Sequence[Intervention] = ()) -> Turn:
+    """The core Turn a seed GenerateRequest asks for (and, from the extension, its interventions)."""
     return Turn(
+        steer=steer,
         request_id=request_id,
         offset=request.offset,
         truncating=request.truncating,

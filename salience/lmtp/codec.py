@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from salience import request_ids
+from salience.core.steering import Intervention, parse_interventions
 from salience.core.types import ImageBlock
 from salience.errors import InvalidArgument
 from salience.lmtp.messages import (
@@ -186,6 +187,14 @@ def _images(value: Any, name: str) -> tuple[ImageBlock, ...]:
     return tuple(images)
 
 
+def _steer(value: Any, name: str) -> tuple[Intervention, ...]:
+    """The shape of each intervention; names, layers and values are the engine's to check."""
+    try:
+        return parse_interventions(value)
+    except InvalidArgument as exc:
+        raise ValueError(str(exc)) from None
+
+
 def _show(value: Any) -> str:
     text = orjson.dumps(value).decode() if isinstance(value, (dict, list, str, int, float, bool, type(None))) else "?"
     return text if len(text) <= 40 else text[:37] + "..."
@@ -213,6 +222,7 @@ _GENERATE: dict[str, _Reader] = {
     "text": _bool,
     "readout": _ranges,
     "request_id": _request_id,
+    "steer": _steer,
 }
 _SCORE: dict[str, _Reader] = {
     "stream_id": _int,
@@ -223,6 +233,7 @@ _SCORE: dict[str, _Reader] = {
     "text": _bool,
     "readout": _ranges,
     "request_id": _request_id,
+    "steer": _steer,
 }
 _SESSION_GENERATE: dict[str, _Reader] = {
     "stream_id": _int,
@@ -236,7 +247,17 @@ _SESSION_GENERATE: dict[str, _Reader] = {
     "readout": _ranges,
     **{
         name: _GENERATE[name]
-        for name in ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "priority", "text", "request_id")
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "stop_token_ids",
+            "priority",
+            "text",
+            "request_id",
+            "steer",
+        )
     },
     "images": _images,
 }

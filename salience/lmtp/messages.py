@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from salience.core.steering import Intervention
 from salience.core.types import ImageBlock
 
 __all__ = [
@@ -57,6 +58,7 @@ class Generate:
     text: bool = False
     readout: tuple[tuple[int, int], ...] = ()
     request_id: str | None = None  # the client's id for the stream (default: the server makes one)
+    steer: tuple[Intervention, ...] = ()  # interventions on the residual stream (docs/steering.md)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +71,7 @@ class Score:
     text: bool = False
     readout: tuple[tuple[int, int], ...] = ()
     request_id: str | None = None
+    steer: tuple[Intervention, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,6 +155,7 @@ class SessionGenerate:
     text: bool = False
     images: tuple[ImageBlock, ...] = ()
     request_id: str | None = None
+    steer: tuple[Intervention, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -248,7 +248,11 @@ class LmtpSession:
     async def _generate(self, engine: Engine, request: Generate) -> None:
         stream_id = request.stream_id
         generation = engine.generate(
-            request.prompt, _options(request), request_id=self._request_ids[stream_id], readout_ranges=request.readout
+            request.prompt,
+            _options(request),
+            request_id=self._request_ids[stream_id],
+            readout_ranges=request.readout,
+            steer=request.steer,
         )
         await self._attach(stream_id, generation)
         text = TextStream(engine.tokenizer, request.prompt) if request.text else None
@@ -269,6 +273,8 @@ class LmtpSession:
 
     async def _score(self, engine: Engine, request: Score) -> None:
         prompt, continuation = engine.check_scoring(request.prompt, request.scored)
+        # `generated` positions are the scored ones, as if the model had generated them.
+        steer = engine.resolve_steer(request.steer, len(prompt)).interventions
         scored = []
         # A SCORE is one short pass, not aborted once running: cancelled before it, it is never
         # submitted; cancelled during it, its results are dropped. Either way it ends "cancelled".
@@ -283,6 +289,7 @@ class LmtpSession:
                 top_logprobs=request.top_logprobs,
                 readout_ranges=request.readout,
                 request_id=self._request_ids[request.stream_id],
+                steer=steer,
             )
             if request.stream_id in self._cancels:
                 self._token(cancelled)
@@ -326,6 +333,7 @@ class LmtpSession:
                 priority=request.priority,
             ),
             request_id=self._request_ids[request.stream_id],
+            steer=request.steer,
         )
         run = await self._sessions.start(request.session_id, turn, engine)
         stream_id = request.stream_id
@@ -407,6 +415,7 @@ class LmtpSession:
             "max_logprobs": engine.max_logprobs,
             "eos_token_id": engine.tokenizer.eos_token_id,
             "readout_manifest": dataclasses.asdict(engine.readouts.manifest) if engine.readouts else None,
+            "steering": engine.steering.manifest() if engine.steering else None,
         }
 
     def _tokenizer_reply(self, request: Tokenize | Detokenize) -> None:

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from salience.core.steering import Intervention, Op
 from salience.core.types import ImageBlock
 from salience.lmtp.codec import LmtpError, msg_frame, parse_client_line, parse_server_line, token_frame
 from salience.lmtp.messages import (
@@ -96,6 +97,42 @@ VALID = [
         'IMAGE_INFO {"stream_id": 15, "data": "iVBORw==", "mime": "image/png"}',
         ImageInfo(stream_id=15, data=b"\x89PNG", mime="image/png"),
     ),
+    (
+        'GENERATE {"prompt": [1], "stream_id": 16, "steer": [{"direction": "french", "layers": [12], "value": 8}, '
+        '{"direction": "code", "layer": 3, "op": "ablate", "positions": "all"}, '
+        '{"direction": "names", "layers": "4-6", "op": "set", "value": -2.5, "positions": [[0, 3], [9, 12]]}, '
+        '{"direction": "x", "layers": 1, "positions": {"ranges": [[2, 4]], "generated": true}}]}',
+        Generate(
+            stream_id=16,
+            prompt=(1,),
+            steer=(
+                Intervention(direction="french", layers=(12,), op=Op.ADD, value=8, generated=True),
+                Intervention(direction="code", layers=(3,), op=Op.ABLATE, prompt=True, generated=True),
+                Intervention(direction="names", layers=(4, 5, 6), op=Op.SET, value=-2.5, ranges=((0, 3), (9, 12))),
+                Intervention(direction="x", layers=(1,), op=Op.ADD, ranges=((2, 4),), generated=True),
+            ),
+        ),
+    ),
+    (
+        'SCORE {"prompt": [1], "scored": [2], "stream_id": 17, "steer": [{"direction": "a", "layers": [0], '
+        '"positions": "prompt"}]}',
+        Score(
+            stream_id=17,
+            prompt=(1,),
+            scored=(2,),
+            steer=(Intervention(direction="a", layers=(0,), op=Op.ADD, prompt=True),),
+        ),
+    ),
+    (
+        'SESSION_GENERATE {"stream_id": 18, "session_id": "s", "offset": 0, "steer": [{"direction": "a", '
+        '"layers": [0, 2], "op": "set", "value": 1}]}',
+        SessionGenerate(
+            stream_id=18,
+            session_id="s",
+            offset=0,
+            steer=(Intervention(direction="a", layers=(0, 2), op=Op.SET, value=1, generated=True),),
+        ),
+    ),
 ]
 
 INVALID = [
@@ -138,6 +175,49 @@ INVALID = [
     ),
     ('IMAGE_INFO {"stream_id": 3, "data": 5, "mime": "image/png"}', 3, "data must be a base64 string"),
     ('FORK_SESSION {"stream_id": 3, "session_id": "s"}', 3, "missing field 'at_position'"),
+    ('GENERATE {"stream_id": 3, "prompt": [1], "steer": {"direction": "a"}}', 3, "steer must be a list"),
+    ('GENERATE {"stream_id": 3, "prompt": [1], "steer": [5]}', 3, "steer[0] must be an object"),
+    ('GENERATE {"stream_id": 3, "prompt": [1], "steer": [{"layers": [1]}]}', 3, "steer[0]: direction must be a name"),
+    (
+        'GENERATE {"stream_id": 3, "prompt": [1], "steer": [{"direction": "a", "layers": [1], "op": "mul"}]}',
+        3,
+        "steer[0]: op must be one of ['add', 'set', 'ablate'], got 'mul'",
+    ),
+    (
+        'GENERATE {"stream_id": 3, "prompt": [1], "steer": [{"direction": "a", "layers": [1], "alpha": 2}]}',
+        3,
+        "steer[0]: unknown field 'alpha'",
+    ),
+    ('GENERATE {"stream_id": 3, "prompt": [1], "steer": [{"direction": "a"}]}', 3, "steer[0]: layers must be"),
+    ('GENERATE {"stream_id": 3, "prompt": [1], "steer": [{"direction": "a", "layers": "6-4"}]}', 3, "layer range"),
+    (
+        'GENERATE {"stream_id": 3, "prompt": [1], "steer": [{"direction": "a", "layers": 1, "layer": 1}]}',
+        3,
+        "give layer or layers, not both",
+    ),
+    (
+        'GENERATE {"stream_id": 3, "prompt": [1], "steer": [{"direction": "a", "layers": 1, "value": "big"}]}',
+        3,
+        "steer[0]: value must be a number",
+    ),
+    (
+        'GENERATE {"stream_id": 3, "prompt": [1], "steer": [{"direction": "a", "layers": 1, "positions": "most"}]}',
+        3,
+        "positions must be one of ['generated', 'prompt', 'all'] or ranges",
+    ),
+    (
+        'SCORE {"stream_id": 3, "prompt": [1], "scored": [2], "steer": [{"direction": "a", "layers": 1, '
+        '"positions": [[1]]}]}',
+        3,
+        "steer[0]: range 0 must be [start, end]",
+    ),
+    (
+        'SESSION_GENERATE {"stream_id": 3, "session_id": "s", "offset": 0, "steer": ['
+        + ", ".join(['{"direction": "a", "layers": 1}'] * 17)
+        + "]}",
+        3,
+        "steer has 17 interventions; at most 16 are allowed per request",
+    ),
 ]
 
 

@@ -22,19 +22,32 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from salience.proto.salience.v1 import salience_pb2 as salience_dot_proto_dot_salience_dot_v1_dot_salience__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/salience/proto/salience/ext/v1/extensions.proto\x12\x0fsalience.ext.v1\"/\n\x10ImageInfoRequest\x12\r\n\x05\x62ytes\x18\x01 \x01(\x0c\x12\x0c\n\x04mime\x18\x02 \x01(\t\"\xe4\x01\n\x11ImageInfoResponse\x12\x12\n\npad_tokens\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x02 \x01(\r\x12\x0e\n\x06grid_t\x18\x03 \x01(\r\x12\x0e\n\x06grid_h\x18\x04 \x01(\r\x12\x0e\n\x06grid_w\x18\x05 \x01(\r\x12\x1d\n\x15vision_start_token_id\x18\x06 \x01(\r\x12\x1a\n\x12image_pad_token_id\x18\x07 \x01(\r\x12\x1b\n\x13vision_end_token_id\x18\x08 \x01(\r\x12\r\n\x05width\x18\t \x01(\r\x12\x0e\n\x06height\x18\n \x01(\r2h\n\x12SalienceExtensions\x12R\n\tImageInfo\x12!.salience.ext.v1.ImageInfoRequest\x1a\".salience.ext.v1.ImageInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/salience/proto/salience/ext/v1/extensions.proto\x12\x0fsalience.ext.v1\x1a)salience/proto/salience/v1/salience.proto\"~\n\x16SteeredGenerateRequest\x12.\n\x08generate\x18\x01 \x01(\x0b\x32\x1c.salience.v1.GenerateRequest\x12\x34\n\rinterventions\x18\x02 \x03(\x0b\x32\x1d.salience.ext.v1.Intervention\"\xfe\x01\n\x0cIntervention\x12\x11\n\tdirection\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\r\x12,\n\x02op\x18\x03 \x01(\x0e\x32 .salience.ext.v1.Intervention.Op\x12\r\n\x05value\x18\x04 \x01(\x01\x12\x0e\n\x06prompt\x18\x05 \x01(\x08\x12*\n\x06ranges\x18\x06 \x03(\x0b\x32\x1a.salience.v1.PositionRange\x12\x11\n\tgenerated\x18\x07 \x01(\x08\"?\n\x02Op\x12\x12\n\x0eOP_UNSPECIFIED\x10\x00\x12\n\n\x06OP_ADD\x10\x01\x12\n\n\x06OP_SET\x10\x02\x12\r\n\tOP_ABLATE\x10\x03\"\x1c\n\x1aGetSteeringManifestRequest\"\xb0\x01\n\x10SteeringManifest\x12?\n\ndirections\x18\x01 \x03(\x0b\x32+.salience.ext.v1.SteeringManifest.Direction\x12\x19\n\x11max_interventions\x18\x02 \x01(\r\x12\x15\n\rmax_magnitude\x18\x03 \x01(\x01\x1a)\n\tDirection\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\r\"/\n\x10ImageInfoRequest\x12\r\n\x05\x62ytes\x18\x01 \x01(\x0c\x12\x0c\n\x04mime\x18\x02 \x01(\t\"\xe4\x01\n\x11ImageInfoResponse\x12\x12\n\npad_tokens\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x02 \x01(\r\x12\x0e\n\x06grid_t\x18\x03 \x01(\r\x12\x0e\n\x06grid_h\x18\x04 \x01(\r\x12\x0e\n\x06grid_w\x18\x05 \x01(\r\x12\x1d\n\x15vision_start_token_id\x18\x06 \x01(\r\x12\x1a\n\x12image_pad_token_id\x18\x07 \x01(\r\x12\x1b\n\x13vision_end_token_id\x18\x08 \x01(\r\x12\r\n\x05width\x18\t \x01(\r\x12\x0e\n\x06height\x18\n \x01(\r2\xa9\x02\n\x12SalienceExtensions\x12R\n\tImageInfo\x12!.salience.ext.v1.ImageInfoRequest\x1a\".salience.ext.v1.ImageInfoResponse\x12X\n\x0fSteeredGenerate\x12\'.salience.ext.v1.SteeredGenerateRequest\x1a\x1a.salience.v1.GenerateEvent0\x01\x12\x65\n\x13GetSteeringManifest\x12+.salience.ext.v1.GetSteeringManifestRequest\x1a!.salience.ext.v1.SteeringManifestb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'salience.proto.salience.ext.v1.extensions_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_IMAGEINFOREQUEST']._serialized_start=68
-  _globals['_IMAGEINFOREQUEST']._serialized_end=115
-  _globals['_IMAGEINFORESPONSE']._serialized_start=118
-  _globals['_IMAGEINFORESPONSE']._serialized_end=346
-  _globals['_SALIENCEEXTENSIONS']._serialized_start=348
-  _globals['_SALIENCEEXTENSIONS']._serialized_end=452
+  _globals['_STEEREDGENERATEREQUEST']._serialized_start=111
+  _globals['_STEEREDGENERATEREQUEST']._serialized_end=237
+  _globals['_INTERVENTION']._serialized_start=240
+  _globals['_INTERVENTION']._serialized_end=494
+  _globals['_INTERVENTION_OP']._serialized_start=431
+  _globals['_INTERVENTION_OP']._serialized_end=494
+  _globals['_GETSTEERINGMANIFESTREQUEST']._serialized_start=496
+  _globals['_GETSTEERINGMANIFESTREQUEST']._serialized_end=524
+  _globals['_STEERINGMANIFEST']._serialized_start=527
+  _globals['_STEERINGMANIFEST']._serialized_end=703
+  _globals['_STEERINGMANIFEST_DIRECTION']._serialized_start=662
+  _globals['_STEERINGMANIFEST_DIRECTION']._serialized_end=703
+  _globals['_IMAGEINFOREQUEST']._serialized_start=705
+  _globals['_IMAGEINFOREQUEST']._serialized_end=752
+  _globals['_IMAGEINFORESPONSE']._serialized_start=755
+  _globals['_IMAGEINFORESPONSE']._serialized_end=983
+  _globals['_SALIENCEEXTENSIONS']._serialized_start=986
+  _globals['_SALIENCEEXTENSIONS']._serialized_end=1283
 # @@protoc_insertion_point(module_scope)

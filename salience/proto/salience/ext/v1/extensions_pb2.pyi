@@ -1,8 +1,69 @@
+from salience.proto.salience.v1 import salience_pb2 as _salience_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class SteeredGenerateRequest(_message.Message):
+    __slots__ = ("generate", "interventions")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    INTERVENTIONS_FIELD_NUMBER: _ClassVar[int]
+    generate: _salience_pb2.GenerateRequest
+    interventions: _containers.RepeatedCompositeFieldContainer[Intervention]
+    def __init__(self, generate: _Optional[_Union[_salience_pb2.GenerateRequest, _Mapping]] = ..., interventions: _Optional[_Iterable[_Union[Intervention, _Mapping]]] = ...) -> None: ...
+
+class Intervention(_message.Message):
+    __slots__ = ("direction", "layers", "op", "value", "prompt", "ranges", "generated")
+    class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        OP_UNSPECIFIED: _ClassVar[Intervention.Op]
+        OP_ADD: _ClassVar[Intervention.Op]
+        OP_SET: _ClassVar[Intervention.Op]
+        OP_ABLATE: _ClassVar[Intervention.Op]
+    OP_UNSPECIFIED: Intervention.Op
+    OP_ADD: Intervention.Op
+    OP_SET: Intervention.Op
+    OP_ABLATE: Intervention.Op
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_FIELD_NUMBER: _ClassVar[int]
+    direction: str
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    op: Intervention.Op
+    value: float
+    prompt: bool
+    ranges: _containers.RepeatedCompositeFieldContainer[_salience_pb2.PositionRange]
+    generated: bool
+    def __init__(self, direction: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., op: _Optional[_Union[Intervention.Op, str]] = ..., value: _Optional[float] = ..., prompt: _Optional[bool] = ..., ranges: _Optional[_Iterable[_Union[_salience_pb2.PositionRange, _Mapping]]] = ..., generated: _Optional[bool] = ...) -> None: ...
+
+class GetSteeringManifestRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SteeringManifest(_message.Message):
+    __slots__ = ("directions", "max_interventions", "max_magnitude")
+    class Direction(_message.Message):
+        __slots__ = ("name", "layers")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        LAYERS_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        layers: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, name: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    DIRECTIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_INTERVENTIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MAGNITUDE_FIELD_NUMBER: _ClassVar[int]
+    directions: _containers.RepeatedCompositeFieldContainer[SteeringManifest.Direction]
+    max_interventions: int
+    max_magnitude: float
+    def __init__(self, directions: _Optional[_Iterable[_Union[SteeringManifest.Direction, _Mapping]]] = ..., max_interventions: _Optional[int] = ..., max_magnitude: _Optional[float] = ...) -> None: ...
 
 class ImageInfoRequest(_message.Message):
     __slots__ = ("bytes", "mime")

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from salience.proto.salience.ext.v1 import extensions_pb2 as salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2
+from salience.proto.salience.v1 import salience_pb2 as salience_dot_proto_dot_salience_dot_v1_dot_salience__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -39,6 +40,16 @@ class SalienceExtensionsStub:
                 request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ImageInfoRequest.SerializeToString,
                 response_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ImageInfoResponse.FromString,
                 _registered_method=True)
+        self.SteeredGenerate = channel.unary_stream(
+                '/salience.ext.v1.SalienceExtensions/SteeredGenerate',
+                request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SteeredGenerateRequest.SerializeToString,
+                response_deserializer=salience_dot_proto_dot_salience_dot_v1_dot_salience__pb2.GenerateEvent.FromString,
+                _registered_method=True)
+        self.GetSteeringManifest = channel.unary_unary(
+                '/salience.ext.v1.SalienceExtensions/GetSteeringManifest',
+                request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetSteeringManifestRequest.SerializeToString,
+                response_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SteeringManifest.FromString,
+                _registered_method=True)
 
 
 class SalienceExtensionsServicer:
@@ -54,6 +65,23 @@ class SalienceExtensionsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SteeredGenerate(self, request, context):
+        """The seed's Generate with interventions on the residual stream (docs/steering.md): the same
+        session, offsets, ranges and events; the interventions apply to this call's forward pass.
+        INVALID_ARGUMENT names a bad intervention (unknown direction, a layer it has no vector at,
+        a value that is not finite or too large, too many) before anything reaches the engine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSteeringManifest(self, request, context):
+        """The directions this server can steer along, the layers each has a vector at, and the limits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SalienceExtensionsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +89,16 @@ def add_SalienceExtensionsServicer_to_server(servicer, server):
                     servicer.ImageInfo,
                     request_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ImageInfoRequest.FromString,
                     response_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ImageInfoResponse.SerializeToString,
+            ),
+            'SteeredGenerate': grpc.unary_stream_rpc_method_handler(
+                    servicer.SteeredGenerate,
+                    request_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SteeredGenerateRequest.FromString,
+                    response_serializer=salience_dot_proto_dot_salience_dot_v1_dot_salience__pb2.GenerateEvent.SerializeToString,
+            ),
+            'GetSteeringManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSteeringManifest,
+                    request_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetSteeringManifestRequest.FromString,
+                    response_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SteeringManifest.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +128,60 @@ class SalienceExtensions:
             '/salience.ext.v1.SalienceExtensions/ImageInfo',
             salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ImageInfoRequest.SerializeToString,
             salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ImageInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SteeredGenerate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/salience.ext.v1.SalienceExtensions/SteeredGenerate',
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SteeredGenerateRequest.SerializeToString,
+            salience_dot_proto_dot_salience_dot_v1_dot_salience__pb2.GenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSteeringManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/salience.ext.v1.SalienceExtensions/GetSteeringManifest',
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetSteeringManifestRequest.SerializeToString,
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SteeringManifest.FromString,
             options,
             channel_credentials,
             insecure,
