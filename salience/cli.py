@@ -80,6 +80,17 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache size on CPU (GiB)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument("--tensor-parallel-size", type=int, default=1)
+    engine.add_argument(
+        "--pipeline-parallel-size", type=int, default=1, help="pipeline stages, each holding some decoder layers"
+    )
+    engine.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray"],
+        help="how vLLM runs its workers: processes on this machine (mp, the default) or a Ray cluster",
+    )
+    engine.add_argument(
+        "--ray-address", help="the Ray cluster to join (e.g. 'auto' or 'HOST:6379'; implies the ray backend)"
+    )
     engine.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     engine.add_argument("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
     engine.add_argument("--max-images", type=int, default=16, help="vision-language models: images per session")
@@ -182,6 +193,9 @@ def _serve(args: argparse.Namespace) -> int:
         kv_cache_gib=args.kv_cache_gib,
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend or ("ray" if args.ray_address else None),
+        ray_address=args.ray_address,
         enable_prefix_caching=args.prefix_caching,
         max_logprobs=args.max_logprobs,
         max_images=args.max_images,

@@ -76,12 +76,15 @@ class Engine:
         cpu = launch.is_cpu()
         multiprocess = settings.multiprocess if settings.multiprocess is not None else not cpu
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
+        if settings.ray_address is not None:
+            env["RAY_ADDRESS"] = settings.ray_address  # vLLM's ray.init() joins the cluster it names
         if cpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
-            if settings.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                # vllm-cpu binds each rank to a NUMA node; on one node it refuses to
-                # start unless told which cores each rank gets.
-                env["VLLM_CPU_OMP_THREADS_BIND"] = launch.split_cores(settings.tensor_parallel_size)
+            ranks = settings.tensor_parallel_size * settings.pipeline_parallel_size
+            if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                # vllm-cpu binds each rank (TP x PP on this node) to a NUMA node; on one node it
+                # refuses to start unless told which cores each rank gets.
+                env["VLLM_CPU_OMP_THREADS_BIND"] = launch.split_cores(ranks)
                 env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         vision = await asyncio.to_thread(Vision.load, settings.model)
         compiled = launch.compiled(settings)

@@ -73,6 +73,7 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
         dtype=settings.dtype or ("float32" if cpu else "auto"),
         max_model_len=settings.max_model_len,
         tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
         enable_prefix_caching=settings.enable_prefix_caching,
         max_logprobs=settings.max_logprobs,
         logprobs_mode="processed_logprobs",
@@ -98,6 +99,8 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
         kwargs["enable_chunked_prefill"] = False
     else:
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    if settings.distributed_executor_backend is not None:
+        kwargs["distributed_executor_backend"] = settings.distributed_executor_backend
     kwargs.update(settings.engine_args)
     if cpu and not kwargs.get("enable_chunked_prefill"):
         kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens") or 0, model_max_len(settings))
@@ -122,7 +125,7 @@ def split_cores(ranks: int) -> str:
     """The allowed cores in `ranks` contiguous groups, in VLLM_CPU_OMP_THREADS_BIND's syntax ("0|1")."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < ranks:
-        raise ModelError(f"tensor_parallel_size {ranks} needs at least {ranks} cores; {len(cores)} are available")
+        raise ModelError(f"{ranks} ranks (tensor x pipeline parallel) need {ranks} cores; {len(cores)} are available")
     size = len(cores) // ranks
     groups = [cores[i * size : (i + 1) * size] for i in range(ranks)]
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)

@@ -15,9 +15,14 @@ during the forward pass, compiled or eager. Theory of operation:
   (padding) are never read.
 - Only these small blocks leave the worker, as bytes, when the engine calls
   `salience_readout_take`; it also names finished requests whose blocks to drop.
-- Requests batched together never mix: rows are selected per request. Under
-  tensor parallelism the residual is replicated after the all-reduce, so rank 0
-  alone files blocks.
+- Requests batched together never mix: rows are selected per request.
+- Parallel layouts. Under tensor parallelism the residual is replicated after
+  the all-reduce, so the TP-rank-0 worker of each pipeline stage alone files
+  blocks. Under pipeline parallelism each stage holds some decoder layers, so
+  each stage's TP-rank-0 worker files blocks holding its own readout slots and
+  zeros in the others; setup tells the engine which slots each filing worker
+  holds, and the engine merges a position once every filing stage has sent it
+  (readouts.py). Only these projected floats leave a stage.
 """
 
 from __future__ import annotations
@@ -38,18 +43,24 @@ __all__ = ["TAG", "ReadoutWorker"]
 class ReadoutWorker:
     """Mixed into vLLM's worker class; methods are called through collective_rpc."""
 
-    def salience_readout_setup(self) -> list[int]:
-        """Start filing readouts; returns the buffer's shape (empty on ranks that do not file)."""
+    def salience_readout_setup(self) -> dict | None:
+        """Start filing readouts. Returns None on a TP rank > 0 (the residual is replicated there:
+        it never files), else the buffer's shape and the readout slots this pipeline stage's taps
+        write (none: the stage holds no readout layer and files nothing)."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
         self._ro_store: dict[str, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
-        if getattr(self, "rank", 0) != 0:  # the residual is replicated: rank 0 alone files
-            return []
+        if get_tensor_model_parallel_rank() != 0:
+            return None
         runner = self.model_runner
-        buffer = readout_buffer(runner.get_model())
-        if buffer is None:
-            raise RuntimeError("the model has no readout taps: the engine was not started with the readout loader")
+        model = runner.get_model()
+        buffer = readout_buffer(model)
+        if buffer is None:  # a pipeline stage that holds no readout layer
+            return {"shape": None, "slots": []}
         self._ro_buffer = buffer
         runner.execute_model = self._ro_after(runner.execute_model)
-        return list(buffer.shape)
+        slots = sorted(tap.readout_slot for tap in taps(model) if tap.readout_slot is not None)
+        return {"shape": list(buffer.shape), "slots": slots}
 
     def salience_readout_take(self, keys: list[str], drop: list[str]) -> dict[str, list]:
         """Blocks captured since the last take, per key: [positions bytes, values bytes]."""

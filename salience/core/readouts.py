@@ -6,6 +6,13 @@ about the same moment (one engine step serves them all), so fetches coalesce:
 a generation that needs data joins the fetch in flight, or starts one that
 takes every registered key at once.
 
+Pipeline parallelism: each stage's TP-rank-0 worker files blocks holding the
+readout slots (layers) that stage holds and zeros elsewhere. `collective_rpc`
+answers per worker in rank order, and stages run a step at different moments,
+so a fetch may see stage 0's rows of a step before stage 1's. A position is
+handed out only once every filing stage has sent it: its row is assembled
+slot by slot from the stage that holds each slot (exact: nothing is added).
+
 Position semantics: the residual at position p exists once token p has been
 fed through the model. For a prompt position that is the prefill; for a
 decoded token it is the step *after* it was sampled. So a decoded token's
@@ -84,32 +91,59 @@ def _stored(concept_set: ConceptSet) -> dict:
 
 
 class ReadoutHub:
-    def __init__(self, llm: AsyncLLM, concepts: ConceptSet) -> None:
+    def __init__(self, llm: AsyncLLM, concepts: ConceptSet, stages: dict[int, Sequence[int]] | None = None) -> None:
+        """`stages`: for each filing worker (its index in collective_rpc's answers), the readout
+        slots it holds; by default worker 0 holds them all."""
         self._llm = llm
         self.manifest = concepts.manifest
-        self.width = len(concepts.layers) * len(concepts.concepts)
+        n_concepts = len(concepts.concepts)
+        self.width = len(concepts.layers) * n_concepts
+        stages = stages if stages is not None else {0: range(len(concepts.layers))}
+        # Per filing worker, which entries of a flat (layer-major) readout row it supplies.
+        self._masks: dict[int, np.ndarray] = {}
+        for worker, slots in stages.items():
+            mask = np.zeros((len(concepts.layers), n_concepts), dtype=bool)
+            mask[list(slots)] = True
+            self._masks[worker] = mask.reshape(-1)
         self._buffers: dict[str, dict[int, Readout]] = {}
+        # Positions some stages have sent and others not yet: [row so far, workers that sent it].
+        self._partial: dict[str, dict[int, tuple[np.ndarray, set[int]]]] = {}
         self._dropped: set[str] = set()
         self._inflight: asyncio.Task | None = None
 
     @staticmethod
     async def install(llm: AsyncLLM, concepts: ConceptSet) -> ReadoutHub:
-        shape = (await llm.collective_rpc("salience_readout_setup"))[0]
+        answers = await llm.collective_rpc("salience_readout_setup")
         expected = [len(concepts.layers), len(concepts.concepts)]
-        if shape[1:] != expected:
-            raise EngineError(f"the worker's readout buffer is {shape}, not [rows, {expected[0]}, {expected[1]}]")
-        return ReadoutHub(llm, concepts)
+        stages = {}
+        for worker, answer in enumerate(answers):
+            if answer is None or not answer["slots"]:  # a TP rank > 0, or a stage without readout layers
+                continue
+            if answer["shape"][1:] != expected:
+                raise EngineError(
+                    f"worker {worker}'s readout buffer is {answer['shape']}, not [rows, {expected[0]}, {expected[1]}]"
+                )
+            stages[worker] = answer["slots"]
+        held = sorted(slot for slots in stages.values() for slot in slots)
+        if held != list(range(len(concepts.layers))):
+            raise EngineError(
+                f"the workers' readout taps hold slots {held} of {len(concepts.layers)}: "
+                "the engine was not started with the readout loader"
+            )
+        return ReadoutHub(llm, concepts, stages)
 
     def register(self, key: str) -> None:
         self._buffers[key] = {}
+        self._partial[key] = {}
 
     def release(self, key: str) -> None:
         """The request is over (finished, failed or aborted): forget its blocks here and in the worker."""
         self._buffers.pop(key, None)
+        self._partial.pop(key, None)
         self._dropped.add(key)
 
     async def take(self, key: str, positions: Sequence[int]) -> dict[int, Readout]:
-        """Readouts at `positions` (those captured by now), removed from the buffer."""
+        """Readouts at `positions` (those captured by now, on every stage), removed from the buffer."""
         buffer = self._buffers[key]
         for _ in range(3):  # a fetch already in flight may predate the step we wait for
             if all(p in buffer for p in positions):
@@ -123,11 +157,14 @@ class ReadoutHub:
 
     async def stored_in_worker(self) -> int:
         await self._fetch()
-        return (await self._llm.collective_rpc("salience_readout_stored"))[0]
+        stored = await self._llm.collective_rpc("salience_readout_stored")
+        return sum(stored[worker] for worker in self._masks)
 
     async def graph(self) -> dict:
-        """The worker's taps and compiler counters (readout_worker.salience_readout_graph)."""
-        return (await self._llm.collective_rpc("salience_readout_graph"))[0]
+        """The worker's taps and compiler counters (readout_worker.salience_readout_graph): the
+        first worker's counters, and the taps of every pipeline stage."""
+        answers = await self._llm.collective_rpc("salience_readout_graph")
+        return {**answers[0], "taps": sum(answers[worker]["taps"] for worker in self._masks)}
 
     async def _fetch(self) -> None:
         if self._inflight is None or self._inflight.done():
@@ -137,11 +174,24 @@ class ReadoutHub:
     async def _fetch_now(self) -> None:
         keys, dropped = list(self._buffers), list(self._dropped)
         self._dropped.clear()
-        taken = (await self._llm.collective_rpc("salience_readout_take", args=(keys, dropped)))[0]
-        for key, (positions, values) in taken.items():
-            buffer = self._buffers.get(key)
-            if buffer is None:
-                continue
-            rows = np.frombuffer(values, dtype=np.float32).reshape(-1, self.width)
-            for position, row in zip(np.frombuffer(positions, dtype=np.int64).tolist(), rows, strict=True):
-                buffer[position] = tuple(row.tolist())  # a recomputed position (preemption) wins
+        answers = await self._llm.collective_rpc("salience_readout_take", args=(keys, dropped))
+        single = len(self._masks) == 1
+        for worker, mask in self._masks.items():
+            for key, (positions, values) in answers[worker].items():
+                buffer = self._buffers.get(key)
+                if buffer is None:
+                    continue
+                rows = np.frombuffer(values, dtype=np.float32).reshape(-1, self.width)
+                positions = np.frombuffer(positions, dtype=np.int64).tolist()
+                if single:
+                    for position, row in zip(positions, rows, strict=True):
+                        buffer[position] = tuple(row.tolist())  # a recomputed position (preemption) wins
+                    continue
+                partial = self._partial[key]
+                for position, row in zip(positions, rows, strict=True):
+                    merged, sent = partial.setdefault(position, (np.zeros(self.width, dtype=np.float32), set()))
+                    merged[mask] = row[mask]
+                    sent.add(worker)
+                    if len(sent) == len(self._masks):
+                        buffer[position] = tuple(merged.tolist())
+                        del partial[position]

@@ -27,6 +27,9 @@ class EngineSettings:
     kv_cache_gib: float = 2.0  # CPU only: KV cache size
     gpu_memory_utilization: float = 0.9  # GPU only
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stages, each holding a contiguous range of decoder layers
+    distributed_executor_backend: str | None = None  # "mp" or "ray"; None: vLLM's choice (mp on one node)
+    ray_address: str | None = None  # an existing Ray cluster ("auto", "host:port"); None: Ray's default
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
     compile: bool = False  # vLLM's compiled graph, readout taps included: faster decode, slower first start

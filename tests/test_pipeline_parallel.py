@@ -1,0 +1,150 @@
+"""Pipeline parallelism (PP=2 on the two CPU cores): readouts from both stages, merged exactly.
+
+The tiny model's four layers split into stage 0 (layers 0-1) and stage 1 (layers 2-3); the
+readout layers (TINY_LAYERS: 0, 2, 3) lie on both, so every readout row is assembled from two
+workers' blocks. Everything is compared with the transformers float32 reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from salience.core.concepts import ConceptSet
+from salience.core.engine import Engine
+from salience.core.types import SamplingOptions
+from tests.conftest import TINY_LAYERS, start_engine
+from tests.reference import Reference, assert_logprobs_match, assert_readout_close, reference_readouts
+from tests.test_steering import check_against_reference, steer
+
+PROMPTS = [[0, *range(60 + 11 * i, 90 + 11 * i)] for i in range(8)]
+GREEDY = SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def engine(tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Engine]:
+    engine = await start_engine(
+        tiny_model, max_model_len=1024, concepts=tiny_concepts, pipeline_parallel_size=2, compile=False
+    )
+    yield engine
+    engine.shutdown()
+
+
+def all_readouts(generation, events) -> dict:
+    return {**generation.prompt_readouts, **{e.position: e.readout for e in events if e.readout is not None}}
+
+
+async def test_both_stages_file_their_layers(engine: Engine) -> None:
+    graph = await engine.readouts.graph()
+    assert graph["taps"] == len(TINY_LAYERS)  # layer 0 on stage 0, layers 2 and 3 on stage 1
+    assert sorted(engine.readouts._masks) == [0, 1]
+
+
+async def test_prompt_decode_and_logprobs_match_reference(
+    engine: Engine, tiny_reference: Reference, tiny_concepts: ConceptSet
+) -> None:
+    prompt = PROMPTS[0]
+    generation = engine.generate(prompt, GREEDY, readout_ranges=[(0, 2000)], prompt_logprobs=5)
+    events = [e async for e in generation]
+    ids = prompt + [e.token_id for e in events]
+    assert ids[len(prompt) :] == tiny_reference.greedy(prompt, len(events))
+    logprobs = tiny_reference.logprobs(ids).float()
+    assert_logprobs_match(events, logprobs)
+    scores = generation.prompt_scores()
+    for position in range(1, len(prompt)):
+        assert scores.at(position).logprob == pytest.approx(float(logprobs[position - 1][prompt[position]]), abs=1e-4)
+    want = reference_readouts(tiny_reference, tiny_concepts, ids)
+    readouts = all_readouts(generation, events)
+    assert sorted(readouts) == list(range(len(ids)))
+    for position, readout in readouts.items():
+        assert_readout_close(readout, want[position])
+
+
+async def test_prefix_cache_hit_still_gives_every_position(
+    engine: Engine, tiny_reference: Reference, tiny_concepts: ConceptSet
+) -> None:
+    prompt = [0, *[(7 * j) % 1900 + 5 for j in range(600)]]  # several 128-token KV blocks
+    options = SamplingOptions(max_tokens=2, temperature=0.0, ignore_eos=True)
+    [e async for e in engine.generate(prompt, options)]
+    cached = engine.generate(prompt, options, readout_ranges=[(len(prompt), len(prompt) + 2)])
+    events = [e async for e in cached]
+    assert cached.cached_tokens >= 512  # decoded positions only: the cache is read
+    ids = prompt + [e.token_id for e in events]
+    want = reference_readouts(tiny_reference, tiny_concepts, ids)
+    assert [e.position for e in events if e.readout is not None] == [len(prompt), len(prompt) + 1]
+    for event in events:
+        assert_readout_close(event.readout, want[event.position])
+    generation = engine.generate(prompt, options, readout_ranges=[(0, 600)])
+    [e async for e in generation]
+    assert sorted(generation.prompt_readouts) == list(range(600))
+    for position in (0, 127, 128, 300, 599):
+        assert_readout_close(generation.prompt_readouts[position], want[position])
+
+
+async def test_concurrent_requests_with_different_ranges(
+    engine: Engine, tiny_reference: Reference, tiny_concepts: ConceptSet
+) -> None:
+    """Eight requests in flight at once: under pipelining the stages run different steps at the
+    same moment, so fetches see one stage's rows before the other's."""
+
+    async def run(i: int):
+        ranges = [(i, i + 5 + i), (len(PROMPTS[i]) + 1, len(PROMPTS[i]) + 3)]
+        generation = engine.generate(
+            PROMPTS[i], SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True), readout_ranges=ranges
+        )
+        return generation, [e async for e in generation]
+
+    for i, (generation, events) in enumerate(await asyncio.gather(*(run(i) for i in range(8)))):
+        ids = PROMPTS[i] + [e.token_id for e in events]
+        assert ids[len(PROMPTS[i]) :] == tiny_reference.greedy(PROMPTS[i], 8)
+        want = reference_readouts(tiny_reference, tiny_concepts, ids)
+        assert sorted(generation.prompt_readouts) == list(range(i, i + 5 + i))
+        for position, readout in generation.prompt_readouts.items():
+            assert_readout_close(readout, want[position])
+        decoded = {e.position: e.readout for e in events if e.readout is not None}
+        assert sorted(decoded) == [len(PROMPTS[i]) + 1, len(PROMPTS[i]) + 2]
+        for position, readout in decoded.items():
+            assert_readout_close(readout, want[position])
+
+
+async def test_score_readouts(engine: Engine, tiny_reference: Reference, tiny_concepts: ConceptSet) -> None:
+    ids = PROMPTS[2]
+    scored = await engine.score(ids[:10], ids[10:], readout_ranges=[(0, len(ids))])
+    want = reference_readouts(tiny_reference, tiny_concepts, ids)
+    for token in scored:
+        assert_readout_close(token.readout, want[token.position])
+
+
+async def test_steering_on_both_stages(engine: Engine, tiny_reference: Reference, tiny_concepts: ConceptSet) -> None:
+    """Each stage writes the coefficients of the layers it holds: layer 0 on stage 0, 3 on stage 1."""
+    interventions = [
+        steer("delta", 0, "add", -5.0, prompt=True, generated=True),
+        steer("alpha", 3, "set", 3.0, ranges=((10, 40),)),
+    ]
+    prompt = PROMPTS[1]
+    generation = engine.generate(prompt, GREEDY, readout_ranges=[(0, 2000)], steer=interventions, prompt_logprobs=5)
+    events = [e async for e in generation]
+    check_against_reference(tiny_reference, tiny_concepts, prompt, interventions, generation, events)
+
+
+async def test_state_is_freed(engine: Engine) -> None:
+    options = SamplingOptions(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def finish(i: int) -> None:
+        [e async for e in engine.generate(PROMPTS[i % 8][:8], options, readout_ranges=[(0, 100)])]
+
+    async def abandon(i: int) -> None:
+        generation = engine.generate(PROMPTS[i % 8][:8], SamplingOptions(max_tokens=500), readout_ranges=[(0, 900)])
+        await anext(generation)
+        await generation.aclose()
+
+    for start in range(0, 200, 50):
+        await asyncio.gather(*(finish(i) for i in range(start, start + 40)), *(abandon(i) for i in range(10)))
+    await asyncio.sleep(0.2)
+    assert engine.num_unfinished_requests() == 0
+    assert await engine.readouts.stored_in_worker() == 0
+    assert engine.readouts.tracked() == 0
