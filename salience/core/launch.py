@@ -74,6 +74,7 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
         max_model_len=settings.max_model_len,
         tensor_parallel_size=settings.tensor_parallel_size,
         pipeline_parallel_size=settings.pipeline_parallel_size,
+        data_parallel_size=settings.data_parallel_size,
         enable_prefix_caching=settings.enable_prefix_caching,
         max_logprobs=settings.max_logprobs,
         logprobs_mode="processed_logprobs",

@@ -13,6 +13,11 @@ so a fetch may see stage 0's rows of a step before stage 1's. A position is
 handed out only once every filing stage has sent it: its row is assembled
 slot by slot from the stage that holds each slot (exact: nothing is added).
 
+Data parallelism: each DP engine has its own workers. vLLM's DP client runs a
+utility call on every engine but returns the first engine's answer, so the hub
+calls each engine itself and reads every engine's blocks (request ids are unique
+across engines); a request's readouts come from the engine that ran it.
+
 Position semantics: the residual at position p exists once token p has been
 fed through the model. For a prompt position that is the prefill; for a
 decoded token it is the step *after* it was sampled. So a decoded token's
@@ -91,10 +96,15 @@ def _stored(concept_set: ConceptSet) -> dict:
 
 
 class ReadoutHub:
-    def __init__(self, llm: AsyncLLM, concepts: ConceptSet, stages: dict[int, Sequence[int]] | None = None) -> None:
+    def __init__(
+        self, llm: AsyncLLM, concepts: ConceptSet, stages: dict[int, Sequence[int]] | None = None, engines: int = 1
+    ) -> None:
         """`stages`: for each filing worker (its index in collective_rpc's answers), the readout
-        slots it holds; by default worker 0 holds them all."""
+        slots it holds; by default worker 0 holds them all. `engines`: data-parallel engines, each
+        with the same workers."""
         self._llm = llm
+        self._engines = engines
+        self.origin: dict[str, int] = {}  # request id -> the DP engine its readouts came from (tests)
         self.manifest = concepts.manifest
         n_concepts = len(concepts.concepts)
         self.width = len(concepts.layers) * n_concepts
@@ -112,8 +122,11 @@ class ReadoutHub:
         self._inflight: asyncio.Task | None = None
 
     @staticmethod
-    async def install(llm: AsyncLLM, concepts: ConceptSet) -> ReadoutHub:
-        answers = await llm.collective_rpc("salience_readout_setup")
+    async def install(llm: AsyncLLM, concepts: ConceptSet, engines: int = 1) -> ReadoutHub:
+        per_engine = await _each_engine(llm, engines, "salience_readout_setup")
+        if any(answers != per_engine[0] for answers in per_engine):
+            raise EngineError(f"the data-parallel engines' readout workers differ: {per_engine}")
+        answers = per_engine[0]
         expected = [len(concepts.layers), len(concepts.concepts)]
         stages = {}
         for worker, answer in enumerate(answers):
@@ -130,7 +143,7 @@ class ReadoutHub:
                 f"the workers' readout taps hold slots {held} of {len(concepts.layers)}: "
                 "the engine was not started with the readout loader"
             )
-        return ReadoutHub(llm, concepts, stages)
+        return ReadoutHub(llm, concepts, stages, engines)
 
     def register(self, key: str) -> None:
         self._buffers[key] = {}
@@ -157,8 +170,8 @@ class ReadoutHub:
 
     async def stored_in_worker(self) -> int:
         await self._fetch()
-        stored = await self._llm.collective_rpc("salience_readout_stored")
-        return sum(stored[worker] for worker in self._masks)
+        per_engine = await _each_engine(self._llm, self._engines, "salience_readout_stored")
+        return sum(stored[worker] for stored in per_engine for worker in self._masks)
 
     async def graph(self) -> dict:
         """The worker's taps and compiler counters (readout_worker.salience_readout_graph): the
@@ -174,13 +187,21 @@ class ReadoutHub:
     async def _fetch_now(self) -> None:
         keys, dropped = list(self._buffers), list(self._dropped)
         self._dropped.clear()
-        answers = await self._llm.collective_rpc("salience_readout_take", args=(keys, dropped))
+        per_engine = await _each_engine(self._llm, self._engines, "salience_readout_take", (keys, dropped))
+        for engine, answers in enumerate(per_engine):
+            self._file(engine, answers)
+
+    def _file(self, engine: int, answers: list) -> None:
         single = len(self._masks) == 1
         for worker, mask in self._masks.items():
             for key, (positions, values) in answers[worker].items():
                 buffer = self._buffers.get(key)
                 if buffer is None:
                     continue
+                if self._engines > 1:
+                    self.origin[key] = engine
+                    if len(self.origin) > 4096:  # the most recent requests only
+                        del self.origin[next(iter(self.origin))]
                 rows = np.frombuffer(values, dtype=np.float32).reshape(-1, self.width)
                 positions = np.frombuffer(positions, dtype=np.int64).tolist()
                 if single:
@@ -195,3 +216,10 @@ class ReadoutHub:
                     if len(sent) == len(self._masks):
                         buffer[position] = tuple(merged.tolist())
                         del partial[position]
+
+
+async def _each_engine(llm: AsyncLLM, engines: int, method: str, args: tuple = ()) -> list[list]:
+    """collective_rpc on every data-parallel engine: per engine, its workers' answers in rank order."""
+    if engines == 1:
+        return [await llm.collective_rpc(method, args=args)]
+    return await llm.engine_core.call_utility_all_async("collective_rpc", method, None, args, None)

@@ -114,6 +114,9 @@ class _Session:
     images: list[PlacedImage] = field(default_factory=list)  # by block start
     last_used: float = 0.0
     run: TurnRun | None = None
+    # The data-parallel engine every turn runs on, so each reads its prefix cache; chosen at the
+    # first turn (the least loaded), inherited by forks.
+    dp_rank: int | None = None
 
     def block_around(self, position: int) -> PlacedImage | None:
         """The image block that `position` would split (strictly inside it), if any."""
@@ -174,6 +177,7 @@ class SessionStore:
         self._make_room(sessions=1, tokens=at_position, keep=source)
         child = _Session(secrets.token_urlsafe(16), tokens=source.tokens[:at_position])
         child.images = [b for b in source.images if b.end <= at_position]
+        child.dp_rank = source.dp_rank
         self._sessions[child.id] = child
         self._touch(child)
         metrics.SESSIONS_CREATED.inc()
@@ -245,6 +249,8 @@ class SessionStore:
         steer = engine.resolve_steer(turn.steer, len(tokens)).interventions
         growth = len(tokens) - length + budget
         self._make_room(sessions=0, tokens=max(growth, 0), keep=session)
+        if session.dp_rank is None:
+            session.dp_rank = engine.pick_rank()
 
         work: Generation | None = None
         scoring: Callable[[], Awaitable[PromptScores]] | None = None
@@ -265,6 +271,7 @@ class SessionStore:
                 prompt_logprobs=turn.logprob_top_k if scored else None,
                 images=images,
                 steer=steer,
+                dp_rank=session.dp_rank,
             )
         elif prefill_wanted:
             top_k = turn.logprob_top_k if scored else None
@@ -278,6 +285,7 @@ class SessionStore:
                     images=images,
                     request_id=turn.request_id,
                     steer=steer,
+                    dp_rank=session.dp_rank,
                 )
 
         # Committed: the append is the client's content whatever happens to the turn.

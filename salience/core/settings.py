@@ -28,6 +28,7 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.9  # GPU only
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # stages, each holding a contiguous range of decoder layers
+    data_parallel_size: int = 1  # engine replicas behind this one server; each session stays on one
     distributed_executor_backend: str | None = None  # "mp" or "ray"; None: vLLM's choice (mp on one node)
     ray_address: str | None = None  # an existing Ray cluster ("auto", "host:port"); None: Ray's default
     enable_prefix_caching: bool = True
