@@ -1,14 +1,14 @@
-"""A test-only vLLM worker extension: the readout worker plus a count of vision-encoder passes.
+"""A test-only vLLM worker extension: Salience's worker plus a count of vision-encoder passes.
 
 Passed as `worker_extension_cls` through EngineSettings.engine_args, so tests can show which
 turns run the vision encoder (vLLM's cached-token count alone only implies it)."""
 
 from __future__ import annotations
 
-from salience.core.readout_worker import ReadoutWorker
+from salience.core.worker import SalienceWorker
 
 
-class EncoderCountingWorker(ReadoutWorker):
+class EncoderCountingWorker(SalienceWorker):
     def salience_test_encoder_passes(self) -> int:
         """Forward passes of the vision tower since the first call of this method."""
         if not hasattr(self, "_encoder_passes"):
