@@ -110,6 +110,8 @@ class Engine:
         engine = cls(llm, settings, vision)
         engine.compiled = compiled
         try:
+            if settings.pipeline_parallel_size > 1:
+                await llm.collective_rpc("salience_pipeline_setup")
             if settings.concepts is not None:
                 engine.readouts = await ReadoutHub.install(llm, settings.concepts, settings.data_parallel_size)
                 log.info(

