@@ -25,13 +25,18 @@ from typing import Any
 from salience.core.home import salience_home
 from salience.lmtp.client import LmtpClient, LmtpStreamError
 
-__all__ = ["parse_line", "run_repl"]
+__all__ = ["parse_line", "parse_steer", "run_repl"]
 
 HELP = """\
   PROMPT [key=value ...]     generate from PROMPT (e.g. max_tokens=32 temperature=0 top_k=40 seed=1)
   /score PROMPT || CONT      logprob of each token of CONT after PROMPT
   /top K                     show the K most likely alternatives of each generated token (0: off)
   /readout [LAYER|off]       show every token's concept readouts at LAYER (default: the deepest read)
+  /steer NAME +A|-A|=V|ablate [LAYERS] [@all|@prompt|@generated]
+                             steer every request along a concept: add A, set to V, or ablate, at
+                             LAYERS (15, 10-14 or 3,7; default: the middle of its layers), at every
+                             position (@all, the default), the prompt's or the generated ones
+  /steer [off]               list the interventions in force; drop them all
   /set key=value ...         change the defaults for every generation
   /info                      what the server serves
   /help, /quit               this text; leave (Ctrl-D works too)
@@ -51,6 +56,49 @@ def parse_line(line: str) -> tuple[str, dict[str, Any]]:
     return " ".join(words), dict(reversed(params.items()))
 
 
+def parse_steer(args: str, layers_of: dict[str, list[int]]) -> dict:
+    """`NAME +A|-A|=V|ablate [LAYERS] [@all|@prompt|@generated]` as an intervention's LMTP form.
+    `layers_of` is each direction's layers (MODEL_INFO's steering.directions)."""
+    words = args.split()
+    if len(words) < 2:
+        raise ValueError("usage: /steer NAME +A|-A|=V|ablate [LAYERS] [@all|@prompt|@generated]")
+    name, amount, *rest = words
+    if name not in layers_of:
+        raise ValueError(f"unknown direction {name!r}; this server steers along {', '.join(layers_of)}")
+    intervention: dict[str, Any] = {"direction": name, "positions": "all"}
+    if amount == "ablate":
+        intervention["op"] = "ablate"
+    elif amount[:1] in "+-=" and _is_number(amount[1:]):
+        intervention["op"] = "set" if amount[0] == "=" else "add"
+        intervention["value"] = float(amount[1:]) * (-1 if amount[0] == "-" else 1)
+    else:
+        raise ValueError(f"{amount!r} is not +A, -A, =V or ablate")
+    available = layers_of[name]
+    intervention["layers"] = [available[len(available) // 2]]
+    for word in rest:
+        if word.startswith("@"):
+            if word[1:] not in ("all", "prompt", "generated"):
+                raise ValueError(f"{word!r} is not @all, @prompt or @generated")
+            intervention["positions"] = word[1:]
+        elif "-" in word:
+            first, _, last = word.partition("-")
+            if not (first.isdigit() and last.isdigit()):
+                raise ValueError(f"{word!r} is not a layer range like 10-14")
+            intervention["layers"] = list(range(int(first), int(last) + 1))
+        elif all(part.isdigit() for part in word.split(",")):
+            intervention["layers"] = [int(part) for part in word.split(",")]
+        else:
+            raise ValueError(f"{word!r} is not LAYERS or @positions")
+    return intervention
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
 class Repl:
     def __init__(self, client: LmtpClient, loop: asyncio.AbstractEventLoop) -> None:
         self.client = client
@@ -58,6 +106,7 @@ class Repl:
         self.defaults: dict[str, Any] = {"max_tokens": 64, "temperature": 0.0}
         self.top = 0
         self.readout_layer: int | None = None  # the model layer whose readouts are shown; None: off
+        self.steer: list[dict] = []  # sent with every GENERATE and SCORE
         self._manifest: dict | None = None
 
     def run(self, coroutine) -> Any:
@@ -77,6 +126,8 @@ class Repl:
             self.top = int(rest or 0)
         elif command == "/readout":
             self.set_readout(rest.strip())
+        elif command == "/steer":
+            self.set_steer(rest.strip())
         elif command == "/set":
             self.defaults.update(parse_line("x " + rest)[1])
             print(" ".join(f"{k}={json.dumps(v)}" for k, v in self.defaults.items()))
@@ -114,6 +165,21 @@ class Repl:
         self.readout_layer = layer
         print(f"readouts at layer {layer} of {', '.join(self._manifest['concepts'])}")
 
+    def set_steer(self, arg: str) -> None:
+        if arg == "off":
+            self.steer = []
+        elif arg:
+            info = self.run(self.client.request("MODEL_INFO"))["model_info"]
+            steering = info.get("steering") if isinstance(info, dict) else None
+            if not steering:
+                print("[error] the server does not steer (no concept or steering set, or --no-steering)")
+                return
+            self.steer.append(parse_steer(arg, steering["directions"]))
+        if not self.steer:
+            print("no steering")
+        for intervention in self.steer:
+            print(json.dumps(intervention))
+
     def stream(self, kind: str, prompt: str, params: dict[str, Any]) -> None:
         stream_id = self.client.next_stream_id()
         task = self.loop.create_task(self._stream(kind, stream_id, prompt, params))
@@ -143,6 +209,8 @@ class Repl:
             fields.setdefault("top_logprobs", self.top)
         if self.readout_layer is not None:
             fields["readout"] = [[0, 2**31]]  # every position: the prompt's and the generated ones
+        if self.steer:
+            fields["steer"] = self.steer
         payloads = []
         async for payload in self.client.stream(kind, stream_id=stream_id, **fields):
             payloads.append(payload)

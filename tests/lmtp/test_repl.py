@@ -20,7 +20,7 @@ import pytest_asyncio
 
 from salience.core.concepts import ConceptSet
 from salience.core.engine import Engine
-from salience.lmtp.repl import parse_line
+from salience.lmtp.repl import parse_line, parse_steer
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
 from tests.lmtp.conftest import LmtpServer
 
@@ -133,6 +133,69 @@ async def test_repl_generates_scores_cancels_and_survives_errors(lmtp_server: Lm
 
         terminal.send("oops temperature=-3\r")
         await terminal.expect(r"\[error\] temperature must be >= 0")
+        terminal.send("/quit\r")
+        await asyncio.to_thread(terminal.process.wait, 30)
+        assert terminal.process.returncode == 0
+    finally:
+        terminal.close()
+
+
+def test_parse_steer_reads_the_short_form() -> None:
+    layers = {"french": list(range(30)), "code": [4, 8]}
+    assert parse_steer("french +8", layers) == {
+        "direction": "french",
+        "positions": "all",
+        "op": "add",
+        "value": 8.0,
+        "layers": [15],
+    }
+    assert parse_steer("french -2.5 10-12 @generated", layers) == {
+        "direction": "french",
+        "positions": "generated",
+        "op": "add",
+        "value": -2.5,
+        "layers": [10, 11, 12],
+    }
+    assert parse_steer("code =3 4,8 @prompt", layers)["op"] == "set"
+    assert parse_steer("code ablate", layers) == {
+        "direction": "code",
+        "positions": "all",
+        "op": "ablate",
+        "layers": [8],
+    }
+    for bad, message in (
+        ("french", "usage: /steer"),
+        ("spanish +1", "unknown direction 'spanish'"),
+        ("french *2", "'*2' is not +A, -A, =V or ablate"),
+        ("french +inf", "'+inf' is not"),
+        ("french +1 @most", "'@most' is not @all"),
+        ("french +1 a-b", "not a layer range"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_steer(bad, layers)
+
+
+async def test_repl_steers(lmtp_server: LmtpServer) -> None:
+    url = lmtp_server.url.replace("http://", "ws://")
+    terminal = Terminal([SALIENCE, "repl", url])
+    try:
+        await terminal.expect(r"connected to .*\n.*>>> ")
+        terminal.send("/steer beta =7.5 2\r")
+        await terminal.expect(
+            r'\{"direction": "beta", "positions": "all", "op": "set", "value": 7.5, "layers": \[2\]\}'
+        )
+        terminal.send("/steer zeta +1\r")
+        await terminal.expect(r"\[error\] unknown direction 'zeta'")
+        terminal.send("/readout 2\r")
+        await terminal.expect(r"readouts at layer 2 of alpha, beta")
+        terminal.send("def hello max_tokens=3 ignore_eos=true\r")
+        n = len(lmtp_server.engine.tokenizer.encode("def hello", add_special_tokens=False)) + 3
+        out = await terminal.expect(r"\[length\]\s*\n.*pos\s+token\s+alpha.*\n(?:.*\n){" + str(n) + "}")
+        rows = [line.split() for line in out.strip().splitlines()[-n:]]
+        beta = -len(TINY_CONCEPTS) + TINY_CONCEPTS.index("beta")
+        assert [float(row[beta]) for row in rows] == pytest.approx([7.5] * n, abs=1e-3)  # set: the readout is the value
+        terminal.send("/steer off\r")
+        await terminal.expect("no steering")
         terminal.send("/quit\r")
         await asyncio.to_thread(terminal.process.wait, 30)
         assert terminal.process.returncode == 0

@@ -1,0 +1,116 @@
+"""What steering costs: 8 concurrent steered streams against 8 unsteered ones, on one engine.
+
+One core engine (the default model, compiled, the built-in concept set: as `salience serve`
+runs it) serves batches of N concurrent greedy streams, P-token prompts, M tokens each, EOS
+ignored. Steered and unsteered batches alternate, repeated; every batch has prompts of its own,
+so neither kind is served from the prefix cache. The steered streams add a concept at a middle
+layer at every position (the salted cache, the coefficient writes and the taps' work all
+included). Reported: median tokens/s of each, and steered / unsteered (the target is >= 0.90).
+With readouts, every generated token also asks for its readout, in both kinds.
+
+    .venv/bin/python tools/bench_steering.py [--streams 8] [--tokens 64] [--repeats 5] [--readouts]
+    .venv/bin/python tools/bench_steering.py --model DIR --concepts FILE --tokens 4 --repeats 1   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from salience.core.home import configure_environment
+
+configure_environment()  # before anything imports vllm or torch
+
+
+def prompts(n: int, length: int, batch: int, vocab: int) -> list[list[int]]:
+    """n prompts no other batch shares (a prefix-cache hit would skip the prefill)."""
+    span = min(vocab, 30050) - 50
+    return [[1, *((97 * i + 31 * j + 7919 * batch) % span + 50 for j in range(length - 1))] for i in range(n)]
+
+
+async def run(engine, batch: list[list[int]], tokens: int, steer, readouts: bool) -> tuple[float, int]:
+    """Seconds for the batch and the tokens it produced."""
+    from salience.core.types import SamplingOptions
+
+    options = SamplingOptions(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+    async def one(prompt: list[int]) -> int:
+        ranges = [(len(prompt), len(prompt) + tokens)] if readouts else ()
+        return len([e async for e in engine.generate(prompt, options, readout_ranges=ranges, steer=steer)])
+
+    started = time.perf_counter()
+    counts = await asyncio.gather(*map(one, batch))
+    return time.perf_counter() - started, sum(counts)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--readouts", action="store_true", help="every generated token asks for its readout")
+    parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--model", type=Path, help="model folder (default: the embedded model)")
+    parser.add_argument("--concepts", type=Path, help="concept set (default: the built-in set of the default model)")
+    parser.add_argument("--direction", help="the concept steered along (default: the set's second, or its first)")
+    parser.add_argument("--value", type=float, default=8.0, help="alpha of the add")
+    args = parser.parse_args()
+
+    from salience.cli import _default_concepts
+    from salience.core.concepts import ConceptSet
+    from salience.core.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+    from salience.core.engine import Engine
+    from salience.core.settings import EngineSettings
+    from salience.core.steering import Intervention, Op
+
+    model = args.model or ensure_default_model()
+    concepts = ConceptSet.load(args.concepts or _default_concepts(model))
+    concepts.check_model(model)
+    name = DEFAULT_MODEL_NAME if args.model is None else model.name
+    settings = EngineSettings(
+        model=model, served_model_name=name, max_model_len=2048, concepts=concepts, compile=not args.eager
+    )
+    print(f"starting the engine ({'eager' if args.eager else 'compiled'}) on {name}", file=sys.stderr)
+    engine = await Engine.start(settings)
+    direction = args.direction or concepts.concepts[min(1, len(concepts.concepts) - 1)]
+    layer = concepts.layers[len(concepts.layers) // 2]
+    steer = [
+        Intervention(direction=direction, layers=(layer,), op=Op.ADD, value=args.value, prompt=True, generated=True)
+    ]
+    rates: dict[str, list[float]] = {"unsteered": [], "steered": []}
+    try:
+        await run(
+            engine, prompts(1, 8, -1, engine.vocab_size), 4, steer, args.readouts
+        )  # lazy initialisation, both paths
+        await run(engine, prompts(1, 8, -2, engine.vocab_size), 4, (), args.readouts)
+        for repeat in range(args.repeats):
+            kinds = [("unsteered", ()), ("steered", steer)]
+            for i, (kind, interventions) in enumerate(kinds if repeat % 2 == 0 else kinds[::-1]):
+                batch = prompts(args.streams, args.prompt_tokens, 2 * repeat + i, engine.vocab_size)
+                seconds, produced = await run(engine, batch, args.tokens, interventions, args.readouts)
+                expected = args.streams * args.tokens
+                assert produced == expected, f"{kind}: {produced} tokens, expected {expected}"
+                rates[kind].append(produced / seconds)
+                print(f"  {kind:10} run {repeat + 1}: {produced / seconds:7.1f} tok/s", file=sys.stderr)
+    finally:
+        engine.shutdown()
+
+    unsteered, steered = (statistics.median(rates[k]) for k in ("unsteered", "steered"))
+    mode = "eager" if args.eager else "compiled"
+    also = "; readouts on every generated token" if args.readouts else ""
+    print(
+        f"\n{name}, core engine ({mode}), {args.streams} concurrent greedy streams, {args.prompt_tokens}-token "
+        f"prompts, {args.tokens} tokens each, median of {args.repeats}; steered: add {args.value:g} x "
+        f"{direction!r} at layer {layer}, every position{also}"
+    )
+    print("\n| unsteered tok/s | steered tok/s | steered / unsteered |\n|---:|---:|---:|")
+    print(f"| {unsteered:.1f} | {steered:.1f} | {steered / unsteered:.2f} |")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
