@@ -527,9 +527,10 @@ class Engine:
 
 
 async def _install_steering(llm: AsyncLLM, directions: Directions) -> Directions:
-    shapes = await llm.collective_rpc("salience_steering_setup")
+    # Every worker that holds a steerable layer writes coefficients (each pipeline stage its own layers).
+    shapes = [shape for shape in await llm.collective_rpc("salience_steering_setup") if shape is not None]
     expected = [len(directions.layers), len(directions.names)]
-    if any(shape[1:] != expected for shape in shapes):
+    if not shapes or any(shape[1:] != expected for shape in shapes):
         raise EngineError(f"the workers' steering buffers are {shapes}, not [rows, {expected[0]}, {expected[1]}]")
     log.info("steering on", extra={"directions": len(directions.names), "layers": len(directions.layers)})
     return directions

@@ -36,12 +36,13 @@ __all__ = ["TAG", "SteeringWorker"]
 class SteeringWorker:
     """Mixed into vLLM's worker class; methods are called through collective_rpc."""
 
-    def salience_steering_setup(self) -> list[int]:
-        """Start writing coefficients; returns the buffers' shape [rows, layers, directions]."""
+    def salience_steering_setup(self) -> list[int] | None:
+        """Start writing coefficients; returns the buffers' shape [rows, layers, directions], or
+        None on a pipeline stage that holds no steerable layer (it has nothing to write)."""
         runner = self.model_runner
         found = steering_buffers(runner.get_model())
         if found is None:
-            raise RuntimeError("the model has no steering taps: the engine was not started with steering on")
+            return None
         add, scale, slots = found
         self._st_buffers = (add, scale)
         # Written on the host: the buffers themselves on CPU, a staging copy on an accelerator.
@@ -119,10 +120,12 @@ class SteeringWorker:
             return cached[1]
         if len(self._st_plans) > 4 * self.model_runner.max_num_reqs:
             self._st_forget()
-        plan = [
-            (np.array([self._st_slots[layer] for layer in layers], dtype=np.int64), column, a, b, ranges)
-            for layers, column, a, b, ranges in payload
-        ]
+        plan = []
+        for layers, column, a, b, ranges in payload:
+            # Under pipeline parallelism a stage holds some layers only; the others' stages steer those.
+            slots = [self._st_slots[layer] for layer in layers if layer in self._st_slots]
+            if slots:
+                plan.append((np.array(slots, dtype=np.int64), column, a, b, ranges))
         self._st_plans[request_id] = (payload, plan)
         return plan
 
