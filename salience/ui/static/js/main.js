@@ -2,6 +2,7 @@
 
 import { LmtpClient } from "./lmtp.js";
 import { Pane } from "./pane.js";
+import { SteeringControls } from "./steering.js";
 import { Vocab } from "./vocab.js";
 
 const TOKEN_KEY = "salience-token";
@@ -27,6 +28,8 @@ function socketUrl() {
 
 const client = new LmtpClient(socketUrl);
 const vocab = new Vocab(client);
+const steering = new SteeringControls($("#steering"));
+$("#steer-reset").addEventListener("click", () => steering.reset());
 const LABELS = {
   connecting: "connecting…",
   loading: "loading model…",
@@ -48,6 +51,7 @@ client.addEventListener("state", ({ detail: { state, detail } }) => {
     $("#model").textContent = `${info.model} · context ${info.max_model_len} · top-k ≤ ${info.max_logprobs}`;
     $("#readouts").disabled = !info.readout_manifest;
     $("#readouts").checked &&= Boolean(info.readout_manifest);
+    if (!$("#steering .steer")) steering.show(info.steering); // built once: a reconnect keeps the settings
   }
   if (state === "unauthorized") $("#auth").open = true;
 });
@@ -77,6 +81,7 @@ function start(mode) {
     params: params(),
     topLogprobs: Number($("#top_logprobs").value),
     manifest: $("#readouts").checked ? info.readout_manifest : null,
+    steer: steering.interventions(),
   };
   const pane = new Pane({ client, vocab, tip: $("#tip"), request });
   $("#panes").prepend(pane.element);

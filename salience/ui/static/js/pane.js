@@ -6,11 +6,13 @@
 //     -> TOKEN {"prompt": true, "position", "readout"}  one per prompt position, first
 //     -> TOKEN {"token", "text", "logprob", "top_logprobs", "position", "readout"}  per token
 //   CANCEL {"stream_id"} (Stop)                     -> last TOKEN has finish_reason "cancelled"
+// With steering sliders set, GENERATE and SCORE also carry "steer": [{"direction", "layers", ...}].
 // (The last generated token's readout comes too: the server reads it out with one short pass.)
 // Score mode reads a text the user wrote: SCORE its first token as prompt and the rest as
 // `scored`, which gives every token a logprob, alternatives and a readout.
 
 import { Heatmap } from "./heatmap.js";
+import { describe } from "./steering.js";
 import { TokenStrip } from "./tokens.js";
 
 let panes = 0;
@@ -28,7 +30,7 @@ export class Pane {
 
   /**
    * @param request {{mode: "generate" | "score", text: string, params: object, topLogprobs: number,
-   *                  manifest: object | null}} manifest null: no readouts
+   *                  manifest: object | null, steer: object[]}} manifest null: no readouts; steer: interventions
    */
   constructor({ client, vocab, tip, request }) {
     this.#client = client;
@@ -45,9 +47,15 @@ export class Pane {
         <button type="button" class="stop" disabled>Stop</button>
         <button type="button" class="close" aria-label="close pane #${n}">×</button>
       </header>
+      <p class="steered" hidden></p>
       <p class="error" role="alert" hidden></p>
       <div class="stream"></div>
       <details class="protocol"><summary>LMTP messages sent</summary><pre></pre></details>`;
+    if (request.steer.length) {
+      const steered = this.element.querySelector(".steered");
+      steered.hidden = false;
+      steered.textContent = `steered: ${describe(request.steer)}`;
+    }
     this.#strip = new TokenStrip(this.element.querySelector(".stream"), vocab, tip);
     if (request.manifest) {
       this.#heatmap = new Heatmap(request.manifest);
@@ -81,6 +89,7 @@ export class Pane {
     const { params, topLogprobs, text } = this.#request;
     const body = { prompt: this.#prompt, ...params, top_logprobs: topLogprobs, text: true };
     if (this.#heatmap) body.readout = [[0, this.#prompt.length + (params.max_tokens ?? 16)]];
+    if (this.#request.steer.length) body.steer = this.#request.steer;
     this.#strip.addContext(text);
     this.#start("GENERATE", body);
   }
@@ -90,6 +99,7 @@ export class Pane {
     this.#strip.add({ token: this.#prompt[0], text: first, logprob: null });
     const body = { prompt: this.#prompt.slice(0, 1), scored: this.#prompt.slice(1), top_logprobs: this.#request.topLogprobs };
     if (this.#heatmap) body.readout = [[0, this.#prompt.length]];
+    if (this.#request.steer.length) body.steer = this.#request.steer;
     this.#start("SCORE", { ...body, text: true });
   }
 

@@ -1,0 +1,73 @@
+// The steering controls: per concept a slider (alpha of an `add`) and the layer it acts at.
+//
+// A slider at 0 leaves its concept alone. The others become the request's `steer` list
+// (docs/steering.md), applied at every position, prompt and generated:
+//   {"direction": "french", "layers": [15], "op": "add", "value": 24, "positions": "all"}
+
+const RANGE = 64; // sliders run from -RANGE to +RANGE: middle-layer projections are in the tens
+
+export class SteeringControls {
+  #fieldset;
+  #rows = [];
+
+  constructor(fieldset) {
+    this.#fieldset = fieldset;
+  }
+
+  /** Build a row per direction from MODEL_INFO's `steering` (null: the server does not steer). */
+  show(steering) {
+    this.#fieldset.querySelector(".controls").replaceChildren();
+    this.#rows = [];
+    this.#fieldset.hidden = !steering;
+    if (!steering) return;
+    for (const [name, layers] of Object.entries(steering.directions)) this.#add(name, layers);
+  }
+
+  #add(name, layers) {
+    const row = document.createElement("div");
+    row.className = "steer";
+    row.dataset.direction = name;
+    const id = `steer-${name}`;
+    row.innerHTML = `
+      <label for="${id}">${name}</label>
+      <input id="${id}" type="range" min="${-RANGE}" max="${RANGE}" step="1" value="0">
+      <output for="${id}">0</output>
+      <label>layer <select aria-label="${name} layer"></select></label>`;
+    const slider = row.querySelector("input");
+    const output = row.querySelector("output");
+    const select = row.querySelector("select");
+    for (const layer of layers) select.add(new Option(String(layer), String(layer)));
+    select.value = String(layers[Math.floor(layers.length / 2)]);
+    slider.addEventListener("input", () => {
+      output.value = slider.value;
+      row.classList.toggle("active", Number(slider.value) !== 0);
+    });
+    this.#fieldset.querySelector(".controls").append(row);
+    this.#rows.push({ name, slider, select });
+  }
+
+  /** The interventions the sliders ask for; empty when every slider is at 0. */
+  interventions() {
+    return this.#rows
+      .filter(({ slider }) => Number(slider.value) !== 0)
+      .map(({ name, slider, select }) => ({
+        direction: name,
+        layers: [Number(select.value)],
+        op: "add",
+        value: Number(slider.value),
+        positions: "all",
+      }));
+  }
+
+  reset() {
+    for (const { slider } of this.#rows) {
+      slider.value = "0";
+      slider.dispatchEvent(new Event("input"));
+    }
+  }
+}
+
+/** "french +24 @15, code -8 @20": how a pane says what it was steered by. */
+export function describe(steer) {
+  return steer.map((s) => `${s.direction} ${s.value > 0 ? "+" : ""}${s.value} @${s.layers.join(",")}`).join(", ");
+}
