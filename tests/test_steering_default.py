@@ -12,11 +12,11 @@ import pytest_asyncio
 from salience.cli import _default_concepts
 from salience.core.concepts import ConceptSet
 from salience.core.engine import Engine
-from salience.core.steering import Intervention, Op
 from salience.core.types import SamplingOptions
 from tests.conftest import start_engine
 from tests.reference import Reference, assert_logprobs_match, assert_readout_close, reference_readouts
 from tests.steer_reference import steered
+from tests.test_steering import steer
 
 # Position 0 is the attention sink (a residual thousands of times larger than the rest): leave it be.
 AFTER_SINK = ((1, 10_000),)
@@ -38,11 +38,6 @@ async def engine(default_model: Path, concepts: ConceptSet) -> AsyncIterator[Eng
 @pytest.fixture(scope="module")
 def reference(default_model: Path) -> Reference:
     return Reference(default_model)
-
-
-def steer(direction: str, layers, op: str, value: float = 0.0, **positions) -> Intervention:
-    layers = (layers,) if isinstance(layers, int) else tuple(layers)
-    return Intervention(direction=direction, layers=layers, op=Op(op), value=value, **positions)
 
 
 async def run(engine: Engine, text: str, interventions, n: int = 12):
