@@ -93,9 +93,10 @@ class SessionWorkflow:
     async def busy(self, session: AsyncSession, expected: list[int]) -> str | None:
         """A second Generate while a long turn runs: ABORTED. The long turn is then cancelled by
         leaving its stream; the session keeps what was decoded, which DumpSession must show.
-        Under load the long turn can finish before the intruder reaches the server; the session
-        is then idle and the right answer is the offset mismatch, so neither answer is judged
-        until DumpSession tells which state the server was in."""
+        Under load the long turn can run to its end before the cancel (or even the intruder)
+        reaches the server, so the answer is judged once DumpSession tells what happened: a
+        turn cut short was running when the intruder came (ABORTED); one that ran to its end
+        may have ended before it (then the offset is what is wrong) or after (ABORTED)."""
         append = self.soak.model.prompt(self.rng, 2, 8)
         room = self.soak.model.max_model_len - len(expected) - len(append) - 128  # later turns need some
         if room < 64:
@@ -120,10 +121,12 @@ class SessionWorkflow:
         sent = expected + append + received
         if dumped[: len(sent)] != sent:
             return f"after a cancelled turn DumpSession does not start with the {len(sent)} tokens sent and received"
-        if len(dumped) < len(expected) + len(append) + max_tokens:
-            judge_status(self.soak, "grpc-session-busy", error, grpc.StatusCode.ABORTED, "already generating")
-        else:  # the turn had run to its end: the server was right to judge the offset instead
+        ran_out = len(dumped) >= len(expected) + len(append) + max_tokens
+        if ran_out and not (isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.ABORTED):
+            # It may have ended before the intruder came, and the offset is then what is wrong.
             judge_status(self.soak, "grpc-offset-drift", error, grpc.StatusCode.FAILED_PRECONDITION, "does not match")
+        else:  # cut short by the cancel, it ran while the intruder came; or the intruder was told so
+            judge_status(self.soak, "grpc-session-busy", error, grpc.StatusCode.ABORTED, "already generating")
         expected[:] = dumped
         return None
 
