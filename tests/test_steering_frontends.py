@@ -17,6 +17,10 @@ from salience.core.steering import Intervention, Op
 from salience.core.types import SamplingOptions
 from salience.grpc_frontend.client import AsyncSalienceClient
 from salience.lmtp.client import LmtpClient, LmtpStreamError
+from salience.proto.salience.ext.v1 import extensions_pb2 as ext
+from salience.proto.salience.ext.v1 import extensions_pb2_grpc
+from salience.proto.salience.v1 import salience_pb2 as pb
+from salience.proto.salience.v1 import salience_pb2_grpc
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
 from tests.inprocess import Frontends, frontends
 
@@ -156,4 +160,22 @@ async def test_grpc_steered_generate_and_the_thick_client(engine: Engine, served
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert message in info.value.details()
         assert await session.dump() == []  # refused before the session changed
+    assert engine.num_unfinished_requests() == 0
+
+
+async def test_grpc_an_unspecified_op_is_refused(engine: Engine, served: Frontends) -> None:
+    """A raw client that leaves `op` unset (OP_UNSPECIFIED, proto3's zero) is refused, not read as add."""
+    async with grpc.aio.insecure_channel(served.grpc_target) as channel:
+        seed = salience_pb2_grpc.SalienceStub(channel)
+        session_id = (await seed.OpenSession(pb.OpenSessionRequest(model="tiny"))).session_id
+        request = ext.SteeredGenerateRequest(
+            generate=pb.GenerateRequest(session_id=session_id, append_tokens=PROMPT, max_tokens=2),
+            interventions=[ext.Intervention(direction="beta", layers=[2], value=6.0, generated=True)],
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            [e async for e in extensions_pb2_grpc.SalienceExtensionsStub(channel).SteeredGenerate(request)]
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("steer[0]: op must be OP_ADD, OP_SET or OP_ABLATE (request_id=")
+        dumped = await seed.DumpSession(pb.DumpSessionRequest(session_id=session_id))
+        assert list(dumped.tokens) == []
     assert engine.num_unfinished_requests() == 0
