@@ -158,7 +158,9 @@ class LmtpSession:
             case Generate() | Score() | SessionGenerate():
                 self._start(message)
             case Cancel(stream_id=stream_id):
-                if stream_id not in self._streams:
+                # A stream whose terminal payload went out is not running, even if its task has
+                # yet to end: every CANCEL either ends its stream "cancelled" or gets this error.
+                if stream_id not in self._streams or stream_id in self._finished:
                     self._error(stream_id, f"CANCEL: stream {stream_id} is not running")
                 elif stream_id not in self._cancels:
                     self._cancels.add(stream_id)

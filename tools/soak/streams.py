@@ -153,7 +153,14 @@ async def cancel_job(soak: Soak, conn: Connection, rng: random.Random, moment: s
             why = check_generated(got, max_tokens) or await cancel_after_end(soak, conn, queue, cancel)
         elif why is None:
             why = check_cancelled(got, max_tokens, sent_at[0] if sent_at else None)
-            if got.finish != "cancelled":  # the CANCEL met an ended stream: its error may still come
+            if why is not None and got.finish == "length" and len(got.tokens) == max_tokens:
+                # Tokens the server sent before it read the CANCEL can reach this side after the
+                # CANCEL went out, when this busy process reads late. The server's answer settles
+                # it: a CANCEL that came after the end is told the stream is not running.
+                late = await receive(queue, soak.timeout)
+                if late.ended == "error" and "is not running" in late.errors[-1][1]:
+                    why = None
+            elif got.finish != "cancelled":  # the CANCEL met an ended stream: its error may still come
                 conn.late_cancel_errors.add(stream_id)
     finally:
         conn.unroute(stream_id)
