@@ -49,8 +49,11 @@ class LogfmtFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        # Extra fields given by the caller; vLLM stamps every record with vllm_* ones.
-        fields.update((k, v) for k, v in record.__dict__.items() if k not in _RESERVED and not k.startswith("vllm_"))
+        # Extra fields given by the caller. vLLM stamps every record with vllm_* ones, and Ray, once
+        # imported (vLLM imports it when installed), with a private _ray_timestamp_ns.
+        fields.update(
+            (k, v) for k, v in record.__dict__.items() if k not in _RESERVED and not k.startswith(("vllm_", "_"))
+        )
         line = " ".join(f"{k}={_quote(v)}" for k, v in fields.items())
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)

@@ -223,3 +223,11 @@ async def test_grpc_metadata_names_the_call_in_logs_vllm_metadata_and_errors(ser
         with pytest.raises(grpc.aio.AioRpcError) as bad:
             await stub.DumpSession(pb.DumpSessionRequest(session_id=session_id), metadata=(("x-request-id", "a b"),))
         assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "x-request-id" in bad.value.details()
+
+
+def test_log_lines_carry_the_callers_fields_but_no_private_ones() -> None:
+    """vLLM's vllm_* stamps and private fields (Ray's _ray_timestamp_ns, once Ray is imported) stay out."""
+    record = logging.LogRecord("salience.x", logging.INFO, __file__, 1, "request failed", (), None)
+    record.__dict__ |= {"request_id": "r1", "code": "ABORTED", "vllm_stamp": 1, "_ray_timestamp_ns": 2}
+    line = LogfmtFormatter().format(record)
+    assert line.endswith(' logger=salience.x msg="request failed" request_id=r1 code=ABORTED')
