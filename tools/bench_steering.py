@@ -1,12 +1,20 @@
-"""What steering costs: 8 concurrent steered streams against 8 unsteered ones, on one engine.
+"""What steering costs: 8 concurrent steered streams against 8 unsteered ones, and against a
+server that cannot steer at all.
 
-One core engine (the default model, compiled, the built-in concept set: as `salience serve`
-runs it) serves batches of N concurrent greedy streams, P-token prompts, M tokens each, EOS
-ignored. Steered and unsteered batches alternate, repeated; every batch has prompts of its own,
-so neither kind is served from the prefix cache. The steered streams add a concept at a middle
-layer at every position (the salted cache, the coefficient writes and the taps' work all
-included). Reported: median tokens/s of each, and steered / unsteered (the target is >= 0.90).
-With readouts, every generated token also asks for its readout, in both kinds.
+Two core engines on the default model (compiled, the built-in concept set: as `salience serve`
+runs it), started once and measured in turn in one run:
+
+- `--no-steering`: the fastest configuration a user could pick who never steers (no steering
+  terms in the graph);
+- the default, steering on: batches of unsteered streams, and batches of steered streams that
+  add a concept at a middle layer at every position (the salted cache, the coefficient writes
+  and the taps' work all included).
+
+Each batch is N concurrent greedy streams, P-token prompts, M tokens each, EOS ignored, with
+prompts of its own so that nothing is served from the prefix cache; the three kinds rotate,
+repeated. Reported: median tokens/s of each, steered / unsteered on the same engine (the
+target is >= 0.90), and both against `--no-steering`. With readouts, every generated token
+also asks for its readout, in every kind.
 
     .venv/bin/python tools/bench_steering.py [--streams 8] [--tokens 64] [--repeats 5] [--readouts]
     .venv/bin/python tools/bench_steering.py --model DIR --concepts FILE --tokens 4 --repeats 1   # a smoke run
@@ -19,11 +27,16 @@ import asyncio
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from salience.core.home import configure_environment
 
 configure_environment()  # before anything imports vllm or torch
+
+NO_STEERING = "--no-steering server"
+UNSTEERED = "default server, unsteered"
+STEERED = "default server, steered"
 
 
 def prompts(n: int, length: int, batch: int, vocab: int) -> list[list[int]]:
@@ -75,41 +88,47 @@ async def main() -> None:
     settings = EngineSettings(
         model=model, served_model_name=name, max_model_len=2048, concepts=concepts, compile=not args.eager
     )
-    print(f"starting the engine ({'eager' if args.eager else 'compiled'}) on {name}", file=sys.stderr)
+    mode = "eager" if args.eager else "compiled"
+    print(f"starting two engines ({mode}) on {name}: --no-steering, then the default", file=sys.stderr)
+    plain = await Engine.start(replace(settings, steering=False))
     engine = await Engine.start(settings)
     direction = args.direction or concepts.concepts[min(1, len(concepts.concepts) - 1)]
     layer = concepts.layers[len(concepts.layers) // 2]
     steer = [
         Intervention(direction=direction, layers=(layer,), op=Op.ADD, value=args.value, prompt=True, generated=True)
     ]
-    rates: dict[str, list[float]] = {"unsteered": [], "steered": []}
+    kinds = [(NO_STEERING, plain, ()), (UNSTEERED, engine, ()), (STEERED, engine, steer)]
+    rates: dict[str, list[float]] = {kind: [] for kind, _, _ in kinds}
     try:
-        await run(
-            engine, prompts(1, 8, -1, engine.vocab_size), 4, steer, args.readouts
-        )  # lazy initialisation, both paths
-        await run(engine, prompts(1, 8, -2, engine.vocab_size), 4, (), args.readouts)
+        for n, (_, server, interventions) in enumerate(kinds):  # lazy initialisation, every path
+            await run(server, prompts(1, 8, -1 - n, server.vocab_size), 4, interventions, args.readouts)
         for repeat in range(args.repeats):
-            kinds = [("unsteered", ()), ("steered", steer)]
-            for i, (kind, interventions) in enumerate(kinds if repeat % 2 == 0 else kinds[::-1]):
-                batch = prompts(args.streams, args.prompt_tokens, 2 * repeat + i, engine.vocab_size)
-                seconds, produced = await run(engine, batch, args.tokens, interventions, args.readouts)
+            for i, (kind, server, interventions) in enumerate(kinds[repeat % 3 :] + kinds[: repeat % 3]):
+                batch = prompts(args.streams, args.prompt_tokens, 3 * repeat + i, server.vocab_size)
+                seconds, produced = await run(server, batch, args.tokens, interventions, args.readouts)
                 expected = args.streams * args.tokens
                 assert produced == expected, f"{kind}: {produced} tokens, expected {expected}"
                 rates[kind].append(produced / seconds)
-                print(f"  {kind:10} run {repeat + 1}: {produced / seconds:7.1f} tok/s", file=sys.stderr)
+                print(f"  {kind:28} run {repeat + 1}: {produced / seconds:7.1f} tok/s", file=sys.stderr)
     finally:
         engine.shutdown()
+        plain.shutdown()
 
-    unsteered, steered = (statistics.median(rates[k]) for k in ("unsteered", "steered"))
-    mode = "eager" if args.eager else "compiled"
+    fastest, unsteered, steered = (statistics.median(rates[k]) for k in (NO_STEERING, UNSTEERED, STEERED))
     also = "; readouts on every generated token" if args.readouts else ""
     print(
-        f"\n{name}, core engine ({mode}), {args.streams} concurrent greedy streams, {args.prompt_tokens}-token "
+        f"\n{name}, core engines ({mode}), {args.streams} concurrent greedy streams, {args.prompt_tokens}-token "
         f"prompts, {args.tokens} tokens each, median of {args.repeats}; steered: add {args.value:g} x "
         f"{direction!r} at layer {layer}, every position{also}"
     )
-    print("\n| unsteered tok/s | steered tok/s | steered / unsteered |\n|---:|---:|---:|")
-    print(f"| {unsteered:.1f} | {steered:.1f} | {steered / unsteered:.2f} |")
+    print(
+        "\n| --no-steering tok/s | unsteered tok/s | steered tok/s | steered / unsteered "
+        "| unsteered / --no-steering | steered / --no-steering |\n|---:|---:|---:|---:|---:|---:|"
+    )
+    print(
+        f"| {fastest:.1f} | {unsteered:.1f} | {steered:.1f} | {steered / unsteered:.2f} "
+        f"| {unsteered / fastest:.2f} | {steered / fastest:.2f} |"
+    )
 
 
 if __name__ == "__main__":
