@@ -1,12 +1,14 @@
-"""What a parallel layout costs with readouts on: tokens/s for TP=1, TP=2 and PP=2, one run.
+"""What a parallel layout costs with readouts on: tokens/s for TP=1, TP=2, PP=2 and DP=2, one run.
 
-Each layout starts the engine on the default model with the built-in concept set (compiled,
+Each layout starts the engine on an 8-head twin of the default model (`even_heads_twin`: the
+default model's 9 heads allow no TP=2) with the built-in concept set (compiled,
 unless --eager), runs N concurrent greedy streams (P-token prompts, M tokens each, EOS masked)
 that ask for the readout of every generated token, and shuts the engine down before the next
-layout starts. Prints tokens/s per layout and the ratio against TP=1.
+layout starts. Each layout measures `--repeats` batches, each with prompts of its own (no
+prefix-cache hits); prints the median tokens/s per layout and the ratio against TP=1.
 
-On the two CPU cores of the development machine TP=2 and PP=2 give each rank one core where
-TP=1's single worker has both, so the ratios measure communication and scheduling overhead
+On the two CPU cores of the development machine TP=2, PP=2 and DP=2 give each rank (or engine)
+one core where TP=1's single worker has both, so the ratios measure communication and scheduling overhead
 more than speedup; docs/scaling.md says what they imply for real nodes.
 
     flock /tmp/salience-cpu.lock .venv/bin/python tools/bench_scale.py [--streams 8] [--tokens 64] [--eager]
@@ -16,14 +18,53 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import time
+from pathlib import Path
 
 LAYOUTS = {
     "TP=1": {},
     "TP=2": {"tensor_parallel_size": 2},
     "PP=2": {"pipeline_parallel_size": 2},
+    "DP=2": {"data_parallel_size": 2},
 }
+
+
+def even_heads_twin(model: Path) -> Path:
+    """The default model with 8 query heads and 2 KV heads, its attention weights sliced to fit.
+
+    Its 9 query and 3 KV heads divide by no TP size above 1, and vLLM refuses TP=2. The twin has
+    the same hidden size, layers, MLPs and embeddings, hence the same concept set, and costs per
+    token what the default model does less one query head of nine and one KV head of three. Its
+    outputs mean nothing; every layout runs it, so the ratios compare like with like.
+    """
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from salience.core.atomic import build_folder_once
+    from salience.core.home import salience_home
+
+    def build(out: Path) -> None:
+        config = json.loads((model / "config.json").read_text())
+        head_dim = config["head_dim"]
+        weights = load_file(str(model / "model.safetensors"))
+        for name, tensor in weights.items():
+            rows = {"q_proj": 8, "k_proj": 2, "v_proj": 2}.get(name.split(".")[-2])
+            if rows is not None:
+                weights[name] = tensor[: rows * head_dim].contiguous()
+            elif name.endswith("o_proj.weight"):
+                weights[name] = tensor[:, : 8 * head_dim].contiguous()
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        config |= {"num_attention_heads": 8, "num_key_value_heads": 2}
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        for other in model.iterdir():
+            if other.name not in ("config.json", "model.safetensors"):
+                shutil.copy(other, out / other.name)
+
+    return build_folder_once(salience_home() / "bench-models" / f"{model.name}-8-heads", build)
 
 
 async def measure(name: str, layout: dict, args: argparse.Namespace) -> tuple[float, float]:
@@ -35,8 +76,10 @@ async def measure(name: str, layout: dict, args: argparse.Namespace) -> tuple[fl
     from salience.core.settings import EngineSettings
     from salience.core.types import SamplingOptions
 
-    model = ensure_default_model()
-    concepts = ConceptSet.load(_default_concepts(model))
+    default = ensure_default_model()
+    concepts = ConceptSet.load(_default_concepts(default))
+    model = even_heads_twin(default)
+    concepts.check_model(model)
     started = time.monotonic()
     engine = await Engine.start(
         EngineSettings(
@@ -52,17 +95,21 @@ async def measure(name: str, layout: dict, args: argparse.Namespace) -> tuple[fl
     try:
         options = SamplingOptions(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
 
-        async def stream(i: int) -> int:
-            prompt = [1, *((7 * j + 31 * i) % 40000 + 100 for j in range(args.prompt - 1))]
+        async def stream(i: int, batch: int) -> int:
+            prompt = [1, *((7 * j + 31 * i + 997 * batch) % 40000 + 100 for j in range(args.prompt - 1))]
             generation = engine.generate(prompt, options, readout_ranges=[(len(prompt), len(prompt) + args.tokens)])
             events = [e async for e in generation]
             assert all(e.readout is not None for e in events), f"{name}: a token without its readout"
             return len(events)
 
-        await asyncio.gather(*(stream(i) for i in range(2)))  # warm: first requests of each batch shape
-        began = time.monotonic()
-        tokens = sum(await asyncio.gather(*(stream(i) for i in range(args.streams))))
-        return start_seconds, tokens / (time.monotonic() - began)
+        await asyncio.gather(*(stream(i, -1) for i in range(2)))  # warm: first requests of each batch shape
+        rates = []
+        for batch in range(args.repeats):
+            began = time.monotonic()
+            tokens = sum(await asyncio.gather(*(stream(i, batch) for i in range(args.streams))))
+            rates.append(tokens / (time.monotonic() - began))
+            print(f"  {name} batch {batch + 1}: {rates[-1]:.1f} tokens/s", file=sys.stderr, flush=True)
+        return start_seconds, statistics.median(rates)
     finally:
         engine.shutdown()
 
@@ -75,7 +122,7 @@ async def main(args: argparse.Namespace) -> int:
         print(f"{name}: started in {start_seconds:.0f} s, {rate:.1f} tokens/s", flush=True)
     base = results.get("TP=1")
     print(
-        f"\n{args.streams} streams x {args.tokens} tokens, readout of every generated token, "
+        f"\n{args.streams} streams x {args.tokens} tokens, readout of every generated token, median of {args.repeats}, "
         f"{'eager' if args.eager else 'compiled'}"
     )
     print(f"{'layout':8} {'tokens/s':>9} {'vs TP=1':>8}")
@@ -91,6 +138,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per stream")
+    parser.add_argument("--repeats", type=int, default=3, help="batches per layout; the median counts")
     parser.add_argument("--eager", action="store_true")
     return parser.parse_args(argv)
 
