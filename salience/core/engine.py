@@ -86,6 +86,11 @@ class Engine:
             env["RAY_ADDRESS"] = settings.ray_address  # vLLM's ray.init() joins the cluster it names
         if cpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
+            # vLLM 0.32's AOT artifact never loads on CPU ("'function' object has no attribute
+            # 'finalize_loading'"), so every start traced the model again: 93 s warm. Its older
+            # compile cache does load: 34 s, same tokens and readouts (README, --compile).
+            if "VLLM_USE_AOT_COMPILE" not in os.environ:
+                env["VLLM_USE_AOT_COMPILE"] = "0"
             ranks = settings.tensor_parallel_size * settings.pipeline_parallel_size * settings.data_parallel_size
             on_ray = settings.distributed_executor_backend == "ray"  # workers on Ray nodes: not bound
             if ranks > 1 and not on_ray and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
