@@ -11,7 +11,8 @@ import pytest_asyncio
 
 from salience.core.concepts import ConceptSet
 from salience.core.engine import Engine
-from salience.core.sessions import SessionLimits, SessionStore, SessionToken, Turn, TurnDone
+from salience.core.sessions import SessionLimits, SessionStore
+from salience.core.turns import SessionToken, Turn, TurnDone
 from salience.core.types import FinishReason, SamplingOptions
 from salience.errors import (
     ContextOverflow,

@@ -10,7 +10,7 @@ lengths in the message, never repaired silently.
 A turn is validated whole before anything changes: offset, token ids, ranges, room in the
 context and the store's limits. Then the append (after a rewind) is committed and the turn
 runs; decoded tokens join the session as they are handed out, so a cancelled turn keeps what
-the client already saw. One turn runs per session at a time.
+the client already saw (turns.py). One turn runs per session at a time.
 
 Idle sessions expire after a TTL; every call on a session refreshes it. Past the limits on
 session count or stored tokens the least recently used idle session is evicted; a session
@@ -21,19 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import secrets
 import time
 from array import array
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from salience import metrics
 from salience.core.engine import Engine
 from salience.core.generation import Generation, PlacedImage, PromptScores
 from salience.core.images import ImageFacts, Vision
-from salience.core.steering import Intervention
-from salience.core.types import FinishReason, ImageBlock, SamplingOptions, covers
+from salience.core.turns import Range, Turn, TurnRun
 from salience.errors import (
     ContextOverflow,
     FailedPrecondition,
@@ -43,16 +43,7 @@ from salience.errors import (
     SessionBusy,
 )
 
-__all__ = [
-    "SessionLimits",
-    "SessionStore",
-    "SessionToken",
-    "Turn",
-    "TurnDone",
-    "TurnRun",
-]
-
-Range = tuple[int, int]
+__all__ = ["SessionLimits", "SessionStore"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,51 +51,6 @@ class SessionLimits:
     ttl: float = 1800.0  # seconds a session may sit idle
     max_sessions: int = 4096
     max_tokens: int = 50_000_000  # stored across all sessions (4 bytes each)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Turn:
-    """One Generate call on a session. Ranges are absolute positions, [start, end)."""
-
-    offset: int
-    truncating: bool = False
-    append: Sequence[int] = ()
-    images: Sequence[ImageBlock] = ()
-    logprob_ranges: Sequence[Range] = ()
-    logprob_top_k: int = 0
-    readout_ranges: Sequence[Range] = ()
-    sampling: SamplingOptions = field(default_factory=lambda: SamplingOptions(max_tokens=0))
-    request_id: str | None = None  # vLLM's id for the turn (default: a new uuid4 hex)
-    # This call's interventions: `prompt` is the session's tokens after the append, `generated` what it decodes.
-    steer: Sequence[Intervention] = ()
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SessionToken:
-    """A token a turn reports: a covered prefill position, or a decoded token.
-
-    `logprob` is None where no logprob range covers the position (and at position 0,
-    which has no context); `readout` is None where no readout range covers it.
-    """
-
-    token_id: int
-    position: int
-    is_prefill: bool
-    logprob: float | None
-    top_logprobs: tuple[tuple[int, float], ...]
-    readout: tuple[float, ...] | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class TurnDone:
-    prompt_tokens: int  # the session's length when decoding began
-    completion_tokens: int
-    finish_reason: FinishReason
-    cached_tokens: int  # prompt tokens vLLM served from its prefix cache
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
 
 
 @dataclass(eq=False)
@@ -223,7 +169,7 @@ class SessionStore:
             raise FailedPrecondition(f"offset {turn.offset} does not match the session's length {length}{hint}")
         if (block := session.block_around(turn.offset)) is not None:
             raise FailedPrecondition(_split_message("rewind", turn.offset, block))
-        append = engine.check_tokens("append_tokens", turn.append)
+        append = engine.checks.tokens("append_tokens", turn.append)
         tokens = session.tokens[: turn.offset].tolist() + append
         kept = [i for i in session.images if i.end <= turn.offset]
         images = kept
@@ -250,7 +196,7 @@ class SessionStore:
         growth = len(tokens) - length + budget
         self._make_room(sessions=0, tokens=max(growth, 0), keep=session)
         if session.dp_rank is None:
-            session.dp_rank = engine.pick_rank()
+            session.dp_rank = engine.inflight.pick_rank()
 
         work: Generation | None = None
         scoring: Callable[[], Awaitable[PromptScores]] | None = None
@@ -275,7 +221,7 @@ class SessionStore:
             )
         elif prefill_wanted:
             top_k = turn.logprob_top_k if scored else None
-            engine.check_top_k(top_k or 0)
+            engine.checks.top_k(top_k or 0)
 
             def scoring() -> Awaitable[PromptScores]:
                 return engine.prefill(
@@ -292,7 +238,9 @@ class SessionStore:
         del session.tokens[turn.offset :]
         session.tokens.extend(append)
         session.images = images
-        run = TurnRun(self, session, work, scoring, prefill_wanted, logprob_ranges)
+        run = TurnRun(
+            session.tokens, functools.partial(self._finished, session), work, scoring, prefill_wanted, logprob_ranges
+        )
         session.run = run
         self._touch(session)
         return run
@@ -345,93 +293,6 @@ class SessionStore:
             stored -= len(victim.tokens)
             del self._sessions[victim.id]
             metrics.SESSIONS_EVICTED.labels("lru").inc()
-
-
-class TurnRun:
-    """A started turn: iterate for SessionTokens; then `done` says how it ended.
-
-    Covered prefill positions come first, in position order, then decoded tokens.
-    Closing the iteration early (a cancelled call) aborts the engine request; the
-    tokens already handed out stay in the session.
-    """
-
-    def __init__(
-        self,
-        store: SessionStore,
-        session: _Session,
-        work: Generation | None,
-        scoring: Callable[[], Awaitable[PromptScores]] | None,
-        prefill_wanted: list[int],
-        logprob_ranges: list[Range],
-    ) -> None:
-        self.done: TurnDone | None = None
-        self._store = store
-        self._session = session
-        self._work = work
-        self._scoring = scoring
-        self._prefill_wanted = prefill_wanted
-        self._logprob_ranges = logprob_ranges
-        self._stopped = False
-
-    async def cancel(self) -> None:
-        """Abort from outside (a client's cancel, the session closed): iteration ends as CANCELLED."""
-        self._stopped = True
-        if self._work is not None:
-            await self._work.cancel()
-
-    async def __aiter__(self) -> AsyncIterator[SessionToken]:
-        session, prompt_tokens, completion = self._session, len(self._session.tokens), 0
-        reason = FinishReason.LENGTH
-        try:
-            if self._scoring is not None:
-                # One pass: skipped if cancelled before it, its results dropped if cancelled during it.
-                scores = None if self._stopped else await self._scoring()
-                if scores is not None and not self._stopped:
-                    for token in self._prefill_tokens(scores):
-                        yield token
-            elif self._work is not None:  # a Generation cancelled before it starts never reaches vLLM
-                async with self._work as generation:
-                    async for event in generation:
-                        if completion == 0:
-                            for token in self._prefill_tokens(generation.prompt_scores()):
-                                yield token
-                        session.tokens.append(event.token_id)
-                        completion += 1
-                        covered = covers(self._logprob_ranges, event.position)
-                        yield SessionToken(
-                            token_id=event.token_id,
-                            position=event.position,
-                            is_prefill=False,
-                            logprob=event.logprob if covered else None,
-                            top_logprobs=event.top_logprobs if covered else (),
-                            readout=event.readout,
-                        )
-                reason = generation.finish_reason or FinishReason.CANCELLED
-            if self._stopped:
-                reason = FinishReason.CANCELLED
-            cached = (self._work.cached_tokens or 0) if self._work is not None else 0
-            self.done = TurnDone(
-                prompt_tokens=prompt_tokens, completion_tokens=completion, finish_reason=reason, cached_tokens=cached
-            )
-        finally:
-            self._store._finished(session)
-
-    def _prefill_tokens(self, scores: PromptScores) -> list[SessionToken]:
-        tokens = []
-        for position in self._prefill_wanted:
-            scored = scores.at(position)
-            covered = covers(self._logprob_ranges, position)
-            tokens.append(
-                SessionToken(
-                    token_id=scored.token_id,
-                    position=position,
-                    is_prefill=True,
-                    logprob=scored.logprob if covered else None,
-                    top_logprobs=scored.top_logprobs if covered else (),
-                    readout=scored.readout,
-                )
-            )
-        return tokens
 
 
 def _place_images(vision: Vision, turn: Turn, tokens: list[int], facts: list[ImageFacts]) -> list[PlacedImage]:

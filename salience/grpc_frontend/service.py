@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from salience import metrics
-from salience.core.sessions import SessionStore, SessionToken, Turn, TurnDone
+from salience.core.sessions import SessionStore
 from salience.core.status import ServerStatus
 from salience.core.steering import Intervention
+from salience.core.turns import SessionToken, Turn, TurnDone
 from salience.core.types import FinishReason, ImageBlock, SamplingOptions
 from salience.grpc_frontend.status_codes import translating, translating_stream
 from salience.logs import REQUEST_ID

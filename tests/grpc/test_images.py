@@ -18,8 +18,9 @@ from PIL import Image
 
 from salience.core.concepts import ConceptSet, model_fingerprint
 from salience.core.engine import Engine
-from salience.core.sessions import SessionStore, Turn
+from salience.core.sessions import SessionStore
 from salience.core.status import ServerStatus
+from salience.core.turns import Turn
 from salience.core.types import ImageBlock, SamplingOptions
 from salience.grpc_frontend.client import AsyncSalienceClient
 from salience.grpc_frontend.server import GrpcServer, start_grpc_server
