@@ -16,7 +16,8 @@ import pytest_asyncio
 
 from salience.core.concepts import ConceptSet
 from salience.core.engine import Engine
-from salience.core.sessions import SessionStore, Turn
+from salience.core.sessions import SessionStore
+from salience.core.turns import Turn
 from salience.core.types import SamplingOptions
 from tests.conftest import start_engine
 from tests.reference import Reference, assert_readout_close, reference_readouts
@@ -85,7 +86,7 @@ async def test_stateless_requests_go_to_the_least_loaded_rank(engine: Engine) ->
     assert sorted(g.dp_rank for g in generations) == [0, 0, 1, 1]
     for generation in generations:
         [e async for e in generation]
-    assert engine._rank_load == [0, 0]
+    assert engine.inflight.rank_load == [0, 0]
 
 
 async def test_steering_reaches_the_engine_that_runs_the_request(

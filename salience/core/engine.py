@@ -1,8 +1,8 @@
 """The inference engine: vLLM's AsyncLLM behind a small typed interface.
 
 This is the only module that talks to vLLM's request API. It validates every
-request before vLLM sees it (so a bad request raises a typed error and never
-reaches the engine process), converts options to SamplingParams, and turns
+request before vLLM sees it (checks.py: a bad request raises a typed error and
+never reaches the engine process), converts options to SamplingParams, and turns
 vLLM's outputs into TokenEvents with absolute positions.
 
 Logprobs: vLLM runs with logprobs_mode="processed_logprobs", so a generated
@@ -20,23 +20,23 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import os
 import time
-import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from salience.core import launch
+from salience.core.checks import RequestChecks
 from salience.core.generation import Generation, PlacedImage, PromptScores, check_expansion, guarded, tokens_prompt
 from salience.core.images import Vision, collapse
+from salience.core.inflight import InFlight
 from salience.core.readout_worker import TAG
 from salience.core.readouts import ReadoutHub, check_ranges
 from salience.core.settings import EngineSettings
 from salience.core.steering import Directions, Intervention, ResolvedSteer
 from salience.core.steering_worker import TAG as STEER_TAG
 from salience.core.types import SamplingOptions, ScoredToken, covers
-from salience.errors import ContextOverflow, EngineError, InvalidArgument
+from salience.errors import EngineError, InvalidArgument
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -65,13 +65,8 @@ class Engine:
         self.steering: Directions | None = None  # what requests may steer along; None: no steering
         self.compiled = False  # set by start: whether vLLM runs the model compiled
         self.closed = False
-        # Request ids in flight in vLLM (a running Generation, or None for a one-pass request):
-        # vLLM aborts by id, and the readout hub keys by it, so no two may share one.
-        self._live: dict[str, Generation | None] = {}
-        # Data parallelism: requests in flight per DP rank, and the rank of each request in flight.
-        self.data_parallel_size = settings.data_parallel_size
-        self._rank_load = [0] * self.data_parallel_size
-        self._rank_of: dict[str, int] = {}
+        self.checks = RequestChecks(self.vocab_size, self.max_model_len, self.max_logprobs)
+        self.inflight = InFlight(settings.data_parallel_size)
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> Engine:
@@ -164,46 +159,10 @@ class Engine:
 
     async def cancel_all(self) -> int:
         """Abort every running generation (the server is stopping); each ends as CANCELLED."""
-        running = [g for g in self._live.values() if g is not None]
+        running = self.inflight.generations()
         for generation in running:
             await generation.cancel()
         return len(running)
-
-    def _claim(self, request_id: str | None) -> str:
-        """`request_id` (or a new uuid4 hex) made unique among the requests in flight: an id
-        already in flight gets `.2`, `.3`, ... appended."""
-        base = request_id or uuid.uuid4().hex
-        claimed, n = base, 1
-        while claimed in self._live:
-            n += 1
-            claimed = f"{base}.{n}"
-        self._live[claimed] = None
-        return claimed
-
-    def _release(self, request_id: str) -> None:
-        self._live.pop(request_id, None)
-        rank = self._rank_of.pop(request_id, None)
-        if rank is not None:
-            self._rank_load[rank] -= 1
-
-    def pick_rank(self) -> int | None:
-        """The least loaded DP rank (requests in flight from this server), None without DP: where
-        a new session or a stateless request goes."""
-        if self.data_parallel_size == 1:
-            return None
-        return min(range(self.data_parallel_size), key=self._rank_load.__getitem__)
-
-    def _route(self, request_id: str, rank: int | None) -> int | None:
-        """The DP rank the request runs on: `rank` (a session's), or the least loaded."""
-        if self.data_parallel_size == 1:
-            return None
-        if rank is None:
-            rank = self.pick_rank()
-        elif not 0 <= rank < self.data_parallel_size:
-            raise InvalidArgument(f"data parallel rank {rank} is not in 0..{self.data_parallel_size - 1}")
-        self._rank_of[request_id] = rank
-        self._rank_load[rank] += 1
-        return rank
 
     # ---- requests --------------------------------------------------------------
 
@@ -235,21 +194,21 @@ class Engine:
         Closing the Generation (or cancelling the task iterating it) aborts the
         request in vLLM.
         """
-        prompt = self.check_tokens("prompt", prompt)
+        prompt = self.checks.tokens("prompt", prompt)
         if not prompt:
             raise InvalidArgument("prompt is empty: at least one token is needed to generate from")
         if not isinstance(options.max_tokens, int) or options.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be a positive integer, got {options.max_tokens!r}")
-        self._check_room(len(prompt), options.max_tokens, "max_tokens")
-        params = self._sampling_params(options)
+        self.checks.room(len(prompt), options.max_tokens, "max_tokens")
+        params = self.checks.sampling_params(options)
         if prompt_logprobs is not None:
-            self.check_top_k(prompt_logprobs)
+            self.checks.top_k(prompt_logprobs)
             params.prompt_logprobs = prompt_logprobs
         steering = self.resolve_steer(steer, len(prompt))
         request_id, ranges, submitted = self._prepare(
             params, request_id, readout_ranges, prompt, images, steering, dp_rank
         )
-        rank = self._rank_of.get(request_id)
+        rank = self.inflight.rank_of(request_id)
         # The last token's pass runs where the generation ran: its prefix is cached there.
         read_last = functools.partial(
             self._read_one, images=images, steer=steering.interventions, request_id=f"{request_id}-last", dp_rank=rank
@@ -266,8 +225,8 @@ class Engine:
             read_last,
             dp_rank=rank,
         )
-        self._live[request_id] = generation
-        generation.on_end = functools.partial(self._release, request_id)
+        self.inflight.running(request_id, generation)
+        generation.on_end = functools.partial(self.inflight.release, request_id)
         return generation
 
     def _prepare(
@@ -282,9 +241,9 @@ class Engine:
     ) -> tuple[str, list[list[int]], object]:
         """Claim the request id, route it to a DP rank, tag the readouts and the steering and build
         vLLM's prompt; the id is released if any fails."""
-        key = self._claim(request_id)
+        key = self.inflight.claim(request_id)
         try:
-            self._route(key, dp_rank)
+            self.inflight.route(key, dp_rank)
             ranges = self._ask_readouts(params, key, readout_ranges, len(tokens))
             submitted = self._submission(tokens, images)
             if steering:
@@ -294,7 +253,7 @@ class Engine:
                 submitted["cache_salt"] = steering.cache_salt()
             return key, ranges, submitted
         except BaseException:
-            self._release(key)
+            self.inflight.release(key)
             raise
 
     def resolve_steer(self, steer: Sequence[Intervention], prompt_len: int) -> ResolvedSteer:
@@ -377,7 +336,7 @@ class Engine:
         """Logprob of each continuation token given the prompt and the tokens before it,
         with its readout where `readout_ranges` cover its position. `steer`'s `generated`
         positions are the continuation's, as if the model had generated it."""
-        prompt, continuation = self.check_scoring(prompt, continuation)
+        prompt, continuation = self.checks.scoring(prompt, continuation)
         if not continuation:
             return []
         ids = prompt + continuation
@@ -411,13 +370,13 @@ class Engine:
         `top_logprobs` alternatives; None computes none) and the readouts `readout_ranges` cover,
         under `steer` (all of `tokens` are its prompt positions).
         `request_id` is vLLM's id for the pass (default: a new uuid4 hex)."""
-        ids = self.check_tokens("tokens", tokens)
+        ids = self.checks.tokens("tokens", tokens)
         if not ids:
             raise InvalidArgument("tokens is empty: nothing to run through the model")
         if top_logprobs is not None:
-            self.check_top_k(top_logprobs)
+            self.checks.top_k(top_logprobs)
         # vLLM always decodes at least one token after the prompt.
-        self._check_room(len(ids), 1, "one decode step")
+        self.checks.room(len(ids), 1, "one decode step")
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -430,7 +389,7 @@ class Engine:
         )
         steering = self.resolve_steer(steer, len(ids))
         key, checked, submitted = self._prepare(params, request_id, readout_ranges, ids, images, steering, dp_rank)
-        rank = self._rank_of.get(key)
+        rank = self.inflight.rank_of(key)
         if checked:
             assert self.readouts is not None
             self.readouts.register(key)
@@ -444,92 +403,11 @@ class Engine:
                 wanted = [p for p in range(len(ids)) if covers(checked, p)]
                 readouts = await self.readouts.take(key, wanted)
         finally:
-            self._release(key)
+            self.inflight.release(key)
             if checked:
                 self.readouts.release(key)
         # FINAL_ONLY: exactly one output
         return PromptScores(ids, outputs[-1].prompt_logprobs, top_logprobs or 0, readouts)
-
-    # ---- validation ------------------------------------------------------------
-
-    def check_tokens(self, what: str, ids: Sequence[int]) -> list[int]:
-        """The ids as a list, or InvalidArgument naming the first that is not in the vocabulary."""
-        ids = list(ids)
-        if all(type(t) is int for t in ids) and (not ids or (min(ids) >= 0 and max(ids) < self.vocab_size)):
-            return ids
-        index, bad = next((i, t) for i, t in enumerate(ids) if type(t) is not int or not 0 <= t < self.vocab_size)
-        raise InvalidArgument(f"{what}[{index}] = {bad!r} is not a token id of this model (0..{self.vocab_size - 1})")
-
-    def check_scoring(self, prompt: Sequence[int], continuation: Sequence[int]) -> tuple[list[int], list[int]]:
-        prompt = self.check_tokens("prompt", prompt)
-        continuation = self.check_tokens("continuation", continuation)
-        if not prompt:
-            raise InvalidArgument("prompt is empty: the first token has no context to be scored in")
-        return prompt, continuation
-
-    def _check_room(self, used: int, more: int, what: str) -> None:
-        if used + more > self.max_model_len:
-            raise ContextOverflow(
-                f"{used} tokens plus {what} ({more}) exceed the model's context of {self.max_model_len} tokens"
-            )
-
-    def check_top_k(self, k: int) -> None:
-        if not isinstance(k, int) or k < 0 or k > self.max_logprobs:
-            raise InvalidArgument(f"top logprobs must be an integer in 0..{self.max_logprobs}, got {k!r}")
-
-    def _sampling_params(self, o: SamplingOptions) -> SamplingParams:
-        from vllm import SamplingParams
-        from vllm.exceptions import VLLMClientError
-        from vllm.sampling_params import RequestOutputKind
-
-        self.check_top_k(o.logprobs)
-        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            value = getattr(o, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise InvalidArgument(f"{name} must be a finite number, got {value!r}")
-        if o.temperature < 0:
-            raise InvalidArgument(f"temperature must be >= 0, got {o.temperature}")
-        if not 0 < o.top_p <= 1:
-            raise InvalidArgument(f"top_p must be in (0, 1], got {o.top_p}")
-        if not isinstance(o.top_k, int) or o.top_k < 0:
-            raise InvalidArgument(f"top_k must be a non-negative integer (0 = off), got {o.top_k!r}")
-        if o.seed is not None and (type(o.seed) is not int or not -(2**63) <= o.seed < 2**63):
-            raise InvalidArgument(f"seed must be a 64-bit integer, got {o.seed!r}")
-        if type(o.priority) is not int or not -(2**31) <= o.priority < 2**31:
-            raise InvalidArgument(f"priority must be a 32-bit integer, got {o.priority!r}")
-        stop = self.check_tokens("stop_token_ids", o.stop_token_ids)
-        bias_ids = self.check_tokens("logit_bias", list(o.logit_bias))
-        for token, bias in o.logit_bias.items():
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
-                raise InvalidArgument(f"logit_bias[{token}] must be a finite number, got {bias!r}")
-        allowed = None
-        if o.allowed_token_ids is not None:
-            allowed = self.check_tokens("allowed_token_ids", o.allowed_token_ids)
-            if not allowed:
-                raise InvalidArgument("allowed_token_ids is empty: no token could be sampled")
-        # top_k == 1 is greedy whatever the temperature; running it as greedy keeps
-        # the reported logprobs informative (see the module docstring).
-        greedy = o.temperature == 0 or o.top_k == 1
-        try:
-            return SamplingParams(
-                max_tokens=o.max_tokens,
-                temperature=0.0 if greedy else float(o.temperature),
-                top_p=1.0 if greedy else float(o.top_p),
-                top_k=0 if greedy else o.top_k,
-                seed=o.seed,
-                stop_token_ids=stop,
-                logit_bias=dict(zip(bias_ids, map(float, o.logit_bias.values()), strict=True)) or None,
-                allowed_token_ids=allowed,
-                repetition_penalty=float(o.repetition_penalty),
-                presence_penalty=float(o.presence_penalty),
-                frequency_penalty=float(o.frequency_penalty),
-                logprobs=o.logprobs,
-                ignore_eos=o.ignore_eos,
-                detokenize=False,
-                output_kind=RequestOutputKind.DELTA,
-            )
-        except (ValueError, VLLMClientError) as exc:  # vLLM's own range checks (penalties, ...)
-            raise InvalidArgument(str(exc)) from None
 
 
 async def _install_steering(llm: AsyncLLM, directions: Directions) -> Directions:

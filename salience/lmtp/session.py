@@ -1,4 +1,4 @@
-"""One LMTP connection: running streams, replies, and the outbound queue.
+"""One LMTP connection: its running streams and replies (payloads.py, replies.py, outbox.py).
 
 Theory of operation. A transport adapter (WebSocket or TCP) feeds each
 received line to `receive` and runs `pump` to send frames. Every GENERATE or
@@ -29,10 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import dataclasses
 import logging
-import math
-from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 
@@ -41,13 +38,13 @@ import orjson
 from salience import metrics, request_ids
 from salience.core.engine import Engine
 from salience.core.generation import Generation
-from salience.core.images import Vision
-from salience.core.sessions import SessionStore, SessionToken, Turn, TurnRun
+from salience.core.sessions import SessionStore
 from salience.core.status import Admitted, Phase, ServerStatus
 from salience.core.text import TextStream
-from salience.core.types import SamplingOptions, ScoredToken, TokenEvent
+from salience.core.turns import TurnRun
 from salience.errors import InvalidArgument, SalienceError
-from salience.lmtp.codec import MAX_FRAME_BYTES, MAX_MESSAGE_BYTES, LmtpError, msg_frame, parse_client_line, token_frame
+from salience.lmtp import payloads, replies
+from salience.lmtp.codec import MAX_FRAME_BYTES, MAX_MESSAGE_BYTES, LmtpError, parse_client_line
 from salience.lmtp.messages import (
     Cancel,
     ClientMessage,
@@ -64,6 +61,7 @@ from salience.lmtp.messages import (
     Status,
     Tokenize,
 )
+from salience.lmtp.outbox import Outbox
 from salience.logs import REQUEST_ID
 
 __all__ = ["ConnectionLimits", "LmtpConfig", "LmtpSession"]
@@ -124,9 +122,7 @@ class LmtpSession:
         metrics.CONNECTIONS_ACTIVE.labels(frontend).inc()
         self._tasks: set[asyncio.Task] = set()
         self._watcher: asyncio.Task | None = None
-        self._queue: deque[tuple[str, dict]] = deque()
-        self._wake = asyncio.Event()
-        self._sending = False  # the pump has a frame on its way out
+        self._outbox = Outbox(config.limits.max_pending, config.limits.send_timeout)
         self._streams: dict[int, asyncio.Task] = {}
         self._generations: dict[int, Generation | TurnRun] = {}
         self._cancels: set[int] = set()  # running streams a CANCEL named (see _attach)
@@ -168,17 +164,19 @@ class LmtpSession:
                     if work is not None:
                         self._spawn(work.cancel(), self._request_ids.get(stream_id))
             case ModelInfo(stream_id=stream_id):
-                self._msg({"stream_id": stream_id, "model_info": self._model_info()})
+                self._msg({"stream_id": stream_id, "model_info": replies.model_info(self._status)})
             case Status(stream_id=stream_id):
                 self._status_reply(stream_id)
                 if self._watcher is None:
                     self._watcher = asyncio.create_task(self._watch_status(stream_id))
             case Tokenize() | Detokenize():
-                self._tokenizer_reply(message)
+                self._spawn(self._answer(message.stream_id, replies.tokenizer(self._status, message)))
             case ImageInfo():
-                self._spawn(self._image_info_reply(message))
+                self._spawn(self._answer(message.stream_id, replies.image_info(self._status, message)))
             case OpenSession() | CloseSession() | ForkSession() | DumpSession():
-                self._spawn(self._session_reply(message))
+                self._spawn(
+                    self._answer(message.stream_id, replies.session_call(self._status, self._sessions, message))
+                )
 
     def _reject(self, kind: str | None, stream_id: int | None, message: str, request_id: str | None = None) -> None:
         # Stream errors go where LMQL's client looks for them, or it waits forever.
@@ -251,7 +249,7 @@ class LmtpSession:
         stream_id = request.stream_id
         generation = engine.generate(
             request.prompt,
-            _options(request),
+            payloads.sampling_options(request),
             request_id=self._request_ids[stream_id],
             readout_ranges=request.readout,
             steer=request.steer,
@@ -263,10 +261,14 @@ class LmtpSession:
             async with generation:
                 async for event in generation:
                     if event.position == len(request.prompt):  # first event: prompt readouts are in
-                        self._prompt_readouts(stream_id, request.prompt, generation.prompt_readouts)
+                        self._tokens(payloads.prompt_payloads(stream_id, request.prompt, generation.prompt_readouts))
                     ended = event.finish_reason is not None
                     finish = event.finish_reason and event.finish_reason.value
-                    self._token(_payload(stream_id, event, finish, top=True, text=text, readout=bool(request.readout)))
+                    self._token(
+                        payloads.token_payload(
+                            stream_id, event, finish, top=True, text=text, readout=bool(request.readout)
+                        )
+                    )
         finally:
             self._generations.pop(stream_id, None)
         if not ended:  # cancelled after its last token went out: end the stream explicitly
@@ -274,7 +276,7 @@ class LmtpSession:
             self._token({"stream_id": stream_id, "finish_reason": reason})
 
     async def _score(self, engine: Engine, request: Score) -> None:
-        prompt, continuation = engine.check_scoring(request.prompt, request.scored)
+        prompt, continuation = engine.checks.scoring(request.prompt, request.scored)
         # `generated` positions are the scored ones, as if the model had generated them.
         steer = engine.resolve_steer(request.steer, len(prompt)).interventions
         scored = []
@@ -297,11 +299,11 @@ class LmtpSession:
                 self._token(cancelled)
                 return
             readouts = {p: r for p, r in scores.readouts.items() if p < len(prompt)}
-            self._prompt_readouts(request.stream_id, request.prompt, readouts)
+            self._tokens(payloads.prompt_payloads(request.stream_id, request.prompt, readouts))
             scored = [scores.at(p) for p in range(len(prompt), len(ids))]
         text = TextStream(engine.tokenizer, request.prompt) if request.text else None
-        payloads = [
-            _payload(
+        scored_payloads = [
+            payloads.token_payload(
                 request.stream_id,
                 token,
                 "length" if i == len(scored) - 1 else None,
@@ -311,32 +313,12 @@ class LmtpSession:
             )
             for i, token in enumerate(scored)
         ]
-        if not payloads:
-            payloads.append({"stream_id": request.stream_id, "finish_reason": "length"})
-        for payload in payloads:
-            self._token(payload)
+        if not scored_payloads:
+            scored_payloads.append({"stream_id": request.stream_id, "finish_reason": "length"})
+        self._tokens(scored_payloads)
 
     async def _session_generate(self, engine: Engine, request: SessionGenerate) -> None:
-        turn = Turn(
-            offset=request.offset,
-            truncating=request.truncating,
-            append=request.append,
-            images=request.images,
-            logprob_ranges=request.logprobs,
-            logprob_top_k=request.top_logprobs,
-            readout_ranges=request.readout,
-            sampling=SamplingOptions(
-                max_tokens=request.max_tokens,
-                temperature=request.temperature,
-                top_p=request.top_p,
-                top_k=max(request.top_k, 0),
-                seed=request.seed,
-                stop_token_ids=request.stop_token_ids,
-                priority=request.priority,
-            ),
-            request_id=self._request_ids[request.stream_id],
-            steer=request.steer,
-        )
+        turn = payloads.turn(request, self._request_ids[request.stream_id])
         run = await self._sessions.start(request.session_id, turn, engine)
         stream_id = request.stream_id
         await self._attach(stream_id, run)
@@ -346,92 +328,29 @@ class LmtpSession:
                 async for token in tokens:
                     if request.text and text is None and not token.is_prefill:
                         text = TextStream(engine.tokenizer, self._sessions.tokens(request.session_id)[: token.position])
-                    self._token(_session_payload(stream_id, token, text))
+                    self._token(payloads.session_payload(stream_id, token, text))
         finally:
             self._generations.pop(stream_id, None)
         assert run.done is not None
-        done = run.done
-        final = {"stream_id": stream_id, "finish_reason": done.finish_reason.value}
-        if text is not None:
-            final["text"] = text.flush()
-        final["usage"] = {
-            "prompt_tokens": done.prompt_tokens,
-            "completion_tokens": done.completion_tokens,
-            "total_tokens": done.total_tokens,
-            "cached_tokens": done.cached_tokens,
-        }
-        self._token(final)
-
-    async def _session_reply(self, request: OpenSession | CloseSession | ForkSession | DumpSession) -> None:
-        reply: dict = {"stream_id": request.stream_id}
-        try:
-            match request:
-                case OpenSession(model=model):
-                    engine = self._status.serving_engine()
-                    self._status.check_model(model)
-                    reply |= {"session_id": self._sessions.open(), "max_model_len": engine.max_model_len}
-                case CloseSession(session_id=session_id):
-                    await self._sessions.close(session_id)
-                    reply |= {"session_id": session_id, "closed": True}
-                case ForkSession(session_id=session_id, at_position=at):
-                    reply |= {"session_id": self._sessions.fork(session_id, at), "length": at}
-                case DumpSession(session_id=session_id):
-                    reply |= {"session_id": session_id, "tokens": self._sessions.tokens(session_id)}
-        except SalienceError as exc:
-            reply = self._failed(request.stream_id, str(exc), type(exc).__name__)
-        self._msg(reply)
-
-    def _prompt_readouts(self, stream_id: int, prompt: tuple[int, ...], readouts: dict) -> None:
-        """Prompt positions' readouts go first, as payloads marked "prompt": true."""
-        for position in sorted(readouts):
-            self._token(
-                {
-                    "stream_id": stream_id,
-                    "token": prompt[position],
-                    "position": position,
-                    "prompt": True,
-                    "finish_reason": None,
-                    "readout": readouts[position],
-                }
-            )
+        self._token(payloads.turn_end_payload(stream_id, run.done, text))
 
     # ---- replies ---------------------------------------------------------------------
 
     def _status_reply(self, stream_id: int) -> None:
         self._msg({"stream_id": stream_id, "status": self._status.phase.value, "model": self._status.model_name})
 
+    async def _answer(self, stream_id: int, reply: Awaitable[dict]) -> None:
+        """Send `reply`'s fields, or the error it raised."""
+        try:
+            payload = {"stream_id": stream_id, **await reply}
+        except SalienceError as exc:
+            payload = self._failed(stream_id, str(exc), type(exc).__name__)
+        self._msg(payload)
+
     async def _watch_status(self, stream_id: int) -> None:
         while True:
             await self._status.changed.wait()
             self._status_reply(stream_id)
-
-    def _model_info(self) -> dict | str:
-        engine = self._status.engine
-        if engine is None or self._status.phase is not Phase.READY:
-            return "<unavailable>"  # LMQL's client retries on this
-        return {
-            "model": self._status.model_name,
-            "model_type": "salience",
-            "max_model_len": engine.max_model_len,
-            "vocab_size": engine.vocab_size,
-            "max_logprobs": engine.max_logprobs,
-            "eos_token_id": engine.tokenizer.eos_token_id,
-            "readout_manifest": dataclasses.asdict(engine.readouts.manifest) if engine.readouts else None,
-            "steering": engine.steering.manifest() if engine.steering else None,
-        }
-
-    def _tokenizer_reply(self, request: Tokenize | Detokenize) -> None:
-        try:
-            engine = self._status.serving_engine()
-            if isinstance(request, Tokenize):
-                tokens = engine.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
-                reply = {"stream_id": request.stream_id, "tokens": list(tokens)}
-            else:
-                tokens = engine.check_tokens("tokens", request.tokens)
-                reply = {"stream_id": request.stream_id, "text": engine.tokenizer.decode(tokens)}
-        except SalienceError as exc:
-            reply = self._failed(request.stream_id, str(exc), type(exc).__name__)
-        self._msg(reply)
 
     def _spawn(self, work: Coroutine[object, object, None], request_id: str | None = None) -> None:
         """Run a reply that must await, keeping the task referenced until it ends; what it
@@ -442,27 +361,6 @@ class LmtpSession:
         task = asyncio.get_running_loop().create_task(work, context=context)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _image_info_reply(self, request: ImageInfo) -> None:
-        reply: dict = {"stream_id": request.stream_id}
-        try:
-            engine = self._status.serving_engine()
-            vision = Vision.of(engine.vision, engine.model_name)
-            facts = await asyncio.to_thread(vision.inspect, request.data, request.mime)
-            width, height = facts.size
-            reply |= {
-                "pad_tokens": facts.pads,
-                "block_tokens": facts.pads + 2,
-                "grid_thw": list(facts.grid),
-                "vision_start_token_id": vision.start,
-                "image_pad_token_id": vision.pad,
-                "vision_end_token_id": vision.end,
-                "width": width,
-                "height": height,
-            }
-        except SalienceError as exc:
-            reply = self._failed(request.stream_id, str(exc), type(exc).__name__)
-        self._msg(reply)
 
     # ---- output ------------------------------------------------------------------------
 
@@ -475,6 +373,10 @@ class LmtpSession:
             self._readout_positions.inc()
             self._readout_bytes.inc(len(orjson.dumps(payload["readout"])))
         self._put("TOKEN", payload)
+
+    def _tokens(self, payloads: list[dict]) -> None:
+        for payload in payloads:
+            self._token(payload)
 
     def _error(self, stream_id: int, message: str, *, kind: str = "LmtpError", request_id: str | None = None) -> None:
         """End a stream with an error (`kind`: the SalienceError class, or what else went wrong)."""
@@ -499,45 +401,27 @@ class LmtpSession:
     def _put(self, kind: str, payload: dict, force: bool = False) -> None:
         if self.closed.is_set():
             return
-        if len(self._queue) >= self._limits.max_pending and not force:
+        if self._outbox.full() and not force:
             self._overflow()
             return
-        self._queue.append((kind, payload))
-        self._wake.set()
+        self._outbox.put(kind, payload)
 
     def _overflow(self) -> None:
         message = f"client is not reading: more than {self._limits.max_pending} messages are waiting; closing"
-        log.warning("slow client", extra={"pending": len(self._queue)})
+        log.warning("slow client", extra={"pending": len(self._outbox)})
         self.dropping(SLOW_CLIENT)
         for stream_id, task in list(self._streams.items()):
             task.cancel()
             self._error(stream_id, message, kind="SlowClient")
+        self._outbox.close()  # the errors still go out
         self.closed.set()
 
     async def pump(self, send: Callable[[str], Awaitable[None]]) -> None:
         """Send queued payloads until the session closes; a send slower than the limit closes it."""
         try:
-            while True:
-                if not self._queue:
-                    if self.closed.is_set():
-                        return
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                kind, run = self._queue[0][0], []
-                while self._queue and self._queue[0][0] == kind:
-                    run.append(self._queue.popleft()[1])
-                frame = token_frame(run) if kind == "TOKEN" else msg_frame(run)
-                try:
-                    self._sending = True
-                    await asyncio.wait_for(send(frame), self._limits.send_timeout)
-                except TimeoutError:
-                    log.warning("send timed out; closing", extra={"timeout": self._limits.send_timeout})
-                    self.dropping(SEND_TIMEOUT)
-                    self.close()
-                    return
-                finally:
-                    self._sending = False
+            if not await self._outbox.pump(send):
+                log.warning("send timed out; closing", extra={"timeout": self._limits.send_timeout})
+                self.dropping(SEND_TIMEOUT)
         finally:
             self.close()
 
@@ -558,81 +442,16 @@ class LmtpSession:
             task.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
+        self._outbox.close()
         self.closed.set()
-        self._wake.set()
 
     async def flush(self, timeout: float) -> None:
         """Until what is queued has been sent, for up to `timeout` seconds: the server's
         shutdown waits for it (a drain's last payloads) before it closes the transport."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                while (self._queue or self._sending) and not self.closed.is_set():
-                    await asyncio.sleep(0.01)
+        await self._outbox.flush(timeout)
 
     async def wait_closed(self) -> None:
         """Until every stream task has finished (their engine requests are aborted)."""
         tasks = list(self._streams.values())
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _payload(
-    stream_id: int,
-    token: TokenEvent | ScoredToken,
-    finish_reason: str | None,
-    *,
-    top: bool,
-    text: TextStream | None,
-    readout: bool,
-) -> dict:
-    """One TOKEN payload: the fields LMQL reads, plus the extensions the request asked for."""
-    payload = {
-        "token": token.token_id,
-        "stream_id": stream_id,
-        "logprob": token.logprob,
-        "finish_reason": finish_reason,
-    }
-    if top:  # truncated alternatives (-inf) cannot be sampled and have no JSON form
-        payload["top_logprobs"] = {str(t): lp for t, lp in token.top_logprobs if math.isfinite(lp)}
-    if text is not None:
-        payload["text"] = text.push(token.token_id) + (text.flush() if finish_reason else "")
-    if readout:
-        payload["position"] = token.position
-        if token.readout is not None:
-            payload["readout"] = token.readout
-    return payload
-
-
-def _session_payload(stream_id: int, token: SessionToken, text: TextStream | None) -> dict:
-    """A session turn's TOKEN payload: prompt positions marked "prompt": true; fields only where covered."""
-    payload: dict = {"stream_id": stream_id, "token": token.token_id, "position": token.position}
-    if token.is_prefill:
-        payload["prompt"] = True
-    if token.logprob is not None:
-        payload["logprob"] = token.logprob
-    if token.top_logprobs:
-        payload["top_logprobs"] = {str(t): lp for t, lp in token.top_logprobs if math.isfinite(lp)}
-    if token.readout is not None:
-        payload["readout"] = token.readout
-    if text is not None and not token.is_prefill:
-        payload["text"] = text.push(token.token_id)
-    payload["finish_reason"] = None
-    return payload
-
-
-def _options(request: Generate) -> SamplingOptions:
-    return SamplingOptions(
-        max_tokens=request.max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=max(request.top_k, 0),  # LMQL and vLLM spell "off" as -1 too
-        seed=request.seed,
-        stop_token_ids=request.stop_token_ids,
-        logit_bias=request.logit_bias,
-        repetition_penalty=request.repetition_penalty,
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        priority=request.priority,
-        logprobs=request.top_logprobs,
-        ignore_eos=request.ignore_eos,
-    )

@@ -1,0 +1,107 @@
+"""What a request may ask of one model, checked before vLLM sees it.
+
+A bad request raises a typed error here and never reaches the engine process, whose own
+checks would surface as a failed request, or, for a few, as a dead engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from salience.core.types import SamplingOptions
+from salience.errors import ContextOverflow, InvalidArgument
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+
+__all__ = ["RequestChecks"]
+
+
+@dataclass(frozen=True)
+class RequestChecks:
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int
+
+    def tokens(self, what: str, ids: Sequence[int]) -> list[int]:
+        """The ids as a list, or InvalidArgument naming the first that is not in the vocabulary."""
+        ids = list(ids)
+        if all(type(t) is int for t in ids) and (not ids or (min(ids) >= 0 and max(ids) < self.vocab_size)):
+            return ids
+        index, bad = next((i, t) for i, t in enumerate(ids) if type(t) is not int or not 0 <= t < self.vocab_size)
+        raise InvalidArgument(f"{what}[{index}] = {bad!r} is not a token id of this model (0..{self.vocab_size - 1})")
+
+    def scoring(self, prompt: Sequence[int], continuation: Sequence[int]) -> tuple[list[int], list[int]]:
+        prompt = self.tokens("prompt", prompt)
+        continuation = self.tokens("continuation", continuation)
+        if not prompt:
+            raise InvalidArgument("prompt is empty: the first token has no context to be scored in")
+        return prompt, continuation
+
+    def room(self, used: int, more: int, what: str) -> None:
+        if used + more > self.max_model_len:
+            raise ContextOverflow(
+                f"{used} tokens plus {what} ({more}) exceed the model's context of {self.max_model_len} tokens"
+            )
+
+    def top_k(self, k: int) -> None:
+        if not isinstance(k, int) or k < 0 or k > self.max_logprobs:
+            raise InvalidArgument(f"top logprobs must be an integer in 0..{self.max_logprobs}, got {k!r}")
+
+    def sampling_params(self, o: SamplingOptions) -> SamplingParams:
+        """vLLM's SamplingParams for `o` (streamed as deltas, not detokenized), every field checked."""
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind
+
+        self.top_k(o.logprobs)
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(o, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InvalidArgument(f"{name} must be a finite number, got {value!r}")
+        if o.temperature < 0:
+            raise InvalidArgument(f"temperature must be >= 0, got {o.temperature}")
+        if not 0 < o.top_p <= 1:
+            raise InvalidArgument(f"top_p must be in (0, 1], got {o.top_p}")
+        if not isinstance(o.top_k, int) or o.top_k < 0:
+            raise InvalidArgument(f"top_k must be a non-negative integer (0 = off), got {o.top_k!r}")
+        if o.seed is not None and (type(o.seed) is not int or not -(2**63) <= o.seed < 2**63):
+            raise InvalidArgument(f"seed must be a 64-bit integer, got {o.seed!r}")
+        if type(o.priority) is not int or not -(2**31) <= o.priority < 2**31:
+            raise InvalidArgument(f"priority must be a 32-bit integer, got {o.priority!r}")
+        stop = self.tokens("stop_token_ids", o.stop_token_ids)
+        bias_ids = self.tokens("logit_bias", list(o.logit_bias))
+        for token, bias in o.logit_bias.items():
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                raise InvalidArgument(f"logit_bias[{token}] must be a finite number, got {bias!r}")
+        allowed = None
+        if o.allowed_token_ids is not None:
+            allowed = self.tokens("allowed_token_ids", o.allowed_token_ids)
+            if not allowed:
+                raise InvalidArgument("allowed_token_ids is empty: no token could be sampled")
+        # top_k == 1 is greedy whatever the temperature; running it as greedy keeps
+        # the reported logprobs informative (see engine.py's docstring).
+        greedy = o.temperature == 0 or o.top_k == 1
+        try:
+            return SamplingParams(
+                max_tokens=o.max_tokens,
+                temperature=0.0 if greedy else float(o.temperature),
+                top_p=1.0 if greedy else float(o.top_p),
+                top_k=0 if greedy else o.top_k,
+                seed=o.seed,
+                stop_token_ids=stop,
+                logit_bias=dict(zip(bias_ids, map(float, o.logit_bias.values()), strict=True)) or None,
+                allowed_token_ids=allowed,
+                repetition_penalty=float(o.repetition_penalty),
+                presence_penalty=float(o.presence_penalty),
+                frequency_penalty=float(o.frequency_penalty),
+                logprobs=o.logprobs,
+                ignore_eos=o.ignore_eos,
+                detokenize=False,
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except (ValueError, VLLMClientError) as exc:  # vLLM's own range checks (penalties, ...)
+            raise InvalidArgument(str(exc)) from None

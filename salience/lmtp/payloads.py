@@ -1,0 +1,132 @@
+"""LMTP requests as core calls, and core results as LMTP payloads: the frontend's translation,
+kept apart from the connection that sequences it (session.py)."""
+
+from __future__ import annotations
+
+import math
+
+from salience.core.text import TextStream
+from salience.core.turns import SessionToken, Turn, TurnDone
+from salience.core.types import SamplingOptions, ScoredToken, TokenEvent
+from salience.lmtp.messages import Generate, SessionGenerate
+
+__all__ = ["prompt_payloads", "sampling_options", "session_payload", "token_payload", "turn", "turn_end_payload"]
+
+
+def sampling_options(request: Generate) -> SamplingOptions:
+    return SamplingOptions(
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=max(request.top_k, 0),  # LMQL and vLLM spell "off" as -1 too
+        seed=request.seed,
+        stop_token_ids=request.stop_token_ids,
+        logit_bias=request.logit_bias,
+        repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        priority=request.priority,
+        logprobs=request.top_logprobs,
+        ignore_eos=request.ignore_eos,
+    )
+
+
+def turn(request: SessionGenerate, request_id: str) -> Turn:
+    return Turn(
+        offset=request.offset,
+        truncating=request.truncating,
+        append=request.append,
+        images=request.images,
+        logprob_ranges=request.logprobs,
+        logprob_top_k=request.top_logprobs,
+        readout_ranges=request.readout,
+        sampling=SamplingOptions(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=max(request.top_k, 0),
+            seed=request.seed,
+            stop_token_ids=request.stop_token_ids,
+            priority=request.priority,
+        ),
+        request_id=request_id,
+        steer=request.steer,
+    )
+
+
+def token_payload(
+    stream_id: int,
+    token: TokenEvent | ScoredToken,
+    finish_reason: str | None,
+    *,
+    top: bool,
+    text: TextStream | None,
+    readout: bool,
+) -> dict:
+    """One TOKEN payload: the fields LMQL reads, plus the extensions the request asked for."""
+    payload = {
+        "token": token.token_id,
+        "stream_id": stream_id,
+        "logprob": token.logprob,
+        "finish_reason": finish_reason,
+    }
+    if top:
+        payload["top_logprobs"] = _top_logprobs(token.top_logprobs)
+    if text is not None:
+        payload["text"] = text.push(token.token_id) + (text.flush() if finish_reason else "")
+    if readout:
+        payload["position"] = token.position
+        if token.readout is not None:
+            payload["readout"] = token.readout
+    return payload
+
+
+def prompt_payloads(stream_id: int, prompt: tuple[int, ...], readouts: dict) -> list[dict]:
+    """Prompt positions' readouts, which go before any other payload, marked "prompt": true."""
+    return [
+        {
+            "stream_id": stream_id,
+            "token": prompt[position],
+            "position": position,
+            "prompt": True,
+            "finish_reason": None,
+            "readout": readouts[position],
+        }
+        for position in sorted(readouts)
+    ]
+
+
+def session_payload(stream_id: int, token: SessionToken, text: TextStream | None) -> dict:
+    """A session turn's TOKEN payload: prompt positions marked "prompt": true; fields only where covered."""
+    payload: dict = {"stream_id": stream_id, "token": token.token_id, "position": token.position}
+    if token.is_prefill:
+        payload["prompt"] = True
+    if token.logprob is not None:
+        payload["logprob"] = token.logprob
+    if token.top_logprobs:
+        payload["top_logprobs"] = _top_logprobs(token.top_logprobs)
+    if token.readout is not None:
+        payload["readout"] = token.readout
+    if text is not None and not token.is_prefill:
+        payload["text"] = text.push(token.token_id)
+    payload["finish_reason"] = None
+    return payload
+
+
+def turn_end_payload(stream_id: int, done: TurnDone, text: TextStream | None) -> dict:
+    """A session turn's terminal payload: how it ended, the text's tail, and its usage."""
+    final: dict = {"stream_id": stream_id, "finish_reason": done.finish_reason.value}
+    if text is not None:
+        final["text"] = text.flush()
+    final["usage"] = {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.total_tokens,
+        "cached_tokens": done.cached_tokens,
+    }
+    return final
+
+
+def _top_logprobs(top: tuple[tuple[int, float], ...]) -> dict[str, float]:
+    # Truncated alternatives (-inf) cannot be sampled and have no JSON form.
+    return {str(t): lp for t, lp in top if math.isfinite(lp)}

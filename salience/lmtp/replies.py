@@ -1,0 +1,74 @@
+"""The MSG replies that are not streams: model info, tokenizer, image info and session calls.
+
+Each returns the reply's fields (the connection adds `stream_id`) or raises a SalienceError,
+which the connection turns into the error payload every frontend error takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from salience.core.images import Vision
+from salience.core.sessions import SessionStore
+from salience.core.status import Phase, ServerStatus
+from salience.lmtp.messages import CloseSession, Detokenize, DumpSession, ForkSession, ImageInfo, OpenSession, Tokenize
+
+__all__ = ["image_info", "model_info", "session_call", "tokenizer"]
+
+
+def model_info(status: ServerStatus) -> dict | str:
+    engine = status.engine
+    if engine is None or status.phase is not Phase.READY:
+        return "<unavailable>"  # LMQL's client retries on this
+    return {
+        "model": status.model_name,
+        "model_type": "salience",
+        "max_model_len": engine.max_model_len,
+        "vocab_size": engine.vocab_size,
+        "max_logprobs": engine.max_logprobs,
+        "eos_token_id": engine.tokenizer.eos_token_id,
+        "readout_manifest": dataclasses.asdict(engine.readouts.manifest) if engine.readouts else None,
+        "steering": engine.steering.manifest() if engine.steering else None,
+    }
+
+
+async def tokenizer(status: ServerStatus, request: Tokenize | Detokenize) -> dict:
+    engine = status.serving_engine()
+    if isinstance(request, Tokenize):
+        return {"tokens": list(engine.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens))}
+    return {"text": engine.tokenizer.decode(engine.checks.tokens("tokens", request.tokens))}
+
+
+async def image_info(status: ServerStatus, request: ImageInfo) -> dict:
+    engine = status.serving_engine()
+    vision = Vision.of(engine.vision, engine.model_name)
+    facts = await asyncio.to_thread(vision.inspect, request.data, request.mime)  # decoding takes a while
+    width, height = facts.size
+    return {
+        "pad_tokens": facts.pads,
+        "block_tokens": facts.pads + 2,
+        "grid_thw": list(facts.grid),
+        "vision_start_token_id": vision.start,
+        "image_pad_token_id": vision.pad,
+        "vision_end_token_id": vision.end,
+        "width": width,
+        "height": height,
+    }
+
+
+async def session_call(
+    status: ServerStatus, sessions: SessionStore, request: OpenSession | CloseSession | ForkSession | DumpSession
+) -> dict:
+    match request:
+        case OpenSession(model=model):
+            engine = status.serving_engine()
+            status.check_model(model)
+            return {"session_id": sessions.open(), "max_model_len": engine.max_model_len}
+        case CloseSession(session_id=session_id):
+            await sessions.close(session_id)
+            return {"session_id": session_id, "closed": True}
+        case ForkSession(session_id=session_id, at_position=at):
+            return {"session_id": sessions.fork(session_id, at), "length": at}
+        case DumpSession(session_id=session_id):
+            return {"session_id": session_id, "tokens": sessions.tokens(session_id)}
