@@ -45,7 +45,7 @@ async def test_a_client_that_never_reads_gets_its_streams_ended_and_the_engine_e
     await asyncio.wait_for(session.closed.wait(), 60)
     await session.wait_closed()
     await wait_until(lambda: tiny_engine.num_unfinished_requests() == 0)
-    queued = [payload for kind, payload in session._queue if kind == "TOKEN"]
+    queued = [payload for kind, payload in session._outbox._queue if kind == "TOKEN"]
     assert len(queued) <= 200 + 4  # bounded: the limit plus one error per stream
     errors = {p["stream_id"]: p["error"] for p in queued if "error" in p}
     assert set(errors) == {0, 1, 2, 3} and all("not reading" in e for e in errors.values())
