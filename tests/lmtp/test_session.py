@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from salience.core.engine import Engine
 from salience.core.sessions import SessionStore
@@ -30,6 +32,19 @@ def session_for(engine: Engine, limits: ConnectionLimits) -> LmtpSession:
     return LmtpSession(status, LmtpConfig(limits=limits), SessionStore(status.serving_engine))
 
 
+@contextlib.asynccontextmanager
+async def pumping(session: LmtpSession, send: Callable[[str], Awaitable[None]]) -> AsyncIterator[asyncio.Task]:
+    """The session's pump running, and the session closed after whatever the test found: one
+    left open would hold the process-wide connection gauge that test_metrics reads."""
+    pump = asyncio.create_task(session.pump(send))
+    try:
+        yield pump
+    finally:
+        session.close()
+        pump.cancel()
+        await asyncio.gather(pump, return_exceptions=True)
+
+
 async def test_a_client_that_never_reads_gets_its_streams_ended_and_the_engine_emptied(tiny_engine: Engine) -> None:
     session = session_for(tiny_engine, ConnectionLimits(max_pending=200, send_timeout=600))
     stuck = asyncio.Event()
@@ -39,17 +54,16 @@ async def test_a_client_that_never_reads_gets_its_streams_ended_and_the_engine_e
         frames.append(frame)
         await stuck.wait()
 
-    pump = asyncio.create_task(session.pump(send))
-    for stream_id in range(4):
-        session.receive(generate(stream_id))
-    await asyncio.wait_for(session.closed.wait(), 60)
-    await session.wait_closed()
-    await wait_until(lambda: tiny_engine.num_unfinished_requests() == 0)
-    queued = [payload for kind, payload in session._outbox._queue if kind == "TOKEN"]
-    assert len(queued) <= 200 + 4  # bounded: the limit plus one error per stream
-    errors = {p["stream_id"]: p["error"] for p in queued if "error" in p}
-    assert set(errors) == {0, 1, 2, 3} and all("not reading" in e for e in errors.values())
-    pump.cancel()
+    async with pumping(session, send):
+        for stream_id in range(4):
+            session.receive(generate(stream_id))
+        await asyncio.wait_for(session.closed.wait(), 60)
+        await session.wait_closed()
+        await wait_until(lambda: tiny_engine.num_unfinished_requests() == 0)
+        queued = [payload for kind, payload in session._outbox._queue if kind == "TOKEN"]
+        assert len(queued) <= 200 + 4  # bounded: the limit plus one error per stream
+        errors = {p["stream_id"]: p["error"] for p in queued if "error" in p}
+        assert set(errors) == {0, 1, 2, 3} and all("not reading" in e for e in errors.values())
 
 
 async def test_a_frame_that_cannot_be_sent_in_time_closes_the_session(tiny_engine: Engine) -> None:
@@ -58,12 +72,12 @@ async def test_a_frame_that_cannot_be_sent_in_time_closes_the_session(tiny_engin
     async def send(frame: str) -> None:
         await asyncio.Event().wait()
 
-    pump = asyncio.create_task(session.pump(send))
-    session.receive(generate(1))
-    await asyncio.wait_for(pump, 30)
-    assert session.closed.is_set()
-    await session.wait_closed()
-    await wait_until(lambda: tiny_engine.num_unfinished_requests() == 0)
+    async with pumping(session, send) as pump:
+        session.receive(generate(1))
+        await asyncio.wait_for(asyncio.shield(pump), 30)
+        assert session.closed.is_set()
+        await session.wait_closed()
+        await wait_until(lambda: tiny_engine.num_unfinished_requests() == 0)
 
 
 async def test_status_messages_follow_the_server_lifecycle(tiny_engine: Engine) -> None:
@@ -74,18 +88,18 @@ async def test_status_messages_follow_the_server_lifecycle(tiny_engine: Engine) 
     async def send(frame: str) -> None:
         sent.append(frame)
 
-    pump = asyncio.create_task(session.pump(send))
-    session.receive('STATUS {"stream_id": 9}')
-    session.receive(generate(1, 4))  # while loading: a clear error, not a hang
-    await wait_until(lambda: len(sent) >= 2)
-    status.ready(tiny_engine)
-    await wait_until(lambda: len(sent) >= 3)
-    status.stopping()
-    await wait_until(lambda: len(sent) >= 4)
+    async with pumping(session, send) as pump:
+        session.receive('STATUS {"stream_id": 9}')
+        session.receive(generate(1, 4))  # while loading: a clear error, not a hang
+        await wait_until(lambda: len(sent) >= 2)
+        status.ready(tiny_engine)
+        await wait_until(lambda: len(sent) >= 3)
+        status.stopping()
+        await wait_until(lambda: len(sent) >= 4)
+        session.close()
+        await asyncio.wait_for(asyncio.shield(pump), 5)  # closing ends the pump by itself
     messages = [json.loads(frame.partition(" ")[2]) for frame in sent]
     assert messages[0] == [{"stream_id": 9, "status": "loading", "model": "tiny"}]
     assert "still loading" in messages[1][0]["error"] and messages[1][0]["stream_id"] == 1
     assert messages[2] == [{"stream_id": 9, "status": "ready", "model": "tiny"}]
     assert messages[3] == [{"stream_id": 9, "status": "stopping", "model": "tiny"}]
-    session.close()
-    await pump
