@@ -14,7 +14,8 @@ sampled, in text mode, with readouts when the server has a concept set; SCORE), 
 each moment of a stream's life, and one of each bad input. Valid streams use ignore_eos and a
 fixed max_tokens, so each must end with exactly that many tokens, finish_reason "length" and
 its request_id. A cancelled stream must end "cancelled", or "length" if its end was already on
-its way, with at most CANCEL_SLACK tokens arriving after the CANCEL went out. Each bad input
+its way (then a later CANCEL must be told the stream is not running), within CANCEL_SECONDS
+of the CANCEL going out. Each bad input
 must get its specific error, with a request_id, on the channel the protocol names (a TOKEN error
 for its stream, or a MSG error), and the connection must live on. Beside them --sessions workers
 drive gRPC sessions through the thick client (turns with offset checks, a busy session, a

@@ -25,7 +25,6 @@ class Connection(LmtpClient):
         self._send_lock = asyncio.Lock()
         self.anonymous: asyncio.Queue[Item | None] = asyncio.Queue()
         self.anonymous_lock = asyncio.Lock()  # one bad input awaiting an anonymous error at a time
-        self.late_cancel_errors: set[int] = set()  # a CANCEL raced the stream's end: its error may come
         self.strays: list[Item] = []
         self.closing = False
         self.dropped: str | None = None
@@ -60,11 +59,7 @@ class Connection(LmtpClient):
                 self._stray(item)
 
     def _stray(self, item: Item) -> None:
-        """A payload for no running stream: kept, unless it is the error a CANCEL that raced its
-        stream's end may earn."""
-        stream_id, error = item[1].get("stream_id"), str(item[1].get("error"))
-        if not (stream_id in self.late_cancel_errors and "not running" in error):
-            self.strays.append(item)
+        self.strays.append(item)
 
     async def send(self, *lines: str) -> None:
         """The lines in one frame. A connection that has gone shows in `dropped` and in every
@@ -108,6 +103,7 @@ class Received:
     arrivals: list[float] = field(default_factory=list)  # of each token payload, loop time
     errors: list[tuple[str, str]] = field(default_factory=list)  # (frame type, message)
     finish: str | None = None
+    finished_at: float | None = None  # arrival of the terminal payload, loop time
     request_id: str | None = None  # the terminal payload's
     unnamed_errors: int = 0  # error payloads without the request_id every error must carry
     ended: str = "finished"  # finished | error | timeout | dropped
@@ -165,4 +161,5 @@ async def receive(
                 await on_token(len(got.tokens))
         if payload.get("finish_reason") is not None:
             got.finish, got.request_id = payload["finish_reason"], payload.get("request_id")
+            got.finished_at = at
             return got

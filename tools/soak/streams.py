@@ -118,9 +118,12 @@ CANCEL_MOMENTS = ("same-frame", "next-frame", "mid-stream", "after-end")
 # ---- CANCEL at every moment ---------------------------------------------------------------------
 
 
-# Tokens that may still arrive after a CANCEL went out: those the server sent before it read
-# the CANCEL (a step or two of every stream). More, and the CANCEL was not acted on.
-CANCEL_SLACK = 8
+# How long a CANCEL may take to end its stream, counted from when it went out to when the end
+# arrived. Not a count of tokens: tokens the server sent before it read the CANCEL reach this
+# busy process late, a dozen of them when it falls behind the tiny model, so token arrivals
+# cannot tell a slow reader from a server that ignored the CANCEL. The server's answer does:
+# "cancelled", or "not running" when the stream's end was already on its way.
+CANCEL_SECONDS = 5.0
 
 
 async def cancel_job(soak: Soak, conn: Connection, rng: random.Random, moment: str) -> None:
@@ -153,39 +156,38 @@ async def cancel_job(soak: Soak, conn: Connection, rng: random.Random, moment: s
             why = check_generated(got, max_tokens) or await cancel_after_end(soak, conn, queue, cancel)
         elif why is None:
             why = check_cancelled(got, max_tokens, sent_at[0] if sent_at else None)
-            if why is not None and got.finish == "length" and len(got.tokens) == max_tokens:
-                # Tokens the server sent before it read the CANCEL can reach this side after the
-                # CANCEL went out, when this busy process reads late. The server's answer settles
-                # it: a CANCEL that came after the end is told the stream is not running.
-                late = await receive(queue, soak.timeout)
-                if late.ended == "error" and "is not running" in late.errors[-1][1]:
-                    why = None
-            elif got.finish != "cancelled":  # the CANCEL met an ended stream: its error may still come
-                conn.late_cancel_errors.add(stream_id)
+            if why is None and got.finish == "length":  # the end was on its way: the server says so
+                why = await told_not_running(soak, queue, "CANCEL that met the stream's end")
     finally:
         conn.unroute(stream_id)
     settle(soak, kind, got, why)
 
 
 def check_cancelled(got: Received, max_tokens: int, sent_at: float | None) -> str | None:
-    """Ended "cancelled" within CANCEL_SLACK tokens of the CANCEL, or, when the end was already
-    on its way, "length" with max_tokens; never run on past the CANCEL."""
+    """Ended "cancelled" within CANCEL_SECONDS of the CANCEL, or, when the end was already on
+    its way, "length" with max_tokens (the caller then wants the server's "not running")."""
     if sent_at is None:
         return f"no CANCEL was sent: the stream ended {got.finish!r} after {len(got.tokens)} tokens"
     after = sum(1 for arrived in got.arrivals if arrived > sent_at)
-    ended_in_time = got.finish == "cancelled" or (got.finish == "length" and len(got.tokens) == max_tokens)
-    if ended_in_time and after <= CANCEL_SLACK:
+    took = (got.finished_at or sent_at) - sent_at
+    ended = got.finish == "cancelled" or (got.finish == "length" and len(got.tokens) == max_tokens)
+    if ended and took <= CANCEL_SECONDS:
         return None
     return (
-        f"the stream ended {got.finish!r} after {len(got.tokens)} of {max_tokens} tokens, "
-        f"{after} of them arriving after the CANCEL went out"
+        f"the stream ended {got.finish!r} {took:.1f} s after the CANCEL went out, "
+        f"after {len(got.tokens)} of {max_tokens} tokens ({after} arriving after the CANCEL)"
     )
 
 
 async def cancel_after_end(soak: Soak, conn: Connection, queue: asyncio.Queue, cancel: str) -> str | None:
     """A CANCEL for a stream that has ended: the error that it is not running, and nothing else."""
     await conn.send(cancel)
+    return await told_not_running(soak, queue, "CANCEL after the end")
+
+
+async def told_not_running(soak: Soak, queue: asyncio.Queue, what: str) -> str | None:
+    """The answer to a CANCEL that came too late to act on: "stream N is not running"."""
     late = await receive(queue, soak.timeout)
     if late.ended == "error" and "is not running" in late.errors[-1][1]:
         return None
-    return f"CANCEL after the end: {late.trouble(soak.timeout) or f'a payload ending {late.finish!r}'}"
+    return f"{what}: {late.trouble(soak.timeout) or f'a payload ending {late.finish!r}'}"
