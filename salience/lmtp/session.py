@@ -1,4 +1,4 @@
-"""One LMTP connection: its running streams and replies (payloads.py, replies.py, outbox.py).
+"""One LMTP connection: its running streams and replies (streams.py, replies.py, outbox.py).
 
 Theory of operation. A transport adapter (WebSocket or TCP) feeds each
 received line to `receive` and runs `pump` to send frames. Every GENERATE or
@@ -14,9 +14,13 @@ Closing the session (client gone, server stopping) cancels every stream,
 which aborts its engine request at once.
 
 A CANCEL can come at any moment of a stream's life, even in the frame that
-started it, before its task has run: it is remembered (`_cancels`), cancels
-the stream's work if it exists, and otherwise cancels it as it is attached,
-before anything has reached the engine.
+started it, before its task has run: it is remembered on the stream, cancels
+the stream's work if it exists, and otherwise cancels it as it is attached
+(streams.py), before anything has reached the engine.
+
+A stream's id is taken from its request until its terminal payload (or error)
+goes out; from then on a CANCEL for it gets "not running" and a new request may
+reuse the id, even while the old task winds down.
 
 Each stream has a request id: the message's `request_id`, else `<prefix>-<stream_id>`
 when the connection brought an `x-request-id` prefix, else a new uuid4 hex. It is set
@@ -27,8 +31,8 @@ terminal payload and on every error payload.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -36,14 +40,10 @@ from dataclasses import dataclass, field
 import orjson
 
 from salience import metrics, request_ids
-from salience.core.engine import Engine
-from salience.core.generation import Generation
 from salience.core.sessions import SessionStore
 from salience.core.status import Admitted, Phase, ServerStatus
-from salience.core.text import TextStream
-from salience.core.turns import TurnRun
 from salience.errors import InvalidArgument, SalienceError
-from salience.lmtp import payloads, replies
+from salience.lmtp import replies, streams
 from salience.lmtp.codec import MAX_FRAME_BYTES, MAX_MESSAGE_BYTES, LmtpError, parse_client_line
 from salience.lmtp.messages import (
     Cancel,
@@ -62,6 +62,7 @@ from salience.lmtp.messages import (
     Tokenize,
 )
 from salience.lmtp.outbox import Outbox
+from salience.lmtp.streams import Stream
 from salience.logs import REQUEST_ID
 
 __all__ = ["ConnectionLimits", "LmtpConfig", "LmtpSession"]
@@ -113,8 +114,6 @@ class LmtpSession:
         self._limits = config.limits
         self._frontend = frontend
         self._request_id_prefix = request_id_prefix  # the connection's x-request-id header
-        self._request_ids: dict[int, str] = {}  # running streams
-        self._finished: dict[int, str] = {}  # finish reasons sent, until the stream's task ends
         self._drop_cause: str | None = None
         self._ended = False
         self._readout_positions = metrics.READOUT_POSITIONS.labels(frontend)
@@ -123,9 +122,8 @@ class LmtpSession:
         self._tasks: set[asyncio.Task] = set()
         self._watcher: asyncio.Task | None = None
         self._outbox = Outbox(config.limits.max_pending, config.limits.send_timeout)
-        self._streams: dict[int, asyncio.Task] = {}
-        self._generations: dict[int, Generation | TurnRun] = {}
-        self._cancels: set[int] = set()  # running streams a CANCEL named (see _attach)
+        self._streams: dict[int, Stream] = {}  # by id: those whose terminal payload has yet to go out
+        self._live: set[Stream] = set()  # every stream whose task has yet to end
         self.closed = asyncio.Event()
 
     # ---- input -------------------------------------------------------------------
@@ -154,15 +152,14 @@ class LmtpSession:
             case Generate() | Score() | SessionGenerate():
                 self._start(message)
             case Cancel(stream_id=stream_id):
-                # A stream whose terminal payload went out is not running, even if its task has
-                # yet to end: every CANCEL either ends its stream "cancelled" or gets this error.
-                if stream_id not in self._streams or stream_id in self._finished:
+                # Every CANCEL either ends its stream "cancelled" or gets this error.
+                stream = self._streams.get(stream_id)
+                if stream is None:
                     self._error(stream_id, f"CANCEL: stream {stream_id} is not running")
-                elif stream_id not in self._cancels:
-                    self._cancels.add(stream_id)
-                    work = self._generations.get(stream_id)
-                    if work is not None:
-                        self._spawn(work.cancel(), self._request_ids.get(stream_id))
+                elif not stream.cancelled:
+                    stream.cancelled = True
+                    if stream.work is not None:
+                        self._spawn(stream.work.cancel(), stream.request_id)
             case ModelInfo(stream_id=stream_id):
                 self._msg({"stream_id": stream_id, "model_info": replies.model_info(self._status)})
             case Status(stream_id=stream_id):
@@ -201,138 +198,52 @@ class LmtpSession:
         except SalienceError as exc:
             self._error(stream_id, str(exc), kind=type(exc).__name__, request_id=request_id)
             return
-        handlers = {Generate: self._generate, Score: self._score, SessionGenerate: self._session_generate}
-        run = handlers[type(request)]
-        self._request_ids[stream_id] = request_id
-        task = asyncio.create_task(self._guard(stream_id, request_id, admitted, run(admitted.engine, request)))
-        self._streams[stream_id] = task
-        task.add_done_callback(lambda _: self._forget(stream_id, admitted))
+        stream = Stream(stream_id, request_id)
+        emit, engine = functools.partial(self._token, stream), admitted.engine
+        match request:
+            case Generate():
+                work = streams.generate(stream, engine, request, emit)
+            case Score():
+                work = streams.score(stream, engine, request, emit)
+            case SessionGenerate():
+                work = streams.session_generate(stream, engine, request, emit, self._sessions)
+        stream.task = asyncio.create_task(self._guard(stream, admitted, work))
+        self._streams[stream_id] = stream
+        self._live.add(stream)
+        stream.task.add_done_callback(lambda _: self._forget(stream, admitted))
 
-    def _forget(self, stream_id: int, admitted: Admitted) -> None:
+    def _forget(self, stream: Stream, admitted: Admitted) -> None:
         # A task cancelled before it ever ran (the client left at once) never enters _guard's
         # finally: end its admission here, or drain and the active gauge wait for it forever.
         admitted.end("cancelled")
-        self._streams.pop(stream_id, None)
-        self._cancels.discard(stream_id)
+        self._release(stream)
+        self._live.discard(stream)
 
-    async def _attach(self, stream_id: int, work: Generation | TurnRun) -> None:
-        """Let CANCEL reach `work`. A CANCEL that came before the work existed (in the same frame
-        as its request, or while a session turn was set up) cancels it now, before it reaches
-        the engine: iterating it then ends at once with finish_reason CANCELLED."""
-        self._generations[stream_id] = work
-        if stream_id in self._cancels:
-            await work.cancel()
+    def _release(self, stream: Stream) -> None:
+        """Free the stream's id, unless a new stream has taken it already."""
+        if self._streams.get(stream.id) is stream:
+            del self._streams[stream.id]
 
-    async def _guard(self, stream_id: int, request_id: str, admitted: Admitted, work: Awaitable[None]) -> None:
-        REQUEST_ID.set(request_id)  # this task's context: every line it logs names the request
-        log.debug("stream started", extra={"stream_id": stream_id, "kind": admitted.kind})
+    async def _guard(self, stream: Stream, admitted: Admitted, work: Awaitable[None]) -> None:
+        REQUEST_ID.set(stream.request_id)  # this task's context: every line it logs names the request
+        log.debug("stream started", extra={"stream_id": stream.id, "kind": admitted.kind})
         reason = "cancelled"
         try:
             await work
-            reason = self._finished.get(stream_id, "cancelled")
+            reason = stream.finish or "cancelled"
         except SalienceError as exc:
             reason = "error"
-            self._error(stream_id, str(exc), kind=type(exc).__name__)
+            self._end_with_error(stream, str(exc), kind=type(exc).__name__)
         except asyncio.CancelledError:
             raise
         except Exception:
             reason = "error"
-            log.exception("stream failed", extra={"stream_id": stream_id})
-            self._error(stream_id, "internal server error", kind="InternalError")
+            log.exception("stream failed", extra={"stream_id": stream.id})
+            self._end_with_error(stream, "internal server error", kind="InternalError")
         finally:
+            stream.work = None
             admitted.end(reason)
-            self._request_ids.pop(stream_id, None)
-            self._finished.pop(stream_id, None)
-            log.debug("stream ended", extra={"stream_id": stream_id, "finish_reason": reason})
-
-    async def _generate(self, engine: Engine, request: Generate) -> None:
-        stream_id = request.stream_id
-        generation = engine.generate(
-            request.prompt,
-            payloads.sampling_options(request),
-            request_id=self._request_ids[stream_id],
-            readout_ranges=request.readout,
-            steer=request.steer,
-        )
-        await self._attach(stream_id, generation)
-        text = TextStream(engine.tokenizer, request.prompt) if request.text else None
-        ended = False
-        try:
-            async with generation:
-                async for event in generation:
-                    if event.position == len(request.prompt):  # first event: prompt readouts are in
-                        self._tokens(payloads.prompt_payloads(stream_id, request.prompt, generation.prompt_readouts))
-                    ended = event.finish_reason is not None
-                    finish = event.finish_reason and event.finish_reason.value
-                    self._token(
-                        payloads.token_payload(
-                            stream_id, event, finish, top=True, text=text, readout=bool(request.readout)
-                        )
-                    )
-        finally:
-            self._generations.pop(stream_id, None)
-        if not ended:  # cancelled after its last token went out: end the stream explicitly
-            reason = generation.finish_reason.value if generation.finish_reason else "cancelled"
-            self._token({"stream_id": stream_id, "finish_reason": reason})
-
-    async def _score(self, engine: Engine, request: Score) -> None:
-        prompt, continuation = engine.checks.scoring(request.prompt, request.scored)
-        # `generated` positions are the scored ones, as if the model had generated them.
-        steer = engine.resolve_steer(request.steer, len(prompt)).interventions
-        scored = []
-        # A SCORE is one short pass, not aborted once running: cancelled before it, it is never
-        # submitted; cancelled during it, its results are dropped. Either way it ends "cancelled".
-        cancelled = {"stream_id": request.stream_id, "finish_reason": "cancelled"}
-        if request.stream_id in self._cancels:
-            self._token(cancelled)
-            return
-        if continuation or request.readout:  # one pass: the prompt's readouts and the continuation's scores
-            ids = prompt + continuation
-            scores = await engine.prefill(
-                ids,
-                top_logprobs=request.top_logprobs,
-                readout_ranges=request.readout,
-                request_id=self._request_ids[request.stream_id],
-                steer=steer,
-            )
-            if request.stream_id in self._cancels:
-                self._token(cancelled)
-                return
-            readouts = {p: r for p, r in scores.readouts.items() if p < len(prompt)}
-            self._tokens(payloads.prompt_payloads(request.stream_id, request.prompt, readouts))
-            scored = [scores.at(p) for p in range(len(prompt), len(ids))]
-        text = TextStream(engine.tokenizer, request.prompt) if request.text else None
-        scored_payloads = [
-            payloads.token_payload(
-                request.stream_id,
-                token,
-                "length" if i == len(scored) - 1 else None,
-                top=request.top_logprobs > 0,
-                text=text,
-                readout=bool(request.readout),
-            )
-            for i, token in enumerate(scored)
-        ]
-        if not scored_payloads:
-            scored_payloads.append({"stream_id": request.stream_id, "finish_reason": "length"})
-        self._tokens(scored_payloads)
-
-    async def _session_generate(self, engine: Engine, request: SessionGenerate) -> None:
-        turn = payloads.turn(request, self._request_ids[request.stream_id])
-        run = await self._sessions.start(request.session_id, turn, engine)
-        stream_id = request.stream_id
-        await self._attach(stream_id, run)
-        text = None
-        try:
-            async with contextlib.aclosing(aiter(run)) as tokens:
-                async for token in tokens:
-                    if request.text and text is None and not token.is_prefill:
-                        text = TextStream(engine.tokenizer, self._sessions.tokens(request.session_id)[: token.position])
-                    self._token(payloads.session_payload(stream_id, token, text))
-        finally:
-            self._generations.pop(stream_id, None)
-        assert run.done is not None
-        self._token(payloads.turn_end_payload(stream_id, run.done, text))
+            log.debug("stream ended", extra={"stream_id": stream.id, "finish_reason": reason})
 
     # ---- replies ---------------------------------------------------------------------
 
@@ -364,27 +275,29 @@ class LmtpSession:
 
     # ---- output ------------------------------------------------------------------------
 
-    def _token(self, payload: dict) -> None:
-        stream_id = payload["stream_id"]
-        if payload.get("finish_reason") is not None:  # the stream's terminal payload
-            self._finished[stream_id] = payload["finish_reason"]
-            payload["request_id"] = self._request_ids.get(stream_id)
+    def _token(self, stream: Stream, payload: dict) -> None:
+        if payload.get("finish_reason") is not None:  # the stream's terminal payload: its id is free
+            stream.finish = payload["finish_reason"]
+            payload["request_id"] = stream.request_id
+            self._release(stream)
         if "readout" in payload and not self.closed.is_set():
             self._readout_positions.inc()
             self._readout_bytes.inc(len(orjson.dumps(payload["readout"])))
         self._put("TOKEN", payload)
 
-    def _tokens(self, payloads: list[dict]) -> None:
-        for payload in payloads:
-            self._token(payload)
+    def _end_with_error(self, stream: Stream, message: str, *, kind: str) -> None:
+        self._release(stream)
+        self._error(stream.id, message, kind=kind, request_id=stream.request_id)
 
     def _error(self, stream_id: int, message: str, *, kind: str = "LmtpError", request_id: str | None = None) -> None:
         """End a stream with an error (`kind`: the SalienceError class, or what else went wrong)."""
         self._put("TOKEN", self._failed(stream_id, message, kind, request_id), force=True)
 
     def _failed(self, stream_id: int | None, message: str, kind: str, request_id: str | None = None) -> dict:
-        """An error payload naming its request; counted and logged."""
-        request_id = request_id or self._request_ids.get(stream_id) or self._new_request_id(stream_id)
+        """An error payload naming its request (the running stream's, if the id names one);
+        counted and logged."""
+        running = self._streams.get(stream_id) if stream_id is not None else None
+        request_id = request_id or (running and running.request_id) or self._new_request_id(stream_id)
         metrics.ERRORS.labels(self._frontend, kind).inc()
         extra = {"request_id": request_id, "stream_id": stream_id, "kind": kind, "error": message}
         log.info("request failed", extra=extra)
@@ -410,9 +323,10 @@ class LmtpSession:
         message = f"client is not reading: more than {self._limits.max_pending} messages are waiting; closing"
         log.warning("slow client", extra={"pending": len(self._outbox)})
         self.dropping(SLOW_CLIENT)
-        for stream_id, task in list(self._streams.items()):
-            task.cancel()
-            self._error(stream_id, message, kind="SlowClient")
+        for stream in list(self._streams.values()):
+            self._end_with_error(stream, message, kind="SlowClient")
+        for stream in self._live:
+            stream.task.cancel()
         self._outbox.close()  # the errors still go out
         self.closed.set()
 
@@ -438,8 +352,8 @@ class LmtpSession:
             if cause is not None:
                 metrics.CONNECTIONS_DROPPED.labels(self._frontend, cause).inc()
                 log.info("connection dropped", extra={"cause": cause, "streams": len(self._streams)})
-        for task in list(self._streams.values()):
-            task.cancel()
+        for stream in self._live:
+            stream.task.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
         self._outbox.close()
@@ -452,6 +366,6 @@ class LmtpSession:
 
     async def wait_closed(self) -> None:
         """Until every stream task has finished (their engine requests are aborted)."""
-        tasks = list(self._streams.values())
+        tasks = [stream.task for stream in self._live]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)

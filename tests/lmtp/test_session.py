@@ -103,3 +103,35 @@ async def test_status_messages_follow_the_server_lifecycle(tiny_engine: Engine) 
     assert "still loading" in messages[1][0]["error"] and messages[1][0]["stream_id"] == 1
     assert messages[2] == [{"stream_id": 9, "status": "ready", "model": "tiny"}]
     assert messages[3] == [{"stream_id": 9, "status": "stopping", "model": "tiny"}]
+
+
+async def test_a_stream_id_is_free_again_once_its_terminal_payload_is_out(tiny_engine: Engine) -> None:
+    """A client may reuse an id as soon as it reads the stream's end, even while the old
+    stream's task winds down; a CANCEL then reaches the new stream, not the old one's leftovers.
+    The reuse here comes the moment the terminal payload is queued, from inside the old task:
+    no client can be faster."""
+    session = session_for(tiny_engine, ConnectionLimits())
+    payloads: list[dict] = []
+    put = session._put
+
+    def put_then_reuse(kind: str, payload: dict, force: bool = False) -> None:
+        put(kind, payload, force)
+        if payload.get("finish_reason") and len(payloads) == 0:
+            payloads.append(payload)
+            assert any(not stream.task.done() for stream in session._live)  # the old task runs on
+            session.receive(generate(1))
+            session.receive('CANCEL {"stream_id": 1}')
+        elif payload.get("finish_reason") or "error" in payload:
+            payloads.append(payload)
+
+    session._put = put_then_reuse
+
+    async def send(frame: str) -> None:
+        pass
+
+    async with pumping(session, send):
+        session.receive(generate(1, 4))
+        await wait_until(lambda: len(payloads) >= 2)
+        await session.wait_closed()
+    assert [p.get("finish_reason") for p in payloads] == ["length", "cancelled"], payloads
+    assert payloads[0]["request_id"] != payloads[1]["request_id"]

@@ -174,7 +174,7 @@ async def scrape(server: Server, token: str | None) -> dict[str, float] | None:
     return dict(sums)
 
 
-async def leftovers(server: Server, token: str | None, wait: float = 15.0) -> dict[str, float] | None:
+async def leftovers(server: Server, token: str | None, wait: float = 30.0) -> dict[str, float] | None:
     """The IDLE_METRICS that are not zero, after waiting up to `wait` s for them to settle."""
     deadline = time.monotonic() + wait
     while True:
