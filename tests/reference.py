@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -89,3 +90,42 @@ def assert_readout_close(readout, reference_row: torch.Tensor) -> None:
     got = torch.tensor(readout, dtype=torch.float64)
     error = float((got - reference_row).abs().max() / reference_row.abs().max())
     assert error < 1e-4, error
+
+
+def assert_readouts_close(readouts: Mapping[int, Sequence[float]], want: torch.Tensor) -> None:
+    """assert_readout_close at every position of `readouts`."""
+    for position, readout in readouts.items():
+        assert_readout_close(readout, want[position])
+
+
+async def check_concurrent_ranges(engine, reference, concepts, prompts: Sequence[list[int]]) -> list[list[int]]:
+    """Eight requests in flight at once, each with ranges of its own over its prompt and its
+    decode: each gets exactly its positions, equal to the reference. Returns each one's ids."""
+    from salience.core.types import SamplingOptions
+
+    async def run(i: int):
+        ranges = [(i, i + 5 + i), (len(prompts[i]) + 1, len(prompts[i]) + 3)]
+        options = SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True)
+        generation = engine.generate(prompts[i], options, readout_ranges=ranges)
+        return generation, [e async for e in generation]
+
+    every_ids = []
+    for i, (generation, events) in enumerate(await asyncio.gather(*(run(i) for i in range(8)))):
+        ids = prompts[i] + [e.token_id for e in events]
+        want = reference_readouts(reference, concepts, ids)
+        assert sorted(generation.prompt_readouts) == list(range(i, i + 5 + i))
+        assert_readouts_close(generation.prompt_readouts, want)
+        decoded = {e.position: e.readout for e in events if e.readout is not None}
+        assert sorted(decoded) == [len(prompts[i]) + 1, len(prompts[i]) + 2]
+        assert_readouts_close(decoded, want)
+        every_ids.append(ids)
+    return every_ids
+
+
+async def check_score_readouts(engine, reference, concepts, ids: list[int]) -> None:
+    """A SCORE of ids[10:] after ids[:10] reads out every position like the reference."""
+    scored = await engine.score(ids[:10], ids[10:], readout_ranges=[(0, len(ids))])
+    want = reference_readouts(reference, concepts, ids)
+    assert [token.position for token in scored] == list(range(10, len(ids)))
+    for token in scored:
+        assert_readout_close(token.readout, want[token.position])

@@ -18,7 +18,15 @@ from salience.core.concepts import ConceptSet
 from salience.core.engine import Engine
 from salience.core.types import SamplingOptions
 from tests.conftest import TINY_LAYERS, start_engine
-from tests.reference import Reference, assert_logprobs_match, assert_readout_close, reference_readouts
+from tests.reference import (
+    Reference,
+    assert_logprobs_match,
+    assert_readout_close,
+    assert_readouts_close,
+    check_concurrent_ranges,
+    check_score_readouts,
+    reference_readouts,
+)
 from tests.test_steering import check_against_reference, steer
 
 PROMPTS = [[0, *range(60 + 11 * i, 90 + 11 * i)] for i in range(8)]
@@ -60,8 +68,7 @@ async def test_prompt_decode_and_logprobs_match_reference(
     want = reference_readouts(tiny_reference, tiny_concepts, ids)
     readouts = all_readouts(generation, events)
     assert sorted(readouts) == list(range(len(ids)))
-    for position, readout in readouts.items():
-        assert_readout_close(readout, want[position])
+    assert_readouts_close(readouts, want)
 
 
 async def test_prefix_cache_hit_still_gives_every_position(
@@ -91,32 +98,13 @@ async def test_concurrent_requests_with_different_ranges(
     """Eight requests in flight at once: under pipelining the stages run different steps at the
     same moment, so fetches see one stage's rows before the other's."""
 
-    async def run(i: int):
-        ranges = [(i, i + 5 + i), (len(PROMPTS[i]) + 1, len(PROMPTS[i]) + 3)]
-        generation = engine.generate(
-            PROMPTS[i], SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True), readout_ranges=ranges
-        )
-        return generation, [e async for e in generation]
-
-    for i, (generation, events) in enumerate(await asyncio.gather(*(run(i) for i in range(8)))):
-        ids = PROMPTS[i] + [e.token_id for e in events]
-        assert ids[len(PROMPTS[i]) :] == tiny_reference.greedy(PROMPTS[i], 8)
-        want = reference_readouts(tiny_reference, tiny_concepts, ids)
-        assert sorted(generation.prompt_readouts) == list(range(i, i + 5 + i))
-        for position, readout in generation.prompt_readouts.items():
-            assert_readout_close(readout, want[position])
-        decoded = {e.position: e.readout for e in events if e.readout is not None}
-        assert sorted(decoded) == [len(PROMPTS[i]) + 1, len(PROMPTS[i]) + 2]
-        for position, readout in decoded.items():
-            assert_readout_close(readout, want[position])
+    every_ids = await check_concurrent_ranges(engine, tiny_reference, tiny_concepts, PROMPTS)
+    for prompt, ids in zip(PROMPTS, every_ids, strict=True):
+        assert ids[len(prompt) :] == tiny_reference.greedy(prompt, 8)
 
 
 async def test_score_readouts(engine: Engine, tiny_reference: Reference, tiny_concepts: ConceptSet) -> None:
-    ids = PROMPTS[2]
-    scored = await engine.score(ids[:10], ids[10:], readout_ranges=[(0, len(ids))])
-    want = reference_readouts(tiny_reference, tiny_concepts, ids)
-    for token in scored:
-        assert_readout_close(token.readout, want[token.position])
+    await check_score_readouts(engine, tiny_reference, tiny_concepts, PROMPTS[2])
 
 
 async def test_steering_on_both_stages(engine: Engine, tiny_reference: Reference, tiny_concepts: ConceptSet) -> None:

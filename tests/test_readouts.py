@@ -14,7 +14,14 @@ from salience.core.engine import Engine
 from salience.core.types import SamplingOptions
 from salience.errors import InvalidArgument, ModelError
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
-from tests.reference import Reference, assert_readout_close, reference_readouts
+from tests.reference import (
+    Reference,
+    assert_readout_close,
+    assert_readouts_close,
+    check_concurrent_ranges,
+    check_score_readouts,
+    reference_readouts,
+)
 
 PROMPTS = [[0, *range(60 + 11 * i, 90 + 11 * i)] for i in range(8)]
 
@@ -106,33 +113,13 @@ async def test_only_requested_positions_and_none_without_ranges(engine: Engine) 
 
 
 async def test_score_readouts(engine: Engine, reference: Reference, concepts: ConceptSet) -> None:
-    ids = PROMPTS[2]
-    scored = await engine.score(ids[:10], ids[10:], readout_ranges=[(0, len(ids))])
-    want = reference_readouts(reference, concepts, ids)
-    for token in scored:
-        assert_readout_close(token.readout, want[token.position])
+    await check_score_readouts(engine, reference, concepts, PROMPTS[2])
 
 
 async def test_eight_concurrent_requests_see_only_their_own(
     engine: Engine, reference: Reference, concepts: ConceptSet
 ) -> None:
-    async def run(i: int):
-        ranges = [(i, i + 5 + i), (len(PROMPTS[i]) + 1, len(PROMPTS[i]) + 3)]  # different per request
-        generation = engine.generate(
-            PROMPTS[i], SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True), readout_ranges=ranges
-        )
-        return generation, [e async for e in generation]
-
-    for i, (generation, events) in enumerate(await asyncio.gather(*(run(i) for i in range(8)))):
-        ids = PROMPTS[i] + [e.token_id for e in events]
-        want = reference_readouts(reference, concepts, ids)
-        assert sorted(generation.prompt_readouts) == list(range(i, i + 5 + i))
-        for position, readout in generation.prompt_readouts.items():
-            assert_readout_close(readout, want[position])
-        decoded = {e.position: e.readout for e in events if e.readout is not None}
-        assert sorted(decoded) == [len(PROMPTS[i]) + 1, len(PROMPTS[i]) + 2]
-        for position, readout in decoded.items():
-            assert_readout_close(readout, want[position])
+    await check_concurrent_ranges(engine, reference, concepts, PROMPTS)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 4, 5])
@@ -340,7 +327,6 @@ async def test_tensor_parallel_two_ranks(
         want = reference_readouts(reference, concepts, ids)
         readouts = {**generation.prompt_readouts, **{e.position: e.readout for e in events if e.readout is not None}}
         assert sorted(readouts) == list(range(len(ids)))
-        for position, readout in readouts.items():
-            assert_readout_close(readout, want[position])
+        assert_readouts_close(readouts, want)
     finally:
         parallel.shutdown()

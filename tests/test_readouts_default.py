@@ -15,7 +15,7 @@ from salience.core.concepts import ConceptSet
 from salience.core.engine import Engine
 from salience.core.types import SamplingOptions
 from tests.conftest import start_engine
-from tests.reference import Reference, assert_readout_close, reference_readouts
+from tests.reference import Reference, assert_readouts_close, reference_readouts
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +60,7 @@ def reference(default_model: Path) -> Reference:
 
 def assert_matches(readouts: dict, ids: list[int], reference: Reference, concepts: ConceptSet) -> None:
     want = reference_readouts(reference, concepts, ids)
-    for position, readout in readouts.items():
-        assert_readout_close(readout, want[position])
+    assert_readouts_close(readouts, want)
 
 
 async def test_eight_concurrent_requests_and_a_prefix_cache_hit(

@@ -17,7 +17,13 @@ from salience.core.steering import MAX_INTERVENTIONS, Intervention, Op
 from salience.core.types import SamplingOptions
 from salience.errors import InvalidArgument
 from tests.conftest import TINY_LAYERS, start_engine
-from tests.reference import Reference, assert_logprobs_match, assert_readout_close, reference_readouts
+from tests.reference import (
+    Reference,
+    assert_logprobs_match,
+    assert_readout_close,
+    assert_readouts_close,
+    reference_readouts,
+)
 from tests.steer_reference import steered
 
 PROMPTS = [[0, *range(60 + 11 * i, 90 + 11 * i)] for i in range(8)]
@@ -75,8 +81,7 @@ def check_against_reference(
         assert scores.at(position).logprob == pytest.approx(float(logprobs[position - 1][prompt[position]]), abs=1e-4)
     readouts = {**generation.prompt_readouts, **{e.position: e.readout for e in events}}
     assert sorted(readouts) == list(range(len(ids)))
-    for position, readout in readouts.items():
-        assert_readout_close(readout, want[position])
+    assert_readouts_close(readouts, want)
     return ids
 
 

@@ -14,7 +14,12 @@ from salience.core.concepts import ConceptSet
 from salience.core.engine import Engine
 from salience.core.types import SamplingOptions
 from tests.conftest import start_engine
-from tests.reference import Reference, assert_logprobs_match, assert_readout_close, reference_readouts
+from tests.reference import (
+    Reference,
+    assert_logprobs_match,
+    assert_readouts_close,
+    reference_readouts,
+)
 from tests.steer_reference import steered
 from tests.test_steering import steer
 
@@ -71,8 +76,7 @@ async def test_matches_reference(engine: Engine, reference: Reference, concepts:
         assert_logprobs_match(events, reference.logprobs(ids).float())
         want = reference_readouts(reference, concepts, ids)
     assert sorted(readouts) == list(range(len(ids)))
-    for position, readout in readouts.items():
-        assert_readout_close(readout, want[position])
+    assert_readouts_close(readouts, want)
 
 
 def french(concepts: ConceptSet, readout, layer: int) -> float:
