@@ -14,14 +14,14 @@ sampled, in text mode, with readouts when the server has a concept set; SCORE), 
 each moment of a stream's life, and one of each bad input. Valid streams use ignore_eos and a
 fixed max_tokens, so each must end with exactly that many tokens, finish_reason "length" and
 its request_id. A cancelled stream must end "cancelled", or "length" if its end was already on
-its way (then a later CANCEL must be told the stream is not running), within CANCEL_SECONDS
-of the CANCEL going out. Each bad input
-must get its specific error, with a request_id, on the channel the protocol names (a TOKEN error
-for its stream, or a MSG error), and the connection must live on. Beside them --sessions workers
-drive gRPC sessions through the thick client (turns with offset checks, a busy session, a
-cancelled turn, Fork, Dump, Close, and their error codes), and one worker opens connections of
-its own: it drops them while their streams run, or sends a frame past the frame limit (the
-server must close with 1009).
+its way (then the server must tell that CANCEL the stream is not running), within
+CANCEL_SECONDS of the CANCEL going out. Each bad input must get its specific error, with a
+request_id, on the channel the protocol names (a TOKEN error for its stream, or a MSG error),
+and the connection must live on. Beside them --sessions workers drive gRPC sessions through
+the thick client (turns with offset checks, a busy session, a cancelled turn, Fork, Dump,
+Close, and their error codes), and one worker opens connections of its own: it drops them
+while their streams run, or sends a frame past the frame limit (the server must close with
+1009).
 
 A stream with no terminal payload within --stream-timeout, a wrong count, an error on a valid
 stream, or a connection the server closed counts as LOST; a bad input answered by another error,
