@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from salience.core.types import SamplingOptions
+
 
 def assert_logprobs_match(events, logprobs: torch.Tensor, tolerance: float = 1e-4) -> None:
     """Each event's logprob and top-k alternatives equal the reference row that predicted it."""
@@ -101,7 +103,6 @@ def assert_readouts_close(readouts: Mapping[int, Sequence[float]], want: torch.T
 async def check_concurrent_ranges(engine, reference, concepts, prompts: Sequence[list[int]]) -> list[list[int]]:
     """Eight requests in flight at once, each with ranges of its own over its prompt and its
     decode: each gets exactly its positions, equal to the reference. Returns each one's ids."""
-    from salience.core.types import SamplingOptions
 
     async def run(i: int):
         ranges = [(i, i + 5 + i), (len(prompts[i]) + 1, len(prompts[i]) + 3)]

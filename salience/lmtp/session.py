@@ -241,7 +241,6 @@ class LmtpSession:
             log.exception("stream failed", extra={"stream_id": stream.id})
             self._end_with_error(stream, "internal server error", kind="InternalError")
         finally:
-            stream.work = None
             admitted.end(reason)
             log.debug("stream ended", extra={"stream_id": stream.id, "finish_reason": reason})
 
@@ -296,7 +295,7 @@ class LmtpSession:
     def _failed(self, stream_id: int | None, message: str, kind: str, request_id: str | None = None) -> dict:
         """An error payload naming its request (the running stream's, if the id names one);
         counted and logged."""
-        running = self._streams.get(stream_id) if stream_id is not None else None
+        running = self._streams.get(stream_id)
         request_id = request_id or (running and running.request_id) or self._new_request_id(stream_id)
         metrics.ERRORS.labels(self._frontend, kind).inc()
         extra = {"request_id": request_id, "stream_id": stream_id, "kind": kind, "error": message}

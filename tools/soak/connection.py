@@ -56,10 +56,7 @@ class Connection(LmtpClient):
         while queue is not None and not queue.empty():
             item = queue.get_nowait()
             if item is not None:
-                self._stray(item)
-
-    def _stray(self, item: Item) -> None:
-        self.strays.append(item)
+                self.strays.append(item)
 
     async def send(self, *lines: str) -> None:
         """The lines in one frame. A connection that has gone shows in `dropped` and in every
@@ -76,7 +73,7 @@ class Connection(LmtpClient):
         elif stream_id in self._routes:
             self._routes[stream_id].put_nowait(item)
         else:
-            self._stray(item)
+            self.strays.append(item)
 
     def _ended(self) -> None:
         if not self.closing:
