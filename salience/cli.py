@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from salience.auth import AUTH_TOKEN_ENV, token_from_environment
-from salience.core.home import configure_environment
+from salience.core.models.home import configure_environment
 from salience.errors import InvalidArgument, SalienceError
 
 __all__ = ["main"]
@@ -157,10 +157,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from salience.core.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-    from salience.core.model_dir import inspect_model_folder
-    from salience.core.sessions import SessionLimits
-    from salience.core.settings import EngineSettings
+    from salience.core.engine.settings import EngineSettings
+    from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+    from salience.core.models.folders import inspect_model_folder
+    from salience.core.serving.sessions import SessionLimits
     from salience.lmtp.session import ConnectionLimits
     from salience.server import ServeOptions, serve
 
@@ -176,15 +176,15 @@ def _serve(args: argparse.Namespace) -> int:
         name = args.served_model_name or args.model
     concept_set = None
     if args.readouts and (args.concepts is not None or args.model is None):
-        from salience.core.concepts import ConceptSet
+        from salience.core.probes.concepts import ConceptSet
 
         path = args.concepts or _default_concepts(folder.path)
         concept_set = ConceptSet.load(path)
         concept_set.check_model(folder.path)
     steering_set = None
     if args.steering is not None:
-        from salience.core.concepts import ConceptSet
-        from salience.core.steering import Directions
+        from salience.core.probes.concepts import ConceptSet
+        from salience.core.probes.steering import Directions
 
         if not args.steer:
             raise InvalidArgument("--steering and --no-steering contradict each other")
@@ -233,9 +233,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _default_concepts(model: Path) -> Path:
     """The built-in concept set for the default model, built once into the cache."""
-    from salience.core.atomic import build_folder_once
-    from salience.core.concept_builder import build_concept_set, load_spec
-    from salience.core.home import salience_home
+    from salience.core.models.atomic import build_folder_once
+    from salience.core.models.home import salience_home
+    from salience.core.serving.concept_builder import build_concept_set, load_spec
 
     spec_path = Path(__file__).with_name("concept_specs") / "default.yaml"
     spec = load_spec(spec_path)
@@ -249,10 +249,10 @@ def _default_concepts(model: Path) -> Path:
 
 
 def _concepts(args: argparse.Namespace) -> int:
-    from salience.core.concept_builder import build_concept_set, describe, load_spec
-    from salience.core.concepts import ConceptSet
-    from salience.core.default_model import ensure_default_model
-    from salience.core.model_dir import inspect_model_folder
+    from salience.core.models.default_model import ensure_default_model
+    from salience.core.models.folders import inspect_model_folder
+    from salience.core.probes.concepts import ConceptSet
+    from salience.core.serving.concept_builder import build_concept_set, describe, load_spec
 
     if args.concepts_command == "show":
         print(describe(ConceptSet.load(args.file)))

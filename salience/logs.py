@@ -24,7 +24,7 @@ import os
 import time
 import warnings
 
-from salience.core.home import salience_home
+from salience.core.models.home import salience_home
 
 __all__ = ["REQUEST_ID", "ExpectedWarnings", "LogfmtFormatter", "RequestIdFilter", "setup_logging"]
 

@@ -4,21 +4,21 @@ They live in prometheus_client's default registry, where vLLM's PrometheusStatLo
 puts its engine metrics (`vllm:*`), so one scrape of `GET /metrics` returns both.
 Frontends pass their name (`lmtp_ws`, `lmtp_tcp`, `grpc`) as the `frontend` label;
 nothing here knows a socket. Session gauges are read from the live SessionStores at
-scrape time rather than kept in step with every append. docs/metrics.md lists them all.
+scrape time rather than kept in step with every append. Core reports streams and sessions
+through the observer interface of core/serving/observers.py, which this module subscribes
+to on import; core never imports it. docs/metrics.md lists them all.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from salience.core.sessions import SessionStore
+from salience.core.serving.observers import OBSERVERS, ServingObserver, SessionCounts
 
 __all__ = [
     "AUTH_FAILURES",
@@ -34,9 +34,7 @@ __all__ = [
     "STREAMS_ACTIVE",
     "STREAMS_ENDED",
     "STREAMS_STARTED",
-    "StreamRecord",
     "exposition",
-    "watch_sessions",
 ]
 
 FRONTENDS = ("lmtp_ws", "lmtp_tcp", "grpc")
@@ -91,32 +89,32 @@ for _reason in ("ttl", "lru"):
     SESSIONS_EVICTED.labels(_reason)
 
 
-class StreamRecord:
-    """One admitted stream: started and active now; `end` once with its finish reason."""
+class _Reporter(ServingObserver):
+    """The serving layer's events (core/serving/observers.py) as the metrics above."""
 
-    __slots__ = ("_active", "ended", "frontend", "kind")
-
-    def __init__(self, frontend: str, kind: str) -> None:
-        self.frontend = frontend
-        self.kind = kind
-        self.ended = False
+    def stream_admitted(self, frontend: str, kind: str) -> None:
         STREAMS_STARTED.labels(frontend, kind).inc()
-        self._active = STREAMS_ACTIVE.labels(frontend, kind)
-        self._active.inc()
+        STREAMS_ACTIVE.labels(frontend, kind).inc()
 
-    def end(self, finish_reason: str) -> None:
-        """Count the stream as ended (`stop`, `length`, `cancelled` or `error`); later calls do nothing."""
-        if not self.ended:
-            self.ended = True
-            self._active.dec()
-            STREAMS_ENDED.labels(self.frontend, self.kind, finish_reason).inc()
+    def stream_ended(self, frontend: str, kind: str, finish_reason: str) -> None:
+        STREAMS_ACTIVE.labels(frontend, kind).dec()
+        STREAMS_ENDED.labels(frontend, kind, finish_reason).inc()
+
+    def store_opened(self, store: SessionCounts) -> None:
+        _SESSION_GAUGES.stores.add(store)
+
+    def sessions_created(self) -> None:
+        SESSIONS_CREATED.inc()
+
+    def sessions_evicted(self, reason: str, count: int) -> None:
+        SESSIONS_EVICTED.labels(reason).inc(count)
 
 
 class _SessionGauges(Collector):
     """Open sessions and their stored tokens, summed over the live stores when scraped."""
 
     def __init__(self) -> None:
-        self.stores: weakref.WeakSet[SessionStore] = weakref.WeakSet()
+        self.stores: weakref.WeakSet[SessionCounts] = weakref.WeakSet()
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         stores = list(self.stores)
@@ -135,10 +133,7 @@ class _SessionGauges(Collector):
 _SESSION_GAUGES = _SessionGauges()
 REGISTRY.register(_SESSION_GAUGES)
 
-
-def watch_sessions(store: SessionStore) -> None:
-    """Include `store` in the session gauges for as long as it lives."""
-    _SESSION_GAUGES.stores.add(store)
+OBSERVERS.subscribe(_Reporter())
 
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

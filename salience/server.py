@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from salience.core.engine import Engine
-from salience.core.sessions import SessionLimits, SessionStore
-from salience.core.settings import EngineSettings
-from salience.core.status import ServerStatus
+from salience.core.engine.engine import Engine
+from salience.core.engine.settings import EngineSettings
+from salience.core.serving.sessions import SessionLimits, SessionStore
+from salience.core.serving.status import ServerStatus
 from salience.errors import InvalidArgument
 from salience.grpc_frontend.server import GrpcServer, start_grpc_server
 from salience.lmtp.app import make_app, make_metrics_app

@@ -14,8 +14,8 @@ import sys
 import venv
 from pathlib import Path
 
-from salience.core.atomic import build_folder_once
-from salience.core.home import salience_home
+from salience.core.models.atomic import build_folder_once
+from salience.core.models.home import salience_home
 
 TORCH = "torch==2.13.0"
 REQUIREMENTS = ["lmql==0.7.3", "transformers==4.57.6", TORCH]

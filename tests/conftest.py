@@ -16,19 +16,20 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from salience.core.home import configure_environment
+from salience.core.models.home import configure_environment
 
 configure_environment()  # before anything imports vllm or torch
 
 import torch  # noqa: E402
 
-from salience.core import portable  # noqa: E402
-from salience.core.atomic import build_folder_once  # noqa: E402
-from salience.core.concepts import ConceptSet, model_fingerprint  # noqa: E402
-from salience.core.default_model import ensure_default_model  # noqa: E402
-from salience.core.engine import Engine  # noqa: E402
-from salience.core.home import salience_home  # noqa: E402
-from salience.core.settings import EngineSettings  # noqa: E402
+from salience.core.models import portable  # noqa: E402
+from salience.core.engine.engine import Engine  # noqa: E402
+from salience.core.engine.settings import EngineSettings  # noqa: E402
+from salience.core.models.atomic import build_folder_once  # noqa: E402
+from salience.core.models.default_model import ensure_default_model  # noqa: E402
+from salience.core.models.folders import model_fingerprint  # noqa: E402
+from salience.core.models.home import salience_home  # noqa: E402
+from salience.core.probes.concepts import ConceptSet  # noqa: E402
 from tests.reference import Reference  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 from tests.tiny_vl_model import build_tiny_vl_model  # noqa: E402

@@ -5,7 +5,7 @@ turns run the vision encoder (vLLM's cached-token count alone only implies it)."
 
 from __future__ import annotations
 
-from salience.core.worker import SalienceWorker
+from salience.core.engine.worker_extension import SalienceWorker
 
 
 class EncoderCountingWorker(SalienceWorker):

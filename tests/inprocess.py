@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from salience.core.engine import Engine
-from salience.core.sessions import SessionStore
-from salience.core.status import ServerStatus
+from salience.core.engine.engine import Engine
+from salience.core.serving.sessions import SessionStore
+from salience.core.serving.status import ServerStatus
 from salience.grpc_frontend.server import start_grpc_server
 from salience.lmtp.app import make_app
 from salience.lmtp.session import LmtpConfig

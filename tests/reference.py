@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from salience.core.types import SamplingOptions
+from salience.core.engine.requests import SamplingOptions
 
 
 def assert_logprobs_match(events, logprobs: torch.Tensor, tolerance: float = 1e-4) -> None:

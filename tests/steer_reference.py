@@ -13,8 +13,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from salience.core.concepts import ConceptSet
-from salience.core.steering import Intervention, Op
+from salience.core.probes.concepts import ConceptSet
+from salience.core.probes.steering import Intervention, Op
 
 
 def unit(sets: Sequence[ConceptSet], name: str, layer: int) -> torch.Tensor:

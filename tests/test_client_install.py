@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from salience.core.atomic import build_folder_once
-from salience.core.engine import Engine
-from salience.core.home import salience_home
+from salience.core.engine.engine import Engine
+from salience.core.models.atomic import build_folder_once
+from salience.core.models.home import salience_home
 from tests.inprocess import frontends
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest_asyncio
 
-from salience.core.concepts import ConceptSet
-from salience.core.engine import Engine
-from salience.core.sessions import SessionStore
-from salience.core.turns import Turn
-from salience.core.types import SamplingOptions
+from salience.core.engine.engine import Engine
+from salience.core.engine.requests import SamplingOptions
+from salience.core.probes.concepts import ConceptSet
+from salience.core.serving.sessions import SessionStore
+from salience.core.serving.turns import Turn
 from tests.conftest import start_engine
 from tests.reference import Reference, assert_readout_close, reference_readouts
 from tests.test_steering import check_against_reference, run, steer

@@ -10,9 +10,9 @@ import pytest
 import pytest_asyncio
 from transformers import AutoTokenizer
 
-from salience.core.atomic import build_folder_once
-from salience.core.engine import Engine
-from salience.core.types import SamplingOptions
+from salience.core.engine.engine import Engine
+from salience.core.engine.requests import SamplingOptions
+from salience.core.models.atomic import build_folder_once
 from tests.conftest import start_engine
 from tests.reference import Reference, assert_logprobs_match
 

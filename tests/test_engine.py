@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from salience.core.engine import Engine
-from salience.core.types import FinishReason, SamplingOptions, TokenEvent
+from salience.core.engine.engine import Engine
+from salience.core.engine.requests import FinishReason, SamplingOptions, TokenEvent
 from salience.errors import ContextOverflow, InvalidArgument
 from tests.conftest import start_engine
 from tests.reference import Reference, assert_logprobs_match

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from salience.core.concepts import ConceptSet
-from salience.core.launch import compiled
-from salience.core.settings import EngineSettings
+from salience.core.engine.launch import compiled
+from salience.core.engine.settings import EngineSettings
+from salience.core.probes.concepts import ConceptSet
 
 
 def settings(folder: Path, architecture: str, concepts: ConceptSet | None, compile: bool = True) -> EngineSettings:

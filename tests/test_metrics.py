@@ -21,8 +21,8 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from salience.core.concepts import ConceptSet
-from salience.core.sessions import SessionLimits, SessionStore
+from salience.core.probes.concepts import ConceptSet
+from salience.core.serving.sessions import SessionLimits, SessionStore
 from salience.grpc_frontend.client import AsyncSalienceClient
 from salience.lmtp.codec import parse_server_line
 from salience.lmtp.session import ConnectionLimits, LmtpConfig, LmtpSession

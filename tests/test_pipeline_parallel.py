@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from salience.core.concepts import ConceptSet
-from salience.core.engine import Engine
-from salience.core.types import SamplingOptions
+from salience.core.engine.engine import Engine
+from salience.core.engine.requests import SamplingOptions
+from salience.core.probes.concepts import ConceptSet
 from tests.conftest import TINY_LAYERS, start_engine
 from tests.reference import (
     Reference,

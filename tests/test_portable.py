@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from salience.core.portable import portable_config
+from salience.core.models.portable import portable_config
 from tests.client_env import client_python
 from tests.folder_logits import folder_logits
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from salience.core.readouts import ReadoutHub
+from salience.core.probes.readouts import ReadoutHub
 from salience.errors import EngineError
 
 LAYERS, CONCEPTS = (0, 2, 3), ("a", "b")

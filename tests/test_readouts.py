@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from salience.core.concepts import ConceptSet
-from salience.core.engine import Engine
-from salience.core.types import SamplingOptions
+from salience.core.engine.engine import Engine
+from salience.core.engine.requests import SamplingOptions
+from salience.core.probes.concepts import ConceptSet
 from salience.errors import InvalidArgument, ModelError
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
 from tests.reference import (
@@ -219,7 +219,7 @@ def test_mismatched_concept_sets_are_refused(concepts: ConceptSet, default_model
 async def test_readouts_over_lmtp(engine: Engine, concepts: ConceptSet) -> None:
     from aiohttp import web
 
-    from salience.core.status import ServerStatus
+    from salience.core.serving.status import ServerStatus
     from salience.lmtp.app import make_app
     from salience.lmtp.client import LmtpClient
     from salience.lmtp.session import LmtpConfig

@@ -11,9 +11,9 @@ import pytest_asyncio
 import torch
 
 from salience.cli import _default_concepts
-from salience.core.concepts import ConceptSet
-from salience.core.engine import Engine
-from salience.core.types import SamplingOptions
+from salience.core.engine.engine import Engine
+from salience.core.engine.requests import SamplingOptions
+from salience.core.probes.concepts import ConceptSet
 from tests.conftest import start_engine
 from tests.reference import Reference, assert_readouts_close, reference_readouts
 

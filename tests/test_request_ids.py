@@ -20,7 +20,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from salience.core.concepts import ConceptSet
+from salience.core.probes.concepts import ConceptSet
 from salience.lmtp.codec import LmtpError, parse_client_line, parse_server_line
 from salience.logs import LogfmtFormatter, RequestIdFilter
 from salience.proto.salience.v1 import salience_pb2 as pb

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from salience.core.concepts import ConceptSet
-from salience.core.engine import Engine
-from salience.core.sessions import SessionLimits, SessionStore
-from salience.core.turns import SessionToken, Turn, TurnDone
-from salience.core.types import FinishReason, SamplingOptions
+from salience.core.engine.engine import Engine
+from salience.core.engine.requests import FinishReason, SamplingOptions
+from salience.core.probes.concepts import ConceptSet
+from salience.core.serving.sessions import SessionLimits, SessionStore
+from salience.core.serving.turns import SessionToken, Turn, TurnDone
 from salience.errors import (
     ContextOverflow,
     FailedPrecondition,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from salience.core.concepts import ConceptSet
+from salience.core.probes.concepts import ConceptSet
 from tools.soak import BAD_INPUTS, CANCEL_MOMENTS, SoakOptions, run_soak
 from tools.soak.connection import Received
 from tools.soak.streams import CANCEL_SECONDS, check_cancelled

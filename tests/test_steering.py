@@ -11,10 +11,11 @@ import pytest
 import pytest_asyncio
 import torch
 
-from salience.core.concepts import ConceptSet, model_fingerprint
-from salience.core.engine import Engine
-from salience.core.steering import MAX_INTERVENTIONS, Intervention, Op
-from salience.core.types import SamplingOptions
+from salience.core.engine.engine import Engine
+from salience.core.engine.requests import SamplingOptions
+from salience.core.models.folders import model_fingerprint
+from salience.core.probes.concepts import ConceptSet
+from salience.core.probes.steering import MAX_INTERVENTIONS, Intervention, Op
 from salience.errors import InvalidArgument
 from tests.conftest import TINY_LAYERS, start_engine
 from tests.reference import (

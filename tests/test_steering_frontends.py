@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from salience.core.concepts import ConceptSet
-from salience.core.engine import Engine
-from salience.core.steering import Intervention, Op
-from salience.core.types import SamplingOptions
+from salience.core.engine.engine import Engine
+from salience.core.engine.requests import SamplingOptions
+from salience.core.probes.concepts import ConceptSet
+from salience.core.probes.steering import Intervention, Op
 from salience.grpc_frontend.client import AsyncSalienceClient
 from salience.lmtp.client import LmtpClient, LmtpStreamError
 from salience.proto.salience.ext.v1 import extensions_pb2 as ext

@@ -27,7 +27,7 @@ def build_tiny_model(out: Path) -> None:
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    from salience.core.portable import make_portable
+    from salience.core.models.portable import make_portable
 
     files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:200]
     tokenizer = Tokenizer(models.BPE(unk_token=None))

@@ -47,7 +47,7 @@ def build_tiny_vl_model(out: Path, text_model: Path | None = None) -> None:
     from transformers.models.qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    from salience.core.portable import make_portable
+    from salience.core.models.portable import make_portable
 
     tokenizer = AutoTokenizer.from_pretrained(text_model)
     tokenizer.add_special_tokens({"additional_special_tokens": CHAT_SPECIALS + VISION_SPECIALS})

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from salience.core.home import configure_environment
+from salience.core.models.home import configure_environment
 from salience.logs import setup_logging
 
 configure_environment()
@@ -29,11 +29,11 @@ setup_logging()  # before vLLM is imported: its processes log quietly too
 
 from aiohttp import web  # noqa: E402
 
-from salience.core.default_model import DEFAULT_MODEL_NAME, ensure_default_model  # noqa: E402
-from salience.core.engine import Engine  # noqa: E402
-from salience.core.settings import EngineSettings  # noqa: E402
-from salience.core.status import ServerStatus  # noqa: E402
-from salience.core.types import SamplingOptions  # noqa: E402
+from salience.core.engine.engine import Engine  # noqa: E402
+from salience.core.engine.requests import SamplingOptions  # noqa: E402
+from salience.core.engine.settings import EngineSettings  # noqa: E402
+from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model  # noqa: E402
+from salience.core.serving.status import ServerStatus  # noqa: E402
 from salience.lmtp.app import make_app  # noqa: E402
 from salience.lmtp.client import LmtpClient  # noqa: E402
 from salience.lmtp.session import LmtpConfig  # noqa: E402
@@ -73,8 +73,8 @@ async def timed(work) -> tuple[float, int]:
 
 def lmql_server_python() -> Path:
     """LMQL 0.7.3 with its transformers backend (CPU torch), in an environment of its own."""
-    from salience.core.atomic import build_folder_once
-    from salience.core.home import salience_home
+    from salience.core.models.atomic import build_folder_once
+    from salience.core.models.home import salience_home
 
     def build(folder: Path) -> None:
         import venv

@@ -140,8 +140,8 @@ async def main() -> None:
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
 
-    from salience.core.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-    from salience.core.home import configure_environment
+    from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+    from salience.core.models.home import configure_environment
 
     configure_environment()
     eos = _eos(ensure_default_model())
@@ -153,7 +153,7 @@ async def main() -> None:
 
 
 async def measure(running: list[Server], counts: list[int], args: argparse.Namespace, eos: int) -> None:
-    from salience.core.default_model import DEFAULT_MODEL_NAME
+    from salience.core.models.default_model import DEFAULT_MODEL_NAME
 
     for server in running:  # the first request of each pays for lazy initialisation
         await run(server, DEFAULT_MODEL_NAME, prompts(1, 8), 4, eos)
@@ -175,7 +175,7 @@ async def measure(running: list[Server], counts: list[int], args: argparse.Names
 
 
 def report(running: list[Server], counts: list[int], args: argparse.Namespace, cold: float) -> None:
-    from salience.core.default_model import DEFAULT_MODEL_NAME
+    from salience.core.models.default_model import DEFAULT_MODEL_NAME
 
     print(
         f"\n{DEFAULT_MODEL_NAME}, LMTP, greedy, {args.prompt_tokens}-token prompts, {args.tokens} tokens per stream, "

@@ -44,8 +44,8 @@ def even_heads_twin(model: Path) -> Path:
 
     from safetensors.torch import load_file, save_file
 
-    from salience.core.atomic import build_folder_once
-    from salience.core.home import salience_home
+    from salience.core.models.atomic import build_folder_once
+    from salience.core.models.home import salience_home
 
     def build(out: Path) -> None:
         config = json.loads((model / "config.json").read_text())
@@ -70,11 +70,11 @@ def even_heads_twin(model: Path) -> Path:
 async def measure(name: str, layout: dict, args: argparse.Namespace) -> tuple[float, float]:
     """(start seconds, generated tokens/s) for one layout."""
     from salience.cli import _default_concepts
-    from salience.core.concepts import ConceptSet
-    from salience.core.default_model import ensure_default_model
-    from salience.core.engine import Engine
-    from salience.core.settings import EngineSettings
-    from salience.core.types import SamplingOptions
+    from salience.core.engine.engine import Engine
+    from salience.core.engine.requests import SamplingOptions
+    from salience.core.engine.settings import EngineSettings
+    from salience.core.models.default_model import ensure_default_model
+    from salience.core.probes.concepts import ConceptSet
 
     default = ensure_default_model()
     concepts = ConceptSet.load(_default_concepts(default))
@@ -144,7 +144,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    from salience.core.home import configure_environment
+    from salience.core.models.home import configure_environment
 
     configure_environment()  # before anything imports vllm or torch
     sys.exit(asyncio.run(main(parse(sys.argv[1:]))))

@@ -17,17 +17,17 @@ import asyncio
 import statistics
 import time
 
-from salience.core.home import configure_environment
+from salience.core.models.home import configure_environment
 from salience.logs import setup_logging
 
 configure_environment()
 setup_logging()  # before vLLM is imported: its processes log quietly too
 
-from salience.core.default_model import DEFAULT_MODEL_NAME, ensure_default_model  # noqa: E402
-from salience.core.engine import Engine  # noqa: E402
-from salience.core.sessions import SessionStore  # noqa: E402
-from salience.core.settings import EngineSettings  # noqa: E402
-from salience.core.status import ServerStatus  # noqa: E402
+from salience.core.engine.engine import Engine  # noqa: E402
+from salience.core.engine.settings import EngineSettings  # noqa: E402
+from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model  # noqa: E402
+from salience.core.serving.sessions import SessionStore  # noqa: E402
+from salience.core.serving.status import ServerStatus  # noqa: E402
 from salience.grpc_frontend.client import AsyncSalienceClient  # noqa: E402
 from salience.grpc_frontend.server import start_grpc_server  # noqa: E402
 from salience.proto.salience.v1 import salience_pb2 as pb  # noqa: E402

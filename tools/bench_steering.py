@@ -30,7 +30,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from salience.core.home import configure_environment
+from salience.core.models.home import configure_environment
 
 configure_environment()  # before anything imports vllm or torch
 
@@ -47,7 +47,7 @@ def prompts(n: int, length: int, batch: int, vocab: int) -> list[list[int]]:
 
 async def run(engine, batch: list[list[int]], tokens: int, steer, readouts: bool) -> tuple[float, int]:
     """Seconds for the batch and the tokens it produced."""
-    from salience.core.types import SamplingOptions
+    from salience.core.engine.requests import SamplingOptions
 
     options = SamplingOptions(max_tokens=tokens, temperature=0.0, ignore_eos=True)
 
@@ -75,11 +75,11 @@ async def main() -> None:
     args = parser.parse_args()
 
     from salience.cli import _default_concepts
-    from salience.core.concepts import ConceptSet
-    from salience.core.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-    from salience.core.engine import Engine
-    from salience.core.settings import EngineSettings
-    from salience.core.steering import Intervention, Op
+    from salience.core.engine.engine import Engine
+    from salience.core.engine.settings import EngineSettings
+    from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+    from salience.core.probes.concepts import ConceptSet
+    from salience.core.probes.steering import Intervention, Op
 
     model = args.model or ensure_default_model()
     concepts = ConceptSet.load(args.concepts or _default_concepts(model))

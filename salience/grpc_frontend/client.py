@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from salience.core.steering import Intervention, Op, parse_interventions
+from salience.core.probes.steering import Intervention, Op, parse_interventions
 from salience.proto.salience.ext.v1 import extensions_pb2 as ext
 from salience.proto.salience.ext.v1 import extensions_pb2_grpc
 from salience.proto.salience.v1 import salience_pb2 as pb

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from salience.core.images import Vision
-from salience.core.sessions import SessionStore
-from salience.core.status import ServerStatus
-from salience.core.steering import MAX_INTERVENTIONS, MAX_MAGNITUDE, Intervention, Op
+from salience.core.engine.images import Vision
+from salience.core.probes.steering import MAX_INTERVENTIONS, MAX_MAGNITUDE, Intervention, Op
+from salience.core.serving.sessions import SessionStore
+from salience.core.serving.status import ServerStatus
 from salience.errors import InvalidArgument
 from salience.grpc_frontend.service import run_turn, turn_from
 from salience.grpc_frontend.status_codes import translating, translating_stream

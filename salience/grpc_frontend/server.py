@@ -6,8 +6,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from salience.core.sessions import SessionStore
-from salience.core.status import ServerStatus
+from salience.core.serving.sessions import SessionStore
+from salience.core.serving.status import ServerStatus
 from salience.grpc_frontend.auth import BearerAuthInterceptor
 from salience.grpc_frontend.extensions import ExtensionsService
 from salience.grpc_frontend.service import SalienceService

@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from salience import metrics
-from salience.core.sessions import SessionStore
-from salience.core.status import ServerStatus
-from salience.core.steering import Intervention
-from salience.core.turns import SessionToken, Turn, TurnDone
-from salience.core.types import FinishReason, ImageBlock, SamplingOptions
+from salience.core.engine.requests import FinishReason, ImageBlock, SamplingOptions
+from salience.core.probes.steering import Intervention
+from salience.core.serving.sessions import SessionStore
+from salience.core.serving.status import ServerStatus
+from salience.core.serving.turns import SessionToken, Turn, TurnDone
 from salience.grpc_frontend.status_codes import translating, translating_stream
 from salience.logs import REQUEST_ID
 from salience.proto.salience.v1 import salience_pb2 as pb

@@ -11,8 +11,8 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from salience import metrics, request_ids
 from salience.auth import bearer_matches
-from salience.core.sessions import SessionStore
-from salience.core.status import Phase, ServerStatus
+from salience.core.serving.sessions import SessionStore
+from salience.core.serving.status import Phase, ServerStatus
 from salience.errors import InvalidArgument
 from salience.lmtp.session import OVERSIZED_FRAME, LmtpConfig, LmtpSession
 from salience.ui import UI_PATH, add_routes

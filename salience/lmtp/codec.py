@@ -24,8 +24,8 @@ from typing import Any
 import orjson
 
 from salience import request_ids
-from salience.core.steering import Intervention, parse_interventions
-from salience.core.types import ImageBlock
+from salience.core.engine.requests import ImageBlock
+from salience.core.probes.steering import Intervention, parse_interventions
 from salience.errors import InvalidArgument
 from salience.lmtp.messages import (
     Cancel,

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from salience.core.steering import Intervention
-from salience.core.types import ImageBlock
+from salience.core.engine.requests import ImageBlock
+from salience.core.probes.steering import Intervention
 
 __all__ = [
     "Cancel",

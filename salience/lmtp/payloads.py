@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
-from salience.core.text import TextStream
-from salience.core.turns import SessionToken, Turn, TurnDone
-from salience.core.types import SamplingOptions, ScoredToken, TokenEvent
+from salience.core.engine.detokenizer import TextStream
+from salience.core.engine.requests import SamplingOptions, ScoredToken, TokenEvent
+from salience.core.serving.turns import SessionToken, Turn, TurnDone
 from salience.lmtp.messages import Generate, SessionGenerate
 
 __all__ = ["prompt_payloads", "sampling_options", "session_payload", "token_payload", "turn", "turn_end_payload"]

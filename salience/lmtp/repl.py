@@ -22,7 +22,7 @@ import signal
 import sys
 from typing import Any
 
-from salience.core.home import salience_home
+from salience.core.models.home import salience_home
 from salience.lmtp.client import LmtpClient, LmtpStreamError
 
 __all__ = ["parse_line", "parse_steer", "run_repl"]

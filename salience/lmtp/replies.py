@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from salience.core.images import Vision
-from salience.core.sessions import SessionStore
-from salience.core.status import Phase, ServerStatus
+from salience.core.engine.images import Vision
+from salience.core.serving.sessions import SessionStore
+from salience.core.serving.status import Phase, ServerStatus
 from salience.lmtp.messages import CloseSession, Detokenize, DumpSession, ForkSession, ImageInfo, OpenSession, Tokenize
 
 __all__ = ["image_info", "model_info", "session_call", "tokenizer"]

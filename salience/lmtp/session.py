@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import orjson
 
 from salience import metrics, request_ids
-from salience.core.sessions import SessionStore
-from salience.core.status import Admitted, Phase, ServerStatus
+from salience.core.serving.sessions import SessionStore
+from salience.core.serving.status import Admitted, Phase, ServerStatus
 from salience.errors import InvalidArgument, SalienceError
 from salience.lmtp import replies, streams
 from salience.lmtp.codec import MAX_FRAME_BYTES, MAX_MESSAGE_BYTES, LmtpError, parse_client_line

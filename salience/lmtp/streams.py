@@ -9,11 +9,11 @@ import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from salience.core.engine import Engine
-from salience.core.generation import Generation
-from salience.core.sessions import SessionStore
-from salience.core.text import TextStream
-from salience.core.turns import TurnRun
+from salience.core.engine.detokenizer import TextStream
+from salience.core.engine.engine import Engine
+from salience.core.engine.generation import Generation
+from salience.core.serving.sessions import SessionStore
+from salience.core.serving.turns import TurnRun
 from salience.lmtp import payloads
 from salience.lmtp.messages import Generate, Score, SessionGenerate
 

@@ -6,8 +6,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from salience.core.sessions import SessionStore
-from salience.core.status import ServerStatus
+from salience.core.serving.sessions import SessionStore
+from salience.core.serving.status import ServerStatus
 from salience.lmtp.app import LINGER_SECONDS, serve_session
 from salience.lmtp.session import OVERSIZED_FRAME, LmtpConfig, LmtpSession
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest_asyncio
 
-from salience.core.concepts import ConceptSet
-from salience.core.engine import Engine
-from salience.core.sessions import SessionLimits, SessionStore
-from salience.core.status import ServerStatus
+from salience.core.engine.engine import Engine
+from salience.core.probes.concepts import ConceptSet
+from salience.core.serving.sessions import SessionLimits, SessionStore
+from salience.core.serving.status import ServerStatus
 from salience.grpc_frontend.client import AsyncSalienceClient
 from salience.grpc_frontend.server import GrpcServer, start_grpc_server
 from tests.conftest import start_engine

@@ -16,12 +16,13 @@ import torch
 from aiohttp import web
 from PIL import Image
 
-from salience.core.concepts import ConceptSet, model_fingerprint
-from salience.core.engine import Engine
-from salience.core.sessions import SessionStore
-from salience.core.status import ServerStatus
-from salience.core.turns import Turn
-from salience.core.types import ImageBlock, SamplingOptions
+from salience.core.engine.engine import Engine
+from salience.core.engine.requests import ImageBlock, SamplingOptions
+from salience.core.models.folders import model_fingerprint
+from salience.core.probes.concepts import ConceptSet
+from salience.core.serving.sessions import SessionStore
+from salience.core.serving.status import ServerStatus
+from salience.core.serving.turns import Turn
 from salience.grpc_frontend.client import AsyncSalienceClient
 from salience.grpc_frontend.server import GrpcServer, start_grpc_server
 from salience.lmtp.app import make_app

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from salience.core.sessions import SessionLimits
+from salience.core.serving.sessions import SessionLimits
 from salience.grpc_frontend.client import AsyncSalienceClient, SalienceClient
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
@@ -146,8 +146,8 @@ async def test_status_codes(served: Served, client: AsyncSalienceClient) -> None
 
 
 async def test_unavailable_while_loading() -> None:
-    from salience.core.sessions import SessionStore
-    from salience.core.status import ServerStatus
+    from salience.core.serving.sessions import SessionStore
+    from salience.core.serving.status import ServerStatus
     from salience.grpc_frontend.server import start_grpc_server
 
     status = ServerStatus(MODEL)

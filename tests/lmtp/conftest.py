@@ -10,9 +10,9 @@ import aiohttp
 import pytest_asyncio
 from aiohttp import web
 
-from salience.core.engine import Engine
-from salience.core.sessions import SessionStore
-from salience.core.status import ServerStatus
+from salience.core.engine.engine import Engine
+from salience.core.serving.sessions import SessionStore
+from salience.core.serving.status import ServerStatus
 from salience.lmtp.app import make_app
 from salience.lmtp.codec import parse_server_line
 from salience.lmtp.session import ConnectionLimits, LmtpConfig

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from salience.core.steering import Intervention, Op
-from salience.core.types import ImageBlock
+from salience.core.engine.requests import ImageBlock
+from salience.core.probes.steering import Intervention, Op
 from salience.lmtp.codec import LmtpError, msg_frame, parse_client_line, parse_server_line, token_frame
 from salience.lmtp.messages import (
     Cancel,

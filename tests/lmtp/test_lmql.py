@@ -12,9 +12,9 @@ import pytest_asyncio
 from aiohttp import web
 from transformers import AutoTokenizer
 
-from salience.core.engine import Engine
-from salience.core.status import ServerStatus
-from salience.core.types import SamplingOptions
+from salience.core.engine.engine import Engine
+from salience.core.engine.requests import SamplingOptions
+from salience.core.serving.status import ServerStatus
 from salience.lmtp.app import make_app
 from salience.lmtp.session import LmtpConfig
 from tests.client_env import client_python

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from salience.core.concepts import ConceptSet
-from salience.core.engine import Engine
+from salience.core.engine.engine import Engine
+from salience.core.probes.concepts import ConceptSet
 from salience.lmtp.repl import parse_line, parse_steer
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
 from tests.lmtp.conftest import LmtpServer

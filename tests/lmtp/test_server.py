@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 from aiohttp import WSCloseCode, web
 
-from salience.core.status import ServerStatus
-from salience.core.types import SamplingOptions
+from salience.core.engine.requests import SamplingOptions
+from salience.core.serving.status import ServerStatus
 from salience.lmtp.app import make_app
 from salience.lmtp.codec import parse_server_line
 from salience.lmtp.session import ConnectionLimits, LmtpConfig

@@ -7,9 +7,9 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from salience.core.engine import Engine
-from salience.core.sessions import SessionStore
-from salience.core.status import ServerStatus
+from salience.core.engine.engine import Engine
+from salience.core.serving.sessions import SessionStore
+from salience.core.serving.status import ServerStatus
 from salience.lmtp.session import ConnectionLimits, LmtpConfig, LmtpSession
 
 

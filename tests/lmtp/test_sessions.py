@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from salience.core.status import ServerStatus
+from salience.core.serving.status import ServerStatus
 from salience.grpc_frontend.client import AsyncSalienceClient, AsyncSession
 from salience.grpc_frontend.server import start_grpc_server
 from salience.lmtp.app import AUTH_CLOSE_CODE, make_app

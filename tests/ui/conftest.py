@@ -19,9 +19,9 @@ from aiohttp import web
 from playwright.async_api import Browser, Page, async_playwright, expect
 
 from salience.cli import _default_concepts
-from salience.core.concepts import ConceptSet
-from salience.core.engine import Engine
-from salience.core.status import ServerStatus
+from salience.core.engine.engine import Engine
+from salience.core.probes.concepts import ConceptSet
+from salience.core.serving.status import ServerStatus
 from salience.lmtp.app import make_app
 from salience.lmtp.codec import parse_server_line
 from salience.lmtp.session import LmtpConfig

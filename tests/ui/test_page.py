@@ -12,8 +12,8 @@ import math
 import pytest
 from playwright.async_api import expect
 
-from salience.core.engine import Engine
-from salience.core.status import ServerStatus
+from salience.core.engine.engine import Engine
+from salience.core.serving.status import ServerStatus
 from salience.lmtp.app import make_app
 from salience.lmtp.session import LmtpConfig
 from tests.conftest import free_port

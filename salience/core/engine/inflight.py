@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 
-from salience.core.generation import Generation
+from salience.core.engine.generation import Generation
 from salience.errors import InvalidArgument
 
 __all__ = ["InFlight"]

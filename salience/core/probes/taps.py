@@ -8,7 +8,7 @@ part of the model the compiler sees:
 - `SalienceLoader`, registered as vLLM load format `salience_readouts`, loads
   the weights as vLLM's default loader does and then wraps each layer that
   readouts read or steering can name in a `LayerTap`. vLLM resolves the worker
-  extension (worker.py, which imports this module) before it loads the model,
+  extension (engine/worker_extension.py, which imports this module) before it loads the model,
   so the registration is in place in every worker process.
 - A `LayerTap` runs its decoder layer; takes the residual `hidden + residual`
   (the layer's output before the final norm, in vLLM's fused add-norm layers)
@@ -43,6 +43,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from salience.core.probes.concepts import ConceptSet
+from salience.core.probes.steering import Directions
 
 __all__ = [
     "CONFIG_KEY",
@@ -162,9 +165,7 @@ def file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _load_checked(spec: dict):
-    from salience.core.concepts import ConceptSet
-
+def _load_checked(spec: dict) -> ConceptSet:
     path = Path(spec["path"])
     if file_digest(path) != spec["sha256"]:
         raise RuntimeError(f"concept set {path} changed after the engine was configured")
@@ -172,8 +173,6 @@ def _load_checked(spec: dict):
 
 
 def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch.device) -> None:
-    from salience.core.steering import Directions
-
     readout_spec, steering_spec = config.get(CONFIG_KEY), config.get(STEERING_KEY)
     concepts = _load_checked(readout_spec) if readout_spec is not None else None
     directions = None

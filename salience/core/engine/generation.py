@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from salience.core.types import FinishReason, ScoredToken, TokenEvent, covers
+from salience.core.engine.requests import FinishReason, ScoredToken, TokenEvent, covers
 from salience.errors import EngineError, InvalidArgument
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from salience.core.readouts import ReadoutHub
+    from salience.core.probes.readouts import ReadoutHub
 
 __all__ = ["Generation", "PlacedImage", "PromptScores", "check_expansion", "guarded", "tokens_prompt"]
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from salience.core.concepts import ConceptSet
+from salience.core.probes.concepts import ConceptSet
 
 __all__ = ["EngineSettings"]
 

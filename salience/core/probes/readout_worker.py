@@ -2,7 +2,7 @@
 
 Loaded by vLLM as `worker_extension_cls`; the engine drives it by name through
 `collective_rpc`. Importing this module registers the readout model loader
-(readout_graph.py), whose taps write every token's projections into one buffer
+(taps.py), whose taps write every token's projections into one buffer
 during the forward pass, compiled or eager. Theory of operation:
 
 - A request asks for readouts through `SamplingParams.extra_args[TAG] =
@@ -33,7 +33,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from salience.core.readout_graph import readout_buffer, taps
+from salience.core.probes.taps import readout_buffer, taps
 
 TAG = "salience_readout"
 

@@ -1,4 +1,4 @@
-"""Values the core engine takes and gives: frontends translate to and from these."""
+"""Values an Engine request takes and yields: frontends translate to and from these."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Inside the vLLM worker: write each step's steering coefficients before the model runs.
 
-Theory of operation. The taps (readout_graph.LayerTap) add `(a + b * (h @ D)) @ D.T` to the
+Theory of operation. The taps (taps.LayerTap) add `(a + b * (h @ D)) @ D.T` to the
 residual, reading a and b from two static buffers `[max_tokens, steering layers, directions]`.
 Those buffers are all zeros except during the forward of a step that holds a steered request:
 
@@ -26,7 +26,7 @@ import functools
 import numpy as np
 import torch
 
-from salience.core.readout_graph import steering_buffers
+from salience.core.probes.taps import steering_buffers
 
 TAG = "salience_steer"
 

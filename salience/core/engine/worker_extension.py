@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from salience.core.readout_worker import ReadoutWorker
-from salience.core.steering_worker import SteeringWorker
+from salience.core.probes.readout_worker import ReadoutWorker
+from salience.core.probes.steering_worker import SteeringWorker
 
 __all__ = ["SalienceWorker"]
 

@@ -11,9 +11,9 @@ import asyncio
 import enum
 from collections.abc import Iterable
 
-from salience.core.engine import Engine
+from salience.core.engine.engine import Engine
+from salience.core.serving.observers import OBSERVERS
 from salience.errors import InvalidArgument, Unavailable
-from salience.metrics import StreamRecord
 
 __all__ = ["Admitted", "Phase", "ServerStatus"]
 
@@ -33,14 +33,17 @@ class Admitted:
 
     def __init__(self, status: ServerStatus, engine: Engine, frontend: str, kind: str) -> None:
         self.engine = engine
+        self.frontend = frontend
         self.kind = kind
+        self.ended = False
         self._status = status
-        self._record = StreamRecord(frontend, kind)
+        OBSERVERS.stream_admitted(frontend, kind)
 
     def end(self, finish_reason: str) -> None:
         """`stop`, `length`, `cancelled` or `error`; only the first call counts."""
-        if not self._record.ended:
-            self._record.end(finish_reason)
+        if not self.ended:
+            self.ended = True
+            OBSERVERS.stream_ended(self.frontend, self.kind, finish_reason)
             self._status._stream_ended()
 
     def __enter__(self) -> Admitted:

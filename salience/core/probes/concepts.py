@@ -8,7 +8,7 @@ File format (safetensors): one float32 tensor `layer.<L>` of shape
     layers              JSON list of layer indices (ascending)
     hidden_size         int
     num_layers          the model's number of decoder layers
-    model_fingerprint   see `model_fingerprint`
+    model_fingerprint   see `salience.core.models.folders.model_fingerprint`
     provenance          JSON object: how the vectors were built
 
 Vectors are used exactly as stored: a builder normalises them, a reader never does.
@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
+from salience.core.models.folders import model_fingerprint, model_shape
 from salience.errors import ModelError
 
-__all__ = ["ConceptSet", "ReadoutManifest", "model_fingerprint"]
+__all__ = ["ConceptSet", "ReadoutManifest"]
 
 FORMAT = "concept-set/1"
 
@@ -113,7 +114,7 @@ class ConceptSet:
 
     def check_model(self, model_dir: Path) -> None:
         """Refuse a set built for another model, naming what differs."""
-        hidden, layers = _model_shape(model_dir)
+        hidden, layers = model_shape(model_dir)
         if self.hidden_size != hidden:
             raise ModelError(f"concept set hidden_size {self.hidden_size} != model hidden_size {hidden}")
         if self.num_layers != layers:
@@ -126,27 +127,3 @@ class ConceptSet:
             raise ModelError(
                 f"concept set was built for model {self.model_fingerprint[:12]}, this model is {fingerprint[:12]}"
             )
-
-
-def _text_config(model_dir: Path) -> dict:
-    config = json.loads((model_dir / "config.json").read_text())
-    return config.get("text_config") or config
-
-
-def _model_shape(model_dir: Path) -> tuple[int, int]:
-    config = _text_config(model_dir)
-    return int(config["hidden_size"]), int(config["num_hidden_layers"])
-
-
-def model_fingerprint(model_dir: Path) -> str:
-    """Identifies the weights cheaply: shape settings plus the first embedding rows."""
-    from safetensors import safe_open
-
-    digest = hashlib.sha256(json.dumps(_model_shape(model_dir)).encode())
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            name = next((k for k in handle.keys() if k.endswith("embed_tokens.weight")), None)  # noqa: SIM118
-            if name is not None:
-                digest.update(handle.get_slice(name)[:4].to(torch.float32).numpy().tobytes())
-                break
-    return digest.hexdigest()

@@ -12,9 +12,9 @@ from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from salience.core.generation import Generation, PromptScores
-from salience.core.steering import Intervention
-from salience.core.types import FinishReason, ImageBlock, SamplingOptions, covers
+from salience.core.engine.generation import Generation, PromptScores
+from salience.core.engine.requests import FinishReason, ImageBlock, SamplingOptions, covers
+from salience.core.probes.steering import Intervention
 
 __all__ = ["Range", "SessionToken", "Turn", "TurnDone", "TurnRun"]
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from salience.core.types import SamplingOptions
+from salience.core.engine.requests import SamplingOptions
 from salience.errors import ContextOverflow, InvalidArgument
 
 if TYPE_CHECKING:

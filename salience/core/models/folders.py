@@ -1,18 +1,20 @@
-"""Checks that a model folder can be served, before the engine is started.
+"""Model folders: whether one can be served, and the facts other layers read from it.
 
 vLLM reports a bad folder with a deep traceback from inside its engine process;
-checking up front lets the CLI end with one line naming the problem.
+checking up front lets the CLI end with one line naming the problem. Concept sets
+record the shape and fingerprint of the model they were built for (probes/concepts.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from salience.errors import ModelError
 
-__all__ = ["ModelFolder", "inspect_model_folder"]
+__all__ = ["ModelFolder", "inspect_model_folder", "model_fingerprint", "model_shape", "text_config"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,3 +51,30 @@ def inspect_model_folder(path: str | Path) -> ModelFolder:
     if not any(arch in supported for arch in architectures):
         raise ModelError(f"architecture {', '.join(map(str, architectures))} is not supported by vLLM")
     return ModelFolder(path=folder.resolve(), architectures=tuple(architectures), config=config)
+
+
+def text_config(model_dir: Path) -> dict:
+    """config.json's language-model part: a vision-language model nests it under `text_config`."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return config.get("text_config") or config
+
+
+def model_shape(model_dir: Path) -> tuple[int, int]:
+    """(hidden_size, num_hidden_layers) of the language model."""
+    config = text_config(model_dir)
+    return int(config["hidden_size"]), int(config["num_hidden_layers"])
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Identifies the weights cheaply: shape settings plus the first embedding rows."""
+    import torch  # only here: the rest of this module serves the CLI before torch is needed
+    from safetensors import safe_open
+
+    digest = hashlib.sha256(json.dumps(model_shape(model_dir)).encode())
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            name = next((k for k in handle.keys() if k.endswith("embed_tokens.weight")), None)  # noqa: SIM118
+            if name is not None:
+                digest.update(handle.get_slice(name)[:4].to(torch.float32).numpy().tobytes())
+                break
+    return digest.hexdigest()
