@@ -275,7 +275,8 @@ class LmtpSession:
     # ---- output ------------------------------------------------------------------------
 
     def _token(self, stream: Stream, payload: dict) -> None:
-        if payload.get("finish_reason") is not None:  # the stream's terminal payload: its id is free
+        terminal = payload.get("finish_reason") is not None
+        if terminal:  # the stream's terminal payload: its id is free
             stream.finish = payload["finish_reason"]
             payload["request_id"] = stream.request_id
             self._release(stream)
@@ -283,10 +284,20 @@ class LmtpSession:
             self._readout_positions.inc()
             self._readout_bytes.inc(len(orjson.dumps(payload["readout"])))
         self._put("TOKEN", payload)
+        if terminal and stream.finish != "cancelled":
+            self._answer_late_cancel(stream)
 
     def _end_with_error(self, stream: Stream, message: str, *, kind: str) -> None:
         self._release(stream)
         self._error(stream.id, message, kind=kind, request_id=stream.request_id)
+        self._answer_late_cancel(stream)
+
+    def _answer_late_cancel(self, stream: Stream) -> None:
+        """A CANCEL that reached a stream whose end was already made (its last token came out
+        of the engine before the abort) is answered as one after the end: every CANCEL either
+        ends its stream "cancelled" or gets "not running"."""
+        if stream.cancelled:
+            self._error(stream.id, f"CANCEL: stream {stream.id} is not running", request_id=stream.request_id)
 
     def _error(self, stream_id: int, message: str, *, kind: str = "LmtpError", request_id: str | None = None) -> None:
         """End a stream with an error (`kind`: the SalienceError class, or what else went wrong)."""

@@ -135,3 +135,35 @@ async def test_a_stream_id_is_free_again_once_its_terminal_payload_is_out(tiny_e
         await session.wait_closed()
     assert [p.get("finish_reason") for p in payloads] == ["length", "cancelled"], payloads
     assert payloads[0]["request_id"] != payloads[1]["request_id"]
+
+
+async def test_a_cancel_that_meets_the_streams_end_is_told_it_is_not_running(tiny_engine: Engine) -> None:
+    """The CANCEL arrives after the engine made the last token but before its payload goes
+    out (the race a soak found once): the stream ends "length", then the CANCEL's answer."""
+    session = session_for(tiny_engine, ConnectionLimits())
+    payloads: list[dict] = []
+    token, put = session._token, session._put
+
+    def cancel_then_token(stream, payload: dict) -> None:
+        if payload.get("finish_reason") and not stream.cancelled:
+            session.receive('CANCEL {"stream_id": 1}')
+        token(stream, payload)
+
+    def record(kind: str, payload: dict, force: bool = False) -> None:
+        put(kind, payload, force)
+        if payload.get("finish_reason") or "error" in payload:
+            payloads.append(payload)
+
+    session._token, session._put = cancel_then_token, record
+
+    async def send(frame: str) -> None:
+        pass
+
+    async with pumping(session, send):
+        session.receive(generate(1, 4))
+        await wait_until(lambda: len(payloads) >= 2)
+        await session.wait_closed()
+    assert payloads[0]["finish_reason"] == "length"
+    assert payloads[1]["error"] == "CANCEL: stream 1 is not running"
+    assert payloads[1]["request_id"] == payloads[0]["request_id"]
+    assert len(payloads) == 2
