@@ -22,9 +22,9 @@ configure_environment()  # before anything imports vllm or torch
 
 import torch  # noqa: E402
 
-from salience.core.models import portable  # noqa: E402
 from salience.core.engine.engine import Engine  # noqa: E402
 from salience.core.engine.settings import EngineSettings  # noqa: E402
+from salience.core.models import portable  # noqa: E402
 from salience.core.models.atomic import build_folder_once  # noqa: E402
 from salience.core.models.default_model import ensure_default_model  # noqa: E402
 from salience.core.models.folders import model_fingerprint  # noqa: E402

@@ -239,6 +239,7 @@ async def test_readouts_over_lmtp(engine: Engine, concepts: ConceptSet) -> None:
             "layers": list(TINY_LAYERS),
             "hidden_size": 128,
             "dtype": "float32",
+            "concept_info": [None] * len(TINY_CONCEPTS),  # a set built by hand has no calibration
         }
         prompt = PROMPTS[3]
         fields = {

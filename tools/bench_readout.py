@@ -7,10 +7,12 @@ Three servers on the default model, started once, driven over LMTP in one run:
   generated token asks for its readout;
 - `--eager`: readouts in eager mode (the path before readouts were compiled).
 
-For each stream count N, N concurrent streams (greedy, P-token prompts, M tokens each,
-EOS masked) go to each server in rotating order, repeated; the medians give tokens/s and the
-ratios against `--no-readouts`. Servers are started one after another (a first start
-compiles, which is reported) and then idle while another is measured.
+The default server is driven three ways: raw readouts, readouts as calibrated probabilities,
+and raw readouts with one `flag` monitor per concept (p > 0.5 at its recommended layer). For
+each stream count N, N concurrent streams (greedy, P-token prompts, M tokens each, EOS masked)
+go to each of the five in rotating order, repeated; the medians give tokens/s and the ratios
+against `--no-readouts`, and monitors against plain readouts. Servers are started one after
+another (a first start compiles, which is reported) and then idle while another is measured.
 
     .venv/bin/python tools/bench_readout.py [--streams 1,8,16] [--tokens 64] [--repeats 3]
 """
@@ -49,7 +51,6 @@ class Server:
     process: subprocess.Popen | None = None
     start_seconds: float = 0.0
     env: dict[str, str] = field(default_factory=dict)
-    rates: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -87,6 +88,30 @@ def stop(server: Server) -> None:
         server.process.wait(timeout=120)
 
 
+@dataclass
+class Way:
+    """One way of driving a server: whether every generated token asks for its readout, the fields
+    every GENERATE adds, and what it measured."""
+
+    name: str
+    server: Server
+    reads: bool
+    fields: dict = field(default_factory=dict)
+    rates: dict[int, list[float]] = field(default_factory=dict)
+
+
+def ways(running: list[Server], concepts: list[str]) -> list[Way]:
+    fastest, default, eager = running
+    monitors = [{"concept": name, "above": 0.5, "action": "flag"} for name in concepts]
+    return [
+        Way("compiled, no readouts", fastest, False),
+        Way("readouts", default, True),
+        Way("probabilities", default, True, {"readout_format": "probability"}),
+        Way(f"readouts + {len(monitors)} monitors", default, True, {"monitors": monitors}),
+        Way("eager + readouts", eager, True),
+    ]
+
+
 @contextlib.asynccontextmanager
 async def servers(model_name: str, cache: str) -> AsyncIterator[tuple[list[Server], float]]:
     """The three servers, ready; and how long the default one took to start with empty
@@ -111,18 +136,18 @@ def prompts(n: int, length: int) -> list[list[int]]:
     return [[1, *((97 * i + 31 * j) % 40000 + 50 for j in range(length - 1))] for i in range(n)]
 
 
-async def run(server: Server, model: str, batch: list[list[int]], tokens: int, eos: int) -> tuple[float, int, int]:
+async def run(way: Way, model: str, batch: list[list[int]], tokens: int, eos: int) -> tuple[float, int, int]:
     """Seconds for the batch, tokens received, readouts received."""
-    client = await LmtpClient.connect(server.url)
-    readouts = "--no-readouts" not in server.flags
+    client = await LmtpClient.connect(way.server.url)
     try:
 
         async def one(prompt: list[int]) -> tuple[int, int]:
-            fields = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0}
-            if readouts:
+            fields = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, **way.fields}
+            if way.reads:
                 fields["readout"] = [[len(prompt), len(prompt) + tokens]]
             payloads = [p async for p in client.stream("GENERATE", logit_bias={str(eos): -100.0}, **fields)]
-            return sum("token" in p for p in payloads), sum(p.get("readout") is not None for p in payloads)
+            generated = [p for p in payloads if "token" in p and not p.get("prompt")]
+            return len(generated), sum(p.get("readout") is not None for p in generated)
 
         started = time.perf_counter()
         counts = await asyncio.gather(*map(one, batch))
@@ -148,45 +173,48 @@ async def main() -> None:
     print("starting three servers on the default model, one after another", file=sys.stderr)
     with tempfile.TemporaryDirectory() as cache:
         async with servers(DEFAULT_MODEL_NAME, cache) as (running, cold):
-            await measure(running, counts, args, eos)
-    report(running, counts, args, cold)
+            client = await LmtpClient.connect(running[1].url)
+            concepts = (await client.request("MODEL_INFO"))["model_info"]["readout_manifest"]["concepts"]
+            await client.close()
+            driven = ways(running, concepts)
+            await measure(driven, counts, args, eos)
+    report(running, driven, counts, args, cold)
 
 
-async def measure(running: list[Server], counts: list[int], args: argparse.Namespace, eos: int) -> None:
+async def measure(driven: list[Way], counts: list[int], args: argparse.Namespace, eos: int) -> None:
     from salience.core.models.default_model import DEFAULT_MODEL_NAME
 
-    for server in running:  # the first request of each pays for lazy initialisation
-        await run(server, DEFAULT_MODEL_NAME, prompts(1, 8), 4, eos)
+    for way in driven:  # the first request of each pays for lazy initialisation
+        await run(way, DEFAULT_MODEL_NAME, prompts(1, 8), 4, eos)
     for n in counts:
         batch = prompts(n, args.prompt_tokens)
         for repeat in range(args.repeats):
-            shift = repeat % len(running)
-            for server in running[shift:] + running[:shift]:
-                seconds, produced, read = await run(server, DEFAULT_MODEL_NAME, batch, args.tokens, eos)
+            shift = repeat % len(driven)
+            for way in driven[shift:] + driven[:shift]:
+                seconds, produced, read = await run(way, DEFAULT_MODEL_NAME, batch, args.tokens, eos)
                 expected = n * args.tokens
-                assert produced == expected, f"{server.name}: {produced} tokens, expected {expected}"
-                if "--no-readouts" not in server.flags:
-                    assert read == expected, f"{server.name}: {read} readouts, expected {expected}"
-                server.rates.setdefault(n, []).append(produced / seconds)
-                print(
-                    f"  N={n:<3} {server.name:30} run {repeat + 1}: {produced / seconds:7.1f} tok/s",
-                    file=sys.stderr,
-                )
+                assert produced == expected, f"{way.name}: {produced} tokens, expected {expected}"
+                if way.reads:
+                    assert read == expected, f"{way.name}: {read} readouts, expected {expected}"
+                way.rates.setdefault(n, []).append(produced / seconds)
+                print(f"  N={n:<3} {way.name:30} run {repeat + 1}: {produced / seconds:7.1f} tok/s", file=sys.stderr)
 
 
-def report(running: list[Server], counts: list[int], args: argparse.Namespace, cold: float) -> None:
+def report(running: list[Server], driven: list[Way], counts: list[int], args: argparse.Namespace, cold: float) -> None:
     from salience.core.models.default_model import DEFAULT_MODEL_NAME
 
     print(
         f"\n{DEFAULT_MODEL_NAME}, LMTP, greedy, {args.prompt_tokens}-token prompts, {args.tokens} tokens per stream, "
         f"median of {args.repeats}; readouts on every generated token, every layer"
     )
-    names = " | ".join(f"{s.name} tok/s" for s in running)
-    print(f"\n| streams | {names} | default / fastest | eager / fastest | default / eager |")
-    print("|---:" * (len(running) + 4) + "|")
+    names = " | ".join(f"{w.name} tok/s" for w in driven)
+    ratios = " | ".join(f"{w.name} / fastest" for w in driven[1:])
+    print(f"\n| streams | {names} | {ratios} | monitors / readouts |")
+    print("|---:" * (2 * len(driven) + 1) + "|")
     for n in counts:
-        a, b, c = (statistics.median(s.rates[n]) for s in running)
-        print(f"| {n} | {a:.1f} | {b:.1f} | {c:.1f} | {b / a:.2f} | {c / a:.2f} | {b / c:.2f} |")
+        rates = [statistics.median(w.rates[n]) for w in driven]
+        cells = " | ".join(f"{r:.1f}" for r in rates) + " | " + " | ".join(f"{r / rates[0]:.2f}" for r in rates[1:])
+        print(f"| {n} | {cells} | {rates[3] / rates[1]:.2f} |")
     starts = ", ".join(f"{s.name} {s.start_seconds:.0f} s" for s in running)
     print(f"\nstart to ready: default with empty compile caches {cold:.0f} s; then {starts}")
 

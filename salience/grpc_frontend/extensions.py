@@ -9,11 +9,13 @@ from collections.abc import AsyncIterator
 import grpc
 
 from salience.core.engine.images import Vision
+from salience.core.probes.calibration import Action, Monitor, MonitorEvent, parse_monitors
 from salience.core.probes.steering import MAX_INTERVENTIONS, MAX_MAGNITUDE, Intervention, Op
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import ServerStatus
+from salience.core.serving.turns import SessionToken
 from salience.errors import InvalidArgument
-from salience.grpc_frontend.service import run_turn, turn_from
+from salience.grpc_frontend.service import run_turn, seed_event, turn_from
 from salience.grpc_frontend.status_codes import translating, translating_stream
 from salience.logs import REQUEST_ID
 from salience.proto.salience.ext.v1 import extensions_pb2 as ext
@@ -23,6 +25,9 @@ from salience.proto.salience.v1 import salience_pb2 as pb
 __all__ = ["ExtensionsService"]
 
 _OPS = {ext.Intervention.OP_ADD: Op.ADD, ext.Intervention.OP_SET: Op.SET, ext.Intervention.OP_ABLATE: Op.ABLATE}
+_ACTIONS = {ext.Monitor.ACTION_FLAG: "flag", ext.Monitor.ACTION_STOP: "stop"}
+_INFO_FIELDS = ("name", "recommended_layer", "method", "n_fit", "n_heldout", "validation")
+_FIT_FIELDS = tuple(ext.LayerFit.DESCRIPTOR.fields_by_name)
 
 
 class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
@@ -37,9 +42,39 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
         turn = turn_from(request.generate, REQUEST_ID.get(), interventions(request.interventions))
         async with contextlib.aclosing(
             run_turn(self._status, self._sessions, request.generate.session_id, turn)
-        ) as events:
-            async for event in events:
+        ) as items:
+            async for item in items:
+                yield seed_event(item)
+
+    @translating_stream
+    async def ExtendedGenerate(
+        self, request: ext.ExtendedGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ext.ExtendedGenerateEvent]:
+        probabilities = request.readout_format == ext.ExtendedGenerateRequest.READOUT_FORMAT_PROBABILITY
+        view = self._status.serving_engine().calibration().probabilities if probabilities else None
+        steer, watch = interventions(request.interventions), monitors(request.monitors)
+        turn = turn_from(request.generate, REQUEST_ID.get(), steer, watch)
+        async with contextlib.aclosing(
+            run_turn(self._status, self._sessions, request.generate.session_id, turn)
+        ) as items:
+            async for item in items:
+                event = ext.ExtendedGenerateEvent(event=seed_event(item, view))
+                if isinstance(item, SessionToken):
+                    event.monitors.extend(_monitor_event(m) for m in item.monitors)
+                elif item.stopped_by is not None:
+                    event.stopped_by.CopyFrom(_monitor_event(item.stopped_by))
                 yield event
+
+    @translating
+    async def GetConceptManifest(self, request: ext.GetConceptManifestRequest, context: grpc.aio.ServicerContext):
+        readouts = self._status.serving_engine().readouts
+        manifest = ext.ConceptManifest()
+        if readouts is not None:
+            for name, info in zip(readouts.manifest.concepts, readouts.manifest.concept_info, strict=True):
+                concept = manifest.concepts.add(name=name)
+                if info:
+                    concept.info.CopyFrom(_concept_info(info))
+        return manifest
 
     @translating
     async def GetSteeringManifest(self, request: ext.GetSteeringManifestRequest, context: grpc.aio.ServicerContext):
@@ -71,6 +106,44 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
             width=width,
             height=height,
         )
+
+
+def _concept_info(info: dict) -> ext.ConceptInfo:
+    """The manifest's concept_info as protobuf: the names the issue fixed are always there, the
+    rest where the builder wrote them."""
+    writes = info.get("writes") or {}
+    return ext.ConceptInfo(
+        **{field: info[field] for field in _INFO_FIELDS if field in info},
+        layers=[ext.LayerFit(**{f: fit[f] for f in _FIT_FIELDS if f in fit}) for fit in info["layers"]],
+        writes_layer=writes.get("layer", 0),
+        raises=writes.get("raises", ()),
+        lowers=writes.get("lowers", ()),
+    )
+
+
+def monitors(messages) -> tuple[Monitor, ...]:
+    """Core monitors from their protobuf form, through the one parser LMTP's JSON form uses."""
+    return parse_monitors(
+        [
+            {
+                "concept": m.concept,
+                "action": _ACTIONS.get(m.action),
+                **{field: getattr(m, field) for field in ("layer", "above", "below") if m.HasField(field)},
+            }
+            for m in messages
+        ]
+    )
+
+
+def _monitor_event(event: MonitorEvent) -> ext.MonitorEvent:
+    return ext.MonitorEvent(
+        monitor=event.monitor,
+        concept=event.concept,
+        layer=event.layer,
+        position=event.position,
+        probability=event.probability,
+        action=ext.Monitor.ACTION_STOP if event.action is Action.STOP else ext.Monitor.ACTION_FLAG,
+    )
 
 
 def interventions(messages) -> tuple[Intervention, ...]:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
 from salience import metrics
 from salience.core.engine.requests import FinishReason, ImageBlock, SamplingOptions
+from salience.core.probes.calibration import Monitor
 from salience.core.probes.steering import Intervention
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import ServerStatus
@@ -18,12 +19,16 @@ from salience.logs import REQUEST_ID
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
 
-__all__ = ["SalienceService", "run_turn", "turn_from"]
+__all__ = ["SalienceService", "View", "run_turn", "seed_event", "turn_from"]
+
+View = Callable[[Sequence[float]], Sequence[float]]
 
 _FINISH = {
     FinishReason.STOP: pb.GenerateDone.FINISH_REASON_EOS,
     FinishReason.LENGTH: pb.GenerateDone.FINISH_REASON_LENGTH,
     FinishReason.CANCELLED: pb.GenerateDone.FINISH_REASON_CANCELLED,
+    # The seed has no value for a monitor's stop: ExtendedGenerateEvent.stopped_by names it.
+    FinishReason.MONITOR: pb.GenerateDone.FINISH_REASON_UNSPECIFIED,
 }
 
 
@@ -64,15 +69,15 @@ class SalienceService(salience_pb2_grpc.SalienceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateEvent]:
         turn = turn_from(request, REQUEST_ID.get())
-        async with contextlib.aclosing(run_turn(self._status, self._sessions, request.session_id, turn)) as events:
-            async for event in events:
-                yield event
+        async with contextlib.aclosing(run_turn(self._status, self._sessions, request.session_id, turn)) as items:
+            async for item in items:
+                yield seed_event(item)
 
 
 async def run_turn(
     status: ServerStatus, sessions: SessionStore, session_id: str, turn: Turn
-) -> AsyncIterator[pb.GenerateEvent]:
-    """A session turn as the seed's GenerateEvents: tokens, then one Done."""
+) -> AsyncIterator[SessionToken | TurnDone]:
+    """A session turn, counted: its tokens, then how it ended."""
     with status.admit("grpc", "session_generate") as admitted:
         run = await sessions.start(session_id, turn, admitted.engine)
         async with contextlib.aclosing(aiter(run)) as tokens:
@@ -80,16 +85,30 @@ async def run_turn(
                 if token.readout is not None:
                     metrics.READOUT_POSITIONS.labels("grpc").inc()
                     metrics.READOUT_BYTES.labels("grpc").inc(4 * len(token.readout))
-                yield pb.GenerateEvent(token=_token(token))
+                yield token
         assert run.done is not None
         admitted.end(run.done.finish_reason.value)
-        yield pb.GenerateEvent(done=_done(run.done))
+        yield run.done
 
 
-def turn_from(request: pb.GenerateRequest, request_id: str | None = None, steer: Sequence[Intervention] = ()) -> Turn:
-    """The core Turn a seed GenerateRequest asks for (and, from the extension, its interventions)."""
+def seed_event(item: SessionToken | TurnDone, view: View | None = None) -> pb.GenerateEvent:
+    """A turn's token or end as the seed's GenerateEvent; `view` maps readout rows (probabilities)."""
+    if isinstance(item, TurnDone):
+        return pb.GenerateEvent(done=_done(item))
+    return pb.GenerateEvent(token=_token(item, view))
+
+
+def turn_from(
+    request: pb.GenerateRequest,
+    request_id: str | None = None,
+    steer: Sequence[Intervention] = (),
+    monitors: Sequence[Monitor] = (),
+) -> Turn:
+    """The core Turn a seed GenerateRequest asks for (and, from the extensions, its interventions
+    and monitors)."""
     return Turn(
         steer=steer,
+        monitors=monitors,
         request_id=request_id,
         offset=request.offset,
         truncating=request.truncating,
@@ -111,10 +130,10 @@ def turn_from(request: pb.GenerateRequest, request_id: str | None = None, steer:
     )
 
 
-def _token(token: SessionToken) -> pb.Token:
+def _token(token: SessionToken, view: View | None) -> pb.Token:
     message = pb.Token(id=token.token_id, position=token.position, is_prefill=token.is_prefill)
     if token.readout is not None:
-        message.readout.extend(token.readout)
+        message.readout.extend(token.readout if view is None else view(token.readout))
     if token.logprob is not None:
         message.sampled_logprob = token.logprob
         message.has_sampled_logprob = True

@@ -25,6 +25,7 @@ import orjson
 
 from salience import request_ids
 from salience.core.engine.requests import ImageBlock
+from salience.core.probes.calibration import Monitor, parse_monitors
 from salience.core.probes.steering import Intervention, parse_interventions
 from salience.errors import InvalidArgument
 from salience.lmtp.messages import (
@@ -195,12 +196,27 @@ def _steer(value: Any, name: str) -> tuple[Intervention, ...]:
         raise ValueError(str(exc)) from None
 
 
+def _monitors(value: Any, name: str) -> tuple[Monitor, ...]:
+    """The shape of each monitor; concepts and layers are the engine's to check."""
+    try:
+        return parse_monitors(value)
+    except InvalidArgument as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _readout_format(value: Any, name: str) -> str:
+    if value not in READOUT_FORMATS:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, READOUT_FORMATS))}, got {_show(value)}")
+    return value
+
+
 def _show(value: Any) -> str:
     text = orjson.dumps(value).decode() if isinstance(value, (dict, list, str, int, float, bool, type(None))) else "?"
     return text if len(text) <= 40 else text[:37] + "..."
 
 
 _Reader = Callable[[Any, str], Any]
+READOUT_FORMATS = ("raw", "probability")
 _GENERATE: dict[str, _Reader] = {
     "stream_id": _int,
     "prompt": _tokens,
@@ -223,6 +239,8 @@ _GENERATE: dict[str, _Reader] = {
     "readout": _ranges,
     "request_id": _request_id,
     "steer": _steer,
+    "readout_format": _readout_format,
+    "monitors": _monitors,
 }
 _SCORE: dict[str, _Reader] = {
     "stream_id": _int,
@@ -234,6 +252,7 @@ _SCORE: dict[str, _Reader] = {
     "readout": _ranges,
     "request_id": _request_id,
     "steer": _steer,
+    "readout_format": _readout_format,
 }
 _SESSION_GENERATE: dict[str, _Reader] = {
     "stream_id": _int,
@@ -257,6 +276,8 @@ _SESSION_GENERATE: dict[str, _Reader] = {
             "text",
             "request_id",
             "steer",
+            "readout_format",
+            "monitors",
         )
     },
     "images": _images,

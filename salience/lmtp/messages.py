@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from salience.core.engine.requests import ImageBlock
+from salience.core.probes.calibration import Monitor
 from salience.core.probes.steering import Intervention
 
 __all__ = [
@@ -59,6 +60,8 @@ class Generate:
     readout: tuple[tuple[int, int], ...] = ()
     request_id: str | None = None  # the client's id for the stream (default: the server makes one)
     steer: tuple[Intervention, ...] = ()  # interventions on the residual stream (docs/steering.md)
+    readout_format: str = "raw"  # or "probability": each value through its calibration (docs/readouts.md)
+    monitors: tuple[Monitor, ...] = ()  # watched on every generated token (docs/readouts.md#monitors)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +75,7 @@ class Score:
     readout: tuple[tuple[int, int], ...] = ()
     request_id: str | None = None
     steer: tuple[Intervention, ...] = ()
+    readout_format: str = "raw"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +160,8 @@ class SessionGenerate:
     images: tuple[ImageBlock, ...] = ()
     request_id: str | None = None
     steer: tuple[Intervention, ...] = ()
+    readout_format: str = "raw"
+    monitors: tuple[Monitor, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

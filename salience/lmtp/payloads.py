@@ -4,13 +4,44 @@ kept apart from the connection that sequences it (session.py)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 from salience.core.engine.detokenizer import TextStream
-from salience.core.engine.requests import SamplingOptions, ScoredToken, TokenEvent
+from salience.core.engine.engine import Engine
+from salience.core.engine.requests import FinishReason, SamplingOptions, ScoredToken, TokenEvent
+from salience.core.probes.calibration import MonitorEvent
 from salience.core.serving.turns import SessionToken, Turn, TurnDone
 from salience.lmtp.messages import Generate, SessionGenerate
 
-__all__ = ["prompt_payloads", "sampling_options", "session_payload", "token_payload", "turn", "turn_end_payload"]
+__all__ = [
+    "finish_reason",
+    "prompt_payloads",
+    "readout_view",
+    "sampling_options",
+    "session_payload",
+    "token_payload",
+    "turn",
+    "turn_end_payload",
+]
+
+View = Callable[[Sequence[float]], Sequence[float]]
+
+
+def readout_view(engine: Engine, readout_format: str) -> View:
+    """How a request's readout rows go on the wire: as read, or each value through its calibration
+    (InvalidArgument, before anything runs, if the served set has none)."""
+    return engine.calibration().probabilities if readout_format == "probability" else _as_read
+
+
+def _as_read(row: Sequence[float]) -> Sequence[float]:
+    return row
+
+
+def finish_reason(reason: FinishReason | None, stopped_by: MonitorEvent | None) -> str | None:
+    """LMTP's finish_reason: the core's, with a monitor's stop as `monitor:<concept>`."""
+    if reason is FinishReason.MONITOR and stopped_by is not None:
+        return f"monitor:{stopped_by.concept}"
+    return reason and reason.value
 
 
 def sampling_options(request: Generate) -> SamplingOptions:
@@ -51,6 +82,7 @@ def turn(request: SessionGenerate, request_id: str) -> Turn:
         ),
         request_id=request_id,
         steer=request.steer,
+        monitors=request.monitors,
     )
 
 
@@ -62,6 +94,7 @@ def token_payload(
     top: bool,
     text: TextStream | None,
     readout: bool,
+    view: View = _as_read,
 ) -> dict:
     """One TOKEN payload: the fields LMQL reads, plus the extensions the request asked for."""
     payload = {
@@ -77,11 +110,14 @@ def token_payload(
     if readout:
         payload["position"] = token.position
         if token.readout is not None:
-            payload["readout"] = token.readout
+            payload["readout"] = view(token.readout)
+    if isinstance(token, TokenEvent) and token.monitors:
+        payload["position"] = token.position
+        payload["monitors"] = [event.as_dict() for event in token.monitors]
     return payload
 
 
-def prompt_payloads(stream_id: int, prompt: tuple[int, ...], readouts: dict) -> list[dict]:
+def prompt_payloads(stream_id: int, prompt: tuple[int, ...], readouts: dict, view: View = _as_read) -> list[dict]:
     """Prompt positions' readouts, which go before any other payload, marked "prompt": true."""
     return [
         {
@@ -90,13 +126,13 @@ def prompt_payloads(stream_id: int, prompt: tuple[int, ...], readouts: dict) -> 
             "position": position,
             "prompt": True,
             "finish_reason": None,
-            "readout": readouts[position],
+            "readout": view(readouts[position]),
         }
         for position in sorted(readouts)
     ]
 
 
-def session_payload(stream_id: int, token: SessionToken, text: TextStream | None) -> dict:
+def session_payload(stream_id: int, token: SessionToken, text: TextStream | None, view: View = _as_read) -> dict:
     """A session turn's TOKEN payload: prompt positions marked "prompt": true; fields only where covered."""
     payload: dict = {"stream_id": stream_id, "token": token.token_id, "position": token.position}
     if token.is_prefill:
@@ -106,7 +142,9 @@ def session_payload(stream_id: int, token: SessionToken, text: TextStream | None
     if token.top_logprobs:
         payload["top_logprobs"] = _top_logprobs(token.top_logprobs)
     if token.readout is not None:
-        payload["readout"] = token.readout
+        payload["readout"] = view(token.readout)
+    if token.monitors:
+        payload["monitors"] = [event.as_dict() for event in token.monitors]
     if text is not None and not token.is_prefill:
         payload["text"] = text.push(token.token_id)
     payload["finish_reason"] = None
@@ -115,7 +153,7 @@ def session_payload(stream_id: int, token: SessionToken, text: TextStream | None
 
 def turn_end_payload(stream_id: int, done: TurnDone, text: TextStream | None) -> dict:
     """A session turn's terminal payload: how it ended, the text's tail, and its usage."""
-    final: dict = {"stream_id": stream_id, "finish_reason": done.finish_reason.value}
+    final: dict = {"stream_id": stream_id, "finish_reason": finish_reason(done.finish_reason, done.stopped_by)}
     if text is not None:
         final["text"] = text.flush()
     final["usage"] = {

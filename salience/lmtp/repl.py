@@ -25,13 +25,20 @@ from typing import Any
 from salience.core.models.home import salience_home
 from salience.lmtp.client import LmtpClient, LmtpStreamError
 
-__all__ = ["parse_line", "parse_steer", "run_repl"]
+__all__ = ["parse_line", "parse_monitor", "parse_steer", "run_repl"]
 
 HELP = """\
   PROMPT [key=value ...]     generate from PROMPT (e.g. max_tokens=32 temperature=0 top_k=40 seed=1)
   /score PROMPT || CONT      logprob of each token of CONT after PROMPT
   /top K                     show the K most likely alternatives of each generated token (0: off)
-  /readout [LAYER|off]       show every token's concept readouts at LAYER (default: the deepest read)
+  /readout                   show every token's concept probabilities (0.00-1.00), each concept at
+                             its recommended layer (a calibrated concept set; docs/readouts.md)
+  /readout raw [LAYER]       show every token's raw readouts at LAYER (default: the deepest read)
+  /readout off               stop showing readouts
+  /monitor NAME >P|<P stop|flag [LAYER]
+                             watch concept NAME on every generated token: stop the generation, or
+                             flag each token, where its probability goes above (below) P
+  /monitor [off]             list the monitors in force; drop them all
   /steer NAME +A|-A|=V|ablate [LAYERS] [@all|@prompt|@generated]
                              steer every request along a concept: add A, set to V, or ablate, at
                              LAYERS (15, 10-14 or 3,7; default: the middle of its layers), at every
@@ -92,6 +99,21 @@ def parse_steer(args: str, layers_of: dict[str, list[int]]) -> dict:
     return intervention
 
 
+def parse_monitor(args: str) -> dict:
+    """`NAME >P|<P stop|flag [LAYER]` as a monitor's LMTP form (the server checks the rest)."""
+    words = args.split()
+    if len(words) not in (3, 4) or words[1][:1] not in "<>" or not _is_number(words[1][1:]):
+        raise ValueError("usage: /monitor NAME >P|<P stop|flag [LAYER]   (e.g. /monitor code >0.9 stop)")
+    name, threshold, action, *layer = words
+    monitor: dict[str, Any] = {"concept": name, "above" if threshold[0] == ">" else "below": float(threshold[1:])}
+    monitor["action"] = action
+    if layer:
+        if not layer[0].isdigit():
+            raise ValueError(f"{layer[0]!r} is not a layer number")
+        monitor["layer"] = int(layer[0])
+    return monitor
+
+
 def _is_number(text: str) -> bool:
     try:
         return math.isfinite(float(text))
@@ -105,8 +127,10 @@ class Repl:
         self.loop = loop
         self.defaults: dict[str, Any] = {"max_tokens": 64, "temperature": 0.0}
         self.top = 0
-        self.readout_layer: int | None = None  # the model layer whose readouts are shown; None: off
+        # What readouts are shown: None (off), ("probability", None), or ("raw", the layer shown).
+        self.readout: tuple[str, int | None] | None = None
         self.steer: list[dict] = []  # sent with every GENERATE and SCORE
+        self.monitors: list[dict] = []  # sent with every GENERATE
         self._manifest: dict | None = None
 
     def run(self, coroutine) -> Any:
@@ -128,6 +152,8 @@ class Repl:
             self.set_readout(rest.strip())
         elif command == "/steer":
             self.set_steer(rest.strip())
+        elif command == "/monitor":
+            self.set_monitor(rest.strip())
         elif command == "/set":
             self.defaults.update(parse_line("x " + rest)[1])
             print(" ".join(f"{k}={json.dumps(v)}" for k, v in self.defaults.items()))
@@ -144,26 +170,49 @@ class Repl:
             self.stream("GENERATE", prompt, params)
         return True
 
-    def set_readout(self, arg: str) -> None:
-        if arg == "off":
-            self.readout_layer = None
-            return
+    def manifest(self) -> dict | None:
         if self._manifest is None:
             info = self.run(self.client.request("MODEL_INFO"))["model_info"]
             self._manifest = info.get("readout_manifest") if isinstance(info, dict) else None  # str: loading
-        if not self._manifest:
+        return self._manifest
+
+    def set_readout(self, arg: str) -> None:
+        if arg == "off":
+            self.readout = None
+            return
+        manifest = self.manifest()
+        if not manifest:
             print("[error] the server has no concept set: it reads nothing out")
             return
-        layers = self._manifest["layers"]
-        if arg and not arg.isdigit():
-            print(f"[error] /readout takes a layer number or off, not {arg!r}")
+        mode, _, layer_arg = arg.partition(" ")
+        if mode == "":
+            if not all(manifest.get("concept_info") or [None]):
+                print("[error] the concept set has no calibration: use /readout raw [LAYER]")
+                return
+            self.readout = ("probability", None)
+            layers = ", ".join(f"{i['name']}@{i['recommended_layer']}" for i in manifest["concept_info"])
+            print(f"concept probabilities, each at its recommended layer: {layers}")
             return
-        layer = int(arg) if arg else layers[-1]
+        if mode != "raw" or (layer_arg and not layer_arg.strip().isdigit()):
+            print(f"[error] /readout takes nothing, 'raw [LAYER]' or 'off', not {arg!r}")
+            return
+        layers = manifest["layers"]
+        layer = int(layer_arg) if layer_arg.strip() else layers[-1]
         if layer not in layers:
             print(f"[error] layer {layer} is not read out; the concept set reads layers {layers}")
             return
-        self.readout_layer = layer
-        print(f"readouts at layer {layer} of {', '.join(self._manifest['concepts'])}")
+        self.readout = ("raw", layer)
+        print(f"raw readouts at layer {layer} of {', '.join(manifest['concepts'])}")
+
+    def set_monitor(self, arg: str) -> None:
+        if arg == "off":
+            self.monitors = []
+        elif arg:
+            self.monitors.append(parse_monitor(arg))
+        if not self.monitors:
+            print("no monitors")
+        for monitor in self.monitors:
+            print(json.dumps(monitor))
 
     def set_steer(self, arg: str) -> None:
         if arg == "off":
@@ -207,10 +256,14 @@ class Repl:
         else:
             fields |= self.defaults | params
             fields.setdefault("top_logprobs", self.top)
-        if self.readout_layer is not None:
+        if self.readout is not None:
             fields["readout"] = [[0, 2**31]]  # every position: the prompt's and the generated ones
+            if self.readout[0] == "probability":
+                fields["readout_format"] = "probability"
         if self.steer:
             fields["steer"] = self.steer
+        if self.monitors and kind == "GENERATE":
+            fields["monitors"] = self.monitors
         payloads = []
         async for payload in self.client.stream(kind, stream_id=stream_id, **fields):
             payloads.append(payload)
@@ -223,20 +276,34 @@ class Repl:
         if kind == "SCORE":
             print(f"total logprob {sum(p['logprob'] for p in scored):.4f}")
         print(f"\n[{payloads[-1]['finish_reason']}]")
-        if self.readout_layer is not None:
+        for event in (e for p in payloads for e in p.get("monitors", ())):
+            print(
+                f"[monitor {event['monitor']} {event['action']}: {event['concept']} at layer {event['layer']}, "
+                f"position {event['position']}: p={event['probability']:.3f}]"
+            )
+        if self.readout is not None:
             await self._print_readouts([p for p in payloads if "readout" in p])
 
     async def _print_readouts(self, rows: list[dict]) -> None:
-        """One line per position: its token and each concept's value at the chosen layer."""
-        assert self._manifest is not None and self.readout_layer is not None
-        concepts = self._manifest["concepts"]
-        first = self._manifest["layers"].index(self.readout_layer) * len(concepts)
+        """One line per position: its token and each concept's value, at the chosen layer (raw) or
+        at each concept's recommended layer (probabilities)."""
+        manifest = self.manifest()
+        assert manifest is not None and self.readout is not None
+        concepts, layers = manifest["concepts"], manifest["layers"]
+        mode, layer = self.readout
+        if mode == "probability":
+            columns = [
+                layers.index(i["recommended_layer"]) * len(concepts) + k for k, i in enumerate(manifest["concept_info"])
+            ]
+        else:
+            columns = [layers.index(layer) * len(concepts) + k for k in range(len(concepts))]
         texts = await asyncio.gather(*(self.client.request("DETOKENIZE", tokens=[p["token"]]) for p in rows))
         widths = [max(10, len(c) + 2) for c in concepts]
         print(f"{'pos':>5}  {'token':<14}" + "".join(f"{c:>{w}}" for c, w in zip(concepts, widths, strict=True)))
         for payload, text in zip(rows, texts, strict=True):
-            values = payload["readout"][first : first + len(concepts)]
-            cells = "".join(f"{v:>{w}.4g}" for v, w in zip(values, widths, strict=True))
+            values = [payload["readout"][c] for c in columns]
+            shape = ".2f" if mode == "probability" else ".4g"
+            cells = "".join(f"{v:>{w}{shape}}" for v, w in zip(values, widths, strict=True))
             print(f"{payload['position']:>5}  {text['text']!r:<14}" + cells)
 
 

@@ -20,7 +20,7 @@ import pytest_asyncio
 
 from salience.core.engine.engine import Engine
 from salience.core.probes.concepts import ConceptSet
-from salience.lmtp.repl import parse_line, parse_steer
+from salience.lmtp.repl import parse_line, parse_monitor, parse_steer
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
 from tests.lmtp.conftest import LmtpServer
 
@@ -112,11 +112,19 @@ async def test_repl_generates_scores_cancels_and_survives_errors(lmtp_server: Lm
         assert "logprob" in out
 
         terminal.send("/readout two\r")
-        await terminal.expect(r"\[error\] /readout takes a layer number or off, not 'two'")
-        terminal.send("/readout 1\r")
+        await terminal.expect(r"\[error\] /readout takes nothing, 'raw \[LAYER\]' or 'off', not 'two'")
+        terminal.send("/readout\r")  # this set was made by hand: no calibration, so no probabilities
+        await terminal.expect(r"\[error\] the concept set has no calibration: use /readout raw \[LAYER\]")
+        terminal.send("/readout raw 1\r")
         await terminal.expect(r"\[error\] layer 1 is not read out; the concept set reads layers \[0, 2, 3\]")
-        terminal.send("/readout 2\r")
-        await terminal.expect(r"readouts at layer 2 of alpha, beta")
+        terminal.send("/monitor alpha >0.9 stop\r")
+        await terminal.expect(r'\{"concept": "alpha", "above": 0.9, "action": "stop"\}')
+        terminal.send("hi max_tokens=2\r")
+        await terminal.expect(r"\[error\] the concept set has no calibration for alpha, beta")
+        terminal.send("/monitor off\r")
+        await terminal.expect("no monitors")
+        terminal.send("/readout raw 2\r")
+        await terminal.expect(r"raw readouts at layer 2 of alpha, beta")
         terminal.send("def hello max_tokens=3 ignore_eos=true\r")
         n = len(prompt) + 3  # a row per prompt position and per generated token
         out = await terminal.expect(r"\[length\]\s*\n.*pos\s+token\s+alpha.*\n(?:.*\n){" + str(n) + "}")
@@ -186,8 +194,8 @@ async def test_repl_steers(lmtp_server: LmtpServer) -> None:
         )
         terminal.send("/steer zeta +1\r")
         await terminal.expect(r"\[error\] unknown direction 'zeta'")
-        terminal.send("/readout 2\r")
-        await terminal.expect(r"readouts at layer 2 of alpha, beta")
+        terminal.send("/readout raw 2\r")
+        await terminal.expect(r"raw readouts at layer 2 of alpha, beta")
         terminal.send("def hello max_tokens=3 ignore_eos=true\r")
         n = len(lmtp_server.engine.tokenizer.encode("def hello", add_special_tokens=False)) + 3
         out = await terminal.expect(r"\[length\]\s*\n.*pos\s+token\s+alpha.*\n(?:.*\n){" + str(n) + "}")
@@ -201,3 +209,11 @@ async def test_repl_steers(lmtp_server: LmtpServer) -> None:
         assert terminal.process.returncode == 0
     finally:
         terminal.close()
+
+
+def test_parse_monitor() -> None:
+    assert parse_monitor("code >0.9 stop") == {"concept": "code", "above": 0.9, "action": "stop"}
+    assert parse_monitor("french <0.2 flag 12") == {"concept": "french", "below": 0.2, "action": "flag", "layer": 12}
+    for bad in ("code", "code 0.9 stop", "code >x stop", "code >0.9 stop twelve"):
+        with pytest.raises(ValueError):
+            parse_monitor(bad)

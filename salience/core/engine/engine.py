@@ -39,8 +39,9 @@ from salience.core.engine.images import Vision, collapse
 from salience.core.engine.inflight import InFlight
 from salience.core.engine.requests import SamplingOptions, ScoredToken, covers
 from salience.core.engine.settings import EngineSettings
+from salience.core.probes.calibration import Calibration, Monitor, MonitorState
 from salience.core.probes.readout_worker import TAG
-from salience.core.probes.readouts import ReadoutHub, check_ranges
+from salience.core.probes.readouts import READ_TO_END, ReadoutHub, check_ranges
 from salience.core.probes.steering import Directions, Intervention, ResolvedSteer
 from salience.core.probes.steering_worker import TAG as STEER_TAG
 from salience.errors import EngineError, InvalidArgument
@@ -74,6 +75,15 @@ class Engine:
         self.closed = False
         self.checks = RequestChecks(self.vocab_size, self.max_model_len, self.max_logprobs)
         self.inflight = InFlight(settings.data_parallel_size)
+
+    def calibration(self) -> Calibration:
+        """The served concept set's calibration, or InvalidArgument saying why there is none."""
+        if self.readouts is None:
+            raise InvalidArgument(
+                "probabilities and monitors need concept readouts, and this server has no concept set loaded"
+            )
+        manifest = self.readouts.manifest
+        return Calibration.of(manifest.concepts, manifest.layers, manifest.concept_info)
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> Engine:
@@ -184,6 +194,7 @@ class Engine:
         images: Sequence[PlacedImage] = (),
         steer: Sequence[Intervention] = (),
         dp_rank: int | None = None,
+        monitors: Sequence[Monitor] = (),
     ) -> Generation:
         """Start decoding after `prompt`; iterate the result for TokenEvents.
 
@@ -196,6 +207,10 @@ class Engine:
 
         `dp_rank` pins the request to one data-parallel engine (a session's); by default it goes
         to the least loaded one (`Generation.dp_rank` says which).
+
+        `monitors` watch calibrated concept probabilities on every generated token
+        (calibration.py); they read those tokens' readouts whether or not `readout_ranges`
+        shows them.
 
         Raises InvalidArgument or ContextOverflow before anything is submitted.
         Closing the Generation (or cancelling the task iterating it) aborts the
@@ -212,9 +227,10 @@ class Engine:
             self.checks.top_k(prompt_logprobs)
             params.prompt_logprobs = prompt_logprobs
         steering = self.resolve_steer(steer, len(prompt))
-        request_id, ranges, submitted = self._prepare(
-            params, request_id, readout_ranges, prompt, images, steering, dp_rank
-        )
+        watch = MonitorState(monitors, self.calibration() if monitors else None)
+        shown = check_ranges(readout_ranges)
+        read = [*shown, [len(prompt), READ_TO_END]] if watch else shown
+        request_id, ranges, submitted = self._prepare(params, request_id, read, prompt, images, steering, dp_rank)
         rank = self.inflight.rank_of(request_id)
         # The last token's pass runs where the generation ran: its prefix is cached there.
         read_last = functools.partial(
@@ -231,6 +247,8 @@ class Engine:
             ranges,
             read_last,
             dp_rank=rank,
+            shown=shown,
+            monitors=watch,
         )
         self.inflight.running(request_id, generation)
         generation.on_end = functools.partial(self.inflight.release, request_id)

@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from salience.core.engine.requests import FinishReason, ScoredToken, TokenEvent, covers
+from salience.core.probes.calibration import MonitorState
 from salience.errors import EngineError, InvalidArgument
 
 if TYPE_CHECKING:
@@ -130,6 +131,10 @@ class Generation:
     out (prompt + completion: the prefix cache leaves one position to compute).
     `prompt_readouts` holds the prompt positions' readouts, and `prompt_scores()`
     the prompt's logprobs as well, once the first event is out.
+
+    Monitors read every generated token's readout (`ranges` then covers them all, `shown` only
+    those the client asked to see). A monitor's `stop` ends the generation at the token where it
+    holds: that event is the last, with finish_reason MONITOR, and the request is aborted in vLLM.
     """
 
     def __init__(
@@ -145,6 +150,8 @@ class Generation:
         read_last: Callable[[list[int], int], Awaitable[tuple[float, ...] | None]] | None = None,
         *,
         dp_rank: int | None = None,
+        shown: list[list[int]] | None = None,
+        monitors: MonitorState | None = None,
     ):
         self.request_id = request_id
         self.dp_rank = dp_rank  # the data-parallel engine it runs on (None: no data parallelism)
@@ -164,6 +171,8 @@ class Generation:
         self._held: list[TokenEvent] = []
         self._hub = hub if ranges else None
         self._ranges = ranges or []
+        self._shown = self._ranges if shown is None else shown
+        self._monitors = monitors if monitors else None
         # The last token's residual exists once it is fed back. With room in the context, decode
         # one token more than asked and drop it: one more row in a batched decode step instead
         # of a separate pass over the whole sequence after the end (which stays the fallback).
@@ -247,7 +256,25 @@ class Generation:
                     got[last] = readout
         if finished and ready and self._looked_ahead:  # the output that finished held only the dropped token
             ready[-1] = dataclasses.replace(ready[-1], finish_reason=self.finish_reason)
-        self._pending.extend(dataclasses.replace(e, readout=got[e.position]) if e.position in got else e for e in ready)
+        for event in ready:
+            row = got.get(event.position)
+            fired = self._monitors.step(event.position, row) if self._monitors and row is not None else ()
+            shown = row if row is not None and covers(self._shown, event.position) else None
+            if shown is not None or fired:
+                event = dataclasses.replace(event, readout=shown, monitors=fired)
+            if event.stopped_by is not None:
+                self._pending.append(dataclasses.replace(event, finish_reason=FinishReason.MONITOR))
+                await self._stop_by_monitor()
+                return
+            self._pending.append(event)
+
+    async def _stop_by_monitor(self) -> None:
+        """End here: drop what came after the stopping token; closing vLLM's generator aborts the
+        request if it is still running (and frees its readout state)."""
+        self.finish_reason = FinishReason.MONITOR
+        self._held = []
+        self._engine_finished = False
+        await self._outputs.aclose()
 
     async def cancel(self) -> None:
         """Abort in the engine; iteration then ends with finish_reason CANCELLED. Cancelled

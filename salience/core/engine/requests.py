@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from salience.core.probes.calibration import Action, MonitorEvent
+
 __all__ = ["FinishReason", "ImageBlock", "SamplingOptions", "ScoredToken", "TokenEvent", "covers"]
 
 
@@ -14,6 +16,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # EOS or one of stop_token_ids was sampled
     LENGTH = "length"  # max_tokens (or max_model_len) reached
     CANCELLED = "cancelled"  # aborted by the client or the server
+    MONITOR = "monitor"  # a monitor's `stop` held on the last token (TokenEvent.monitors names it)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +70,12 @@ class TokenEvent:
     top_logprobs: tuple[tuple[int, float], ...]
     finish_reason: FinishReason | None = None
     readout: tuple[float, ...] | None = None  # [n_layers * n_concepts], row-major, if asked for
+    monitors: tuple[MonitorEvent, ...] = ()  # the request's monitors that fired at this token
+
+    @property
+    def stopped_by(self) -> MonitorEvent | None:
+        """The monitor that ended the generation at this token, if one did."""
+        return next((m for m in self.monitors if m.action is Action.STOP), None)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

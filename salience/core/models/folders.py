@@ -11,8 +11,12 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from salience.errors import ModelError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ModelFolder", "inspect_model_folder", "model_fingerprint", "model_shape", "text_config"]
 
@@ -78,3 +82,23 @@ def model_fingerprint(model_dir: Path) -> str:
                 digest.update(handle.get_slice(name)[:4].to(torch.float32).numpy().tobytes())
                 break
     return digest.hexdigest()
+
+
+def unembedding(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final norm's weight [hidden] and the unembedding [vocab, hidden] (the input embedding
+    where the model ties them), float32: what a logit lens of a residual-stream vector goes through."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118
+                if name.endswith("lm_head.weight"):
+                    found["lm_head"] = handle.get_tensor(name)
+                elif name.endswith("embed_tokens.weight"):
+                    found["embed"] = handle.get_tensor(name)
+                elif name.endswith("norm.weight") and ".layers." not in name and "visual" not in name:
+                    found["norm"] = handle.get_tensor(name)
+    if "norm" not in found or not ({"lm_head", "embed"} & set(found)):
+        raise ModelError(f"{model_dir}: no final norm or unembedding weights found")
+    return found["norm"].float(), found.get("lm_head", found.get("embed")).float()

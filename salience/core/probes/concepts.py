@@ -10,6 +10,8 @@ File format (safetensors): one float32 tensor `layer.<L>` of shape
     num_layers          the model's number of decoder layers
     model_fingerprint   see `salience.core.models.folders.model_fingerprint`
     provenance          JSON object: how the vectors were built
+    concept_info        JSON list, one object or null per concept (absent in older files): how
+                        each concept validated and its calibration per layer (probes/fitting.py)
 
 Vectors are used exactly as stored: a builder normalises them, a reader never does.
 """
@@ -39,6 +41,10 @@ class ReadoutManifest:
     layers: tuple[int, ...]
     hidden_size: int
     dtype: str = "float32"
+    # Per concept, in the order of `concepts`: {name, recommended_layer, method, n_fit, n_heldout,
+    # layers: [{layer, scale, offset, auroc, accuracy, ...}], ...}, or None where it was not
+    # validated (a set built before calibration, or by hand).
+    concept_info: tuple[dict | None, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +55,11 @@ class ConceptSet:
     num_layers: int
     model_fingerprint: str
     provenance: dict = field(default_factory=dict)
+    info: tuple[dict | None, ...] = ()  # concept_info, see ReadoutManifest; () when the file has none
+
+    def __post_init__(self) -> None:
+        if self.info and len(self.info) != len(self.concepts):
+            raise ModelError(f"concept_info has {len(self.info)} entries for {len(self.concepts)} concepts")
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -56,7 +67,12 @@ class ConceptSet:
 
     @property
     def manifest(self) -> ReadoutManifest:
-        return ReadoutManifest(concepts=self.concepts, layers=self.layers, hidden_size=self.hidden_size)
+        return ReadoutManifest(
+            concepts=self.concepts,
+            layers=self.layers,
+            hidden_size=self.hidden_size,
+            concept_info=self.info or (None,) * len(self.concepts),
+        )
 
     def digest(self) -> str:
         """sha256 of what readouts depend on: names, layers, shape, model and every vector's bytes."""
@@ -78,6 +94,8 @@ class ConceptSet:
             "model_fingerprint": self.model_fingerprint,
             "provenance": json.dumps(self.provenance),
         }
+        if self.info:
+            metadata["concept_info"] = json.dumps(list(self.info))
         save_file(tensors, str(path), metadata=metadata)
 
     @classmethod
@@ -99,6 +117,7 @@ class ConceptSet:
                     num_layers=int(meta["num_layers"]),
                     model_fingerprint=meta["model_fingerprint"],
                     provenance=json.loads(meta.get("provenance") or "{}"),
+                    info=tuple(json.loads(meta["concept_info"])) if "concept_info" in meta else (),
                 )
         except ModelError:
             raise

@@ -40,9 +40,10 @@ from salience.errors import EngineError, InvalidArgument
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["ReadoutHub", "check_ranges"]
+__all__ = ["READ_TO_END", "ReadoutHub", "check_ranges"]
 
 Readout = tuple[float, ...]
+READ_TO_END = 2**62 - 1  # a range end past any position: "every position from start on"
 
 
 def check_ranges(ranges: Sequence[tuple[int, int]]) -> list[list[int]]:
@@ -52,7 +53,7 @@ def check_ranges(ranges: Sequence[tuple[int, int]]) -> list[list[int]]:
             start, end = pair
         except (TypeError, ValueError):
             raise InvalidArgument(f"readout range {i} must be [start, end]") from None
-        if type(start) is not int or type(end) is not int or not 0 <= start < end < 2**62:
+        if type(start) is not int or type(end) is not int or not 0 <= start < end <= READ_TO_END:
             raise InvalidArgument(f"readout range {i} must satisfy 0 <= start < end, got [{start!r}, {end!r}]")
         checked.append([start, end])
     return checked

@@ -218,6 +218,7 @@ class SessionStore:
                 images=images,
                 steer=steer,
                 dp_rank=session.dp_rank,
+                monitors=turn.monitors,
             )
         elif prefill_wanted:
             top_k = turn.logprob_top_k if scored else None

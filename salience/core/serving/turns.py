@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from salience.core.engine.generation import Generation, PromptScores
 from salience.core.engine.requests import FinishReason, ImageBlock, SamplingOptions, covers
+from salience.core.probes.calibration import Monitor, MonitorEvent
 from salience.core.probes.steering import Intervention
 
 __all__ = ["Range", "SessionToken", "Turn", "TurnDone", "TurnRun"]
@@ -36,6 +37,7 @@ class Turn:
     request_id: str | None = None  # vLLM's id for the turn (default: a new uuid4 hex)
     # This call's interventions: `prompt` is the session's tokens after the append, `generated` what it decodes.
     steer: Sequence[Intervention] = ()
+    monitors: Sequence[Monitor] = ()  # watched on every decoded token (calibration.py)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,6 +54,7 @@ class SessionToken:
     logprob: float | None
     top_logprobs: tuple[tuple[int, float], ...]
     readout: tuple[float, ...] | None
+    monitors: tuple[MonitorEvent, ...] = ()  # the turn's monitors that fired at this (decoded) token
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +63,7 @@ class TurnDone:
     completion_tokens: int
     finish_reason: FinishReason
     cached_tokens: int  # prompt tokens vLLM served from its prefix cache
+    stopped_by: MonitorEvent | None = None  # with finish_reason MONITOR: the monitor that ended the turn
 
     @property
     def total_tokens(self) -> int:
@@ -101,6 +105,7 @@ class TurnRun:
     async def __aiter__(self) -> AsyncIterator[SessionToken]:
         prompt_tokens, completion = len(self._tokens), 0
         reason = FinishReason.LENGTH
+        stopped_by = None
         try:
             if self._scoring is not None:
                 # One pass: skipped if cancelled before it, its results dropped if cancelled during it.
@@ -124,13 +129,19 @@ class TurnRun:
                             logprob=event.logprob if covered else None,
                             top_logprobs=event.top_logprobs if covered else (),
                             readout=event.readout,
+                            monitors=event.monitors,
                         )
+                        stopped_by = event.stopped_by or stopped_by
                 reason = generation.finish_reason or FinishReason.CANCELLED
             if self._stopped:
                 reason = FinishReason.CANCELLED
             cached = (self._work.cached_tokens or 0) if self._work is not None else 0
             self.done = TurnDone(
-                prompt_tokens=prompt_tokens, completion_tokens=completion, finish_reason=reason, cached_tokens=cached
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion,
+                finish_reason=reason,
+                cached_tokens=cached,
+                stopped_by=stopped_by if reason is FinishReason.MONITOR else None,
             )
         finally:
             self._on_end()

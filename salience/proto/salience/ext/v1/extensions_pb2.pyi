@@ -8,6 +8,136 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ExtendedGenerateRequest(_message.Message):
+    __slots__ = ("generate", "interventions", "readout_format", "monitors")
+    class ReadoutFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        READOUT_FORMAT_RAW: _ClassVar[ExtendedGenerateRequest.ReadoutFormat]
+        READOUT_FORMAT_PROBABILITY: _ClassVar[ExtendedGenerateRequest.ReadoutFormat]
+    READOUT_FORMAT_RAW: ExtendedGenerateRequest.ReadoutFormat
+    READOUT_FORMAT_PROBABILITY: ExtendedGenerateRequest.ReadoutFormat
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    INTERVENTIONS_FIELD_NUMBER: _ClassVar[int]
+    READOUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    MONITORS_FIELD_NUMBER: _ClassVar[int]
+    generate: _salience_pb2.GenerateRequest
+    interventions: _containers.RepeatedCompositeFieldContainer[Intervention]
+    readout_format: ExtendedGenerateRequest.ReadoutFormat
+    monitors: _containers.RepeatedCompositeFieldContainer[Monitor]
+    def __init__(self, generate: _Optional[_Union[_salience_pb2.GenerateRequest, _Mapping]] = ..., interventions: _Optional[_Iterable[_Union[Intervention, _Mapping]]] = ..., readout_format: _Optional[_Union[ExtendedGenerateRequest.ReadoutFormat, str]] = ..., monitors: _Optional[_Iterable[_Union[Monitor, _Mapping]]] = ...) -> None: ...
+
+class Monitor(_message.Message):
+    __slots__ = ("concept", "layer", "above", "below", "action")
+    class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ACTION_UNSPECIFIED: _ClassVar[Monitor.Action]
+        ACTION_FLAG: _ClassVar[Monitor.Action]
+        ACTION_STOP: _ClassVar[Monitor.Action]
+    ACTION_UNSPECIFIED: Monitor.Action
+    ACTION_FLAG: Monitor.Action
+    ACTION_STOP: Monitor.Action
+    CONCEPT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    ABOVE_FIELD_NUMBER: _ClassVar[int]
+    BELOW_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    concept: str
+    layer: int
+    above: float
+    below: float
+    action: Monitor.Action
+    def __init__(self, concept: _Optional[str] = ..., layer: _Optional[int] = ..., above: _Optional[float] = ..., below: _Optional[float] = ..., action: _Optional[_Union[Monitor.Action, str]] = ...) -> None: ...
+
+class MonitorEvent(_message.Message):
+    __slots__ = ("monitor", "concept", "layer", "position", "probability", "action")
+    MONITOR_FIELD_NUMBER: _ClassVar[int]
+    CONCEPT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    monitor: int
+    concept: str
+    layer: int
+    position: int
+    probability: float
+    action: Monitor.Action
+    def __init__(self, monitor: _Optional[int] = ..., concept: _Optional[str] = ..., layer: _Optional[int] = ..., position: _Optional[int] = ..., probability: _Optional[float] = ..., action: _Optional[_Union[Monitor.Action, str]] = ...) -> None: ...
+
+class ExtendedGenerateEvent(_message.Message):
+    __slots__ = ("event", "monitors", "stopped_by")
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    MONITORS_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_BY_FIELD_NUMBER: _ClassVar[int]
+    event: _salience_pb2.GenerateEvent
+    monitors: _containers.RepeatedCompositeFieldContainer[MonitorEvent]
+    stopped_by: MonitorEvent
+    def __init__(self, event: _Optional[_Union[_salience_pb2.GenerateEvent, _Mapping]] = ..., monitors: _Optional[_Iterable[_Union[MonitorEvent, _Mapping]]] = ..., stopped_by: _Optional[_Union[MonitorEvent, _Mapping]] = ...) -> None: ...
+
+class GetConceptManifestRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ConceptManifest(_message.Message):
+    __slots__ = ("concepts",)
+    CONCEPTS_FIELD_NUMBER: _ClassVar[int]
+    concepts: _containers.RepeatedCompositeFieldContainer[Concept]
+    def __init__(self, concepts: _Optional[_Iterable[_Union[Concept, _Mapping]]] = ...) -> None: ...
+
+class Concept(_message.Message):
+    __slots__ = ("name", "info")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    info: ConceptInfo
+    def __init__(self, name: _Optional[str] = ..., info: _Optional[_Union[ConceptInfo, _Mapping]] = ...) -> None: ...
+
+class ConceptInfo(_message.Message):
+    __slots__ = ("name", "recommended_layer", "method", "n_fit", "n_heldout", "layers", "validation", "writes_layer", "raises", "lowers")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RECOMMENDED_LAYER_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    N_FIT_FIELD_NUMBER: _ClassVar[int]
+    N_HELDOUT_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    VALIDATION_FIELD_NUMBER: _ClassVar[int]
+    WRITES_LAYER_FIELD_NUMBER: _ClassVar[int]
+    RAISES_FIELD_NUMBER: _ClassVar[int]
+    LOWERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    recommended_layer: int
+    method: str
+    n_fit: int
+    n_heldout: int
+    layers: _containers.RepeatedCompositeFieldContainer[LayerFit]
+    validation: str
+    writes_layer: int
+    raises: _containers.RepeatedScalarFieldContainer[str]
+    lowers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., recommended_layer: _Optional[int] = ..., method: _Optional[str] = ..., n_fit: _Optional[int] = ..., n_heldout: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerFit, _Mapping]]] = ..., validation: _Optional[str] = ..., writes_layer: _Optional[int] = ..., raises: _Optional[_Iterable[str]] = ..., lowers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LayerFit(_message.Message):
+    __slots__ = ("layer", "scale", "offset", "auroc", "accuracy", "token_auroc", "token_accuracy", "brier", "ece")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    AUROC_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_AUROC_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    BRIER_FIELD_NUMBER: _ClassVar[int]
+    ECE_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    scale: float
+    offset: float
+    auroc: float
+    accuracy: float
+    token_auroc: float
+    token_accuracy: float
+    brier: float
+    ece: float
+    def __init__(self, layer: _Optional[int] = ..., scale: _Optional[float] = ..., offset: _Optional[float] = ..., auroc: _Optional[float] = ..., accuracy: _Optional[float] = ..., token_auroc: _Optional[float] = ..., token_accuracy: _Optional[float] = ..., brier: _Optional[float] = ..., ece: _Optional[float] = ...) -> None: ...
+
 class SteeredGenerateRequest(_message.Message):
     __slots__ = ("generate", "interventions")
     GENERATE_FIELD_NUMBER: _ClassVar[int]

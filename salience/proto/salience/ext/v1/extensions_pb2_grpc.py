@@ -50,6 +50,16 @@ class SalienceExtensionsStub:
                 request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetSteeringManifestRequest.SerializeToString,
                 response_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SteeringManifest.FromString,
                 _registered_method=True)
+        self.ExtendedGenerate = channel.unary_stream(
+                '/salience.ext.v1.SalienceExtensions/ExtendedGenerate',
+                request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ExtendedGenerateRequest.SerializeToString,
+                response_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ExtendedGenerateEvent.FromString,
+                _registered_method=True)
+        self.GetConceptManifest = channel.unary_unary(
+                '/salience.ext.v1.SalienceExtensions/GetConceptManifest',
+                request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetConceptManifestRequest.SerializeToString,
+                response_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ConceptManifest.FromString,
+                _registered_method=True)
 
 
 class SalienceExtensionsServicer:
@@ -82,6 +92,26 @@ class SalienceExtensionsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExtendedGenerate(self, request, context):
+        """The seed's Generate with everything Salience adds: interventions (as SteeredGenerate),
+        readouts as calibrated probabilities, and monitors on every generated token
+        (docs/readouts.md). Each seed event comes wrapped, with the monitor events at its token.
+        INVALID_ARGUMENT names a bad monitor (unknown concept, a layer that is not read, a threshold
+        outside (0, 1), no or an unknown action, more than 16) or probabilities from a set without
+        calibration, before anything reaches the engine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetConceptManifest(self, request, context):
+        """Each concept's validation and calibration, in the order of the seed's
+        ReadoutManifest.concepts: what a client needs to turn any raw readout into a probability.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SalienceExtensionsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -99,6 +129,16 @@ def add_SalienceExtensionsServicer_to_server(servicer, server):
                     servicer.GetSteeringManifest,
                     request_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetSteeringManifestRequest.FromString,
                     response_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SteeringManifest.SerializeToString,
+            ),
+            'ExtendedGenerate': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExtendedGenerate,
+                    request_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ExtendedGenerateRequest.FromString,
+                    response_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ExtendedGenerateEvent.SerializeToString,
+            ),
+            'GetConceptManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetConceptManifest,
+                    request_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetConceptManifestRequest.FromString,
+                    response_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ConceptManifest.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +222,60 @@ class SalienceExtensions:
             '/salience.ext.v1.SalienceExtensions/GetSteeringManifest',
             salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetSteeringManifestRequest.SerializeToString,
             salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SteeringManifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExtendedGenerate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/salience.ext.v1.SalienceExtensions/ExtendedGenerate',
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ExtendedGenerateRequest.SerializeToString,
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ExtendedGenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetConceptManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/salience.ext.v1.SalienceExtensions/GetConceptManifest',
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetConceptManifestRequest.SerializeToString,
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ConceptManifest.FromString,
             options,
             channel_credentials,
             insecure,
