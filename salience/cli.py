@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import sys
@@ -244,7 +245,9 @@ def _default_concepts(model: Path) -> Path:
         built = asyncio.run(build_concept_set(spec, model, source=str(spec_path)))
         built.save(folder / "concepts.safetensors")
 
-    target = salience_home() / "concepts" / f"{model.name}-{spec['name']}"
+    # Named for the spec's content (examples files read in), so an edited spec builds anew.
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:12]
+    target = salience_home() / "concepts" / f"{model.name}-{spec['name']}-{digest}"
     return build_folder_once(target, build) / "concepts.safetensors"
 
 

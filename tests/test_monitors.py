@@ -3,8 +3,8 @@
 The tiny set's vectors are random; its calibration is made here so that probabilities cross
 the thresholds inside the generations: per concept and layer, scale is a multiple of 1 / the raw
 readouts' spread and offset = -scale * their median, over the reference's greedy continuations.
-What is tested is that the served probabilities are the published map applied to the readouts, and that monitors fire exactly
-where the reference probabilities say they must.
+What is tested is that the served probabilities are the published map applied to the readouts,
+and that monitors fire exactly where the reference probabilities say they must.
 """
 
 from __future__ import annotations

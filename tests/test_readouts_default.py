@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 from salience.cli import _default_concepts
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import SamplingOptions
+from salience.core.probes import fitting
 from salience.core.probes.concepts import ConceptSet
 from tests.conftest import start_engine
 from tests.reference import Reference, assert_readouts_close, reference_readouts
@@ -141,15 +143,71 @@ PAIRS = {
 }
 
 
+async def mean_probability(engine: Engine, concepts: ConceptSet, concept: str, text: str) -> float:
+    """A text's mean probability as a client reads it: the concept's recommended layer and the
+    manifest's calibration, over the tokens after the first (an attention sink, left out by the
+    builder too)."""
+    k = concepts.concepts.index(concept)
+    info = concepts.info[k]
+    fit = next(f for f in info["layers"] if f["layer"] == info["recommended_layer"])
+    column = concepts.layers.index(info["recommended_layer"]) * len(concepts.concepts) + k
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    readouts = await engine.readout(ids, [(1, len(ids))])
+    raw = torch.tensor([readouts[p][column] for p in range(1, len(ids))], dtype=torch.float64)
+    return float(torch.sigmoid(fit["scale"] * raw + fit["offset"]).mean())
+
+
 @pytest.mark.parametrize("concept", sorted(PAIRS))
 async def test_texts_light_up_the_expected_concept(engine: Engine, concepts: ConceptSet, concept: str) -> None:
-    index = concepts.concepts.index(concept)
-    scores = []
-    for text in PAIRS[concept]:
-        ids = engine.tokenizer.encode(text, add_special_tokens=False)
-        readouts = await engine.readout(ids, [(0, len(ids))])
-        values = torch.tensor([readouts[p] for p in range(len(ids))]).reshape(len(ids), len(concepts.layers), -1)
-        # Mean over layers and tokens, leaving out the first token as the builder does:
-        # its residual has a huge norm in every text (an attention sink).
-        scores.append(float(values[1:, :, index].mean()))
-    assert scores[0] > scores[1], scores
+    present, absent = [await mean_probability(engine, concepts, concept, text) for text in PAIRS[concept]]
+    # Minimal pairs are harder than the held-out texts: "A woman met a man..." reads 0.62 for
+    # names (it reads people, not only names) and "I know where..." 0.61 for question (a
+    # wh-word), so only the order is asserted for the absent side; docs/readouts.md says so.
+    assert present > 0.5 and present > absent, (present, absent)
+
+
+HELDOUT = Path(__file__).parent / "data" / "heldout"
+
+
+def heldout(concept: str) -> list[tuple[str, bool]]:
+    """Texts written for the tests, never in the spec or the fit: (text, positive)."""
+    lines = (HELDOUT / f"{concept}.jsonl").read_text(encoding="utf-8").splitlines()
+    return [(e["text"], e["label"] == "positive") for e in map(json.loads, filter(str.strip, lines))]
+
+
+@pytest_asyncio.fixture(scope="module")
+async def heldout_scores(engine: Engine, concepts: ConceptSet) -> dict[str, list[tuple[float, bool]]]:
+    """Per concept, each held-out text's mean probability and its class."""
+    scores = {
+        name: [(await mean_probability(engine, concepts, name, text), positive) for text, positive in heldout(name)]
+        for name in concepts.concepts
+    }
+    header = f"{'concept':<20} {'layer':>5} {'method':<10} {'auroc':>6} {'right of 0.5':>13}  {'pos':>7} {'neg':>7}"
+    print("\nheld-out texts (tests/data/heldout), default set\n" + header)
+    for name, info in zip(concepts.concepts, concepts.info, strict=True):
+        got = scores[name]
+        right = [(p > 0.5) == positive for p, positive in got]
+        pos = [r for r, (_, positive) in zip(right, got, strict=True) if positive]
+        neg = [r for r, (_, positive) in zip(right, got, strict=True) if not positive]
+        auroc = fitting.auroc(torch.tensor([p for p, _ in got]), torch.tensor([b for _, b in got]))
+        print(
+            f"{name:<20} {info['recommended_layer']:>5} {info['method']:<10} {auroc:>6.3f} "
+            f"{sum(right) / len(right):>13.3f}  {sum(pos):>3}/{len(pos):<3} {sum(neg):>3}/{len(neg):<3}"
+        )
+    return scores
+
+
+def test_the_default_set_is_validated_and_calibrated(concepts: ConceptSet) -> None:
+    for name, info in zip(concepts.concepts, concepts.info, strict=True):
+        assert info["name"] == name and info["n_fit"] >= 96, info
+        best = next(f for f in info["layers"] if f["layer"] == info["recommended_layer"])
+        assert best["auroc"] >= 0.95, (name, best)  # held out, per text (k-fold)
+        assert [f["layer"] for f in info["layers"]] == list(concepts.layers)
+
+
+@pytest.mark.parametrize("concept", ["positive_sentiment", "french", "code", "question", "numbers", "names"])
+def test_held_out_texts_fall_on_their_side_of_one_half(heldout_scores: dict, concept: str) -> None:
+    got = heldout_scores[concept]
+    assert sum(positive for _, positive in got) >= 20 and sum(not positive for _, positive in got) >= 20
+    right = sum((p > 0.5) == positive for p, positive in got)
+    assert right >= 0.9 * len(got), f"{concept}: {right} of {len(got)} on the right side of 0.5"

@@ -79,6 +79,7 @@ async def test_heatmap_shows_the_servers_readouts_for_prompt_and_generated_token
     manifest = ui.model_info()["readout_manifest"]
     concepts, layers = manifest["concepts"], manifest["layers"]
 
+    await pane.locator("select.view").select_option("raw")
     for layer_index in (len(layers) - 1, 0):
         await pane.locator("select.layer").select_option(str(layer_index))
         shown = await pane.locator("td[data-value]").evaluate_all(
@@ -205,4 +206,51 @@ async def test_a_wrong_token_shows_unauthorized_and_the_right_one_connects(ui: U
         assert await ui.page.evaluate("sessionStorage.getItem('salience-token')") == "s3cret"
     finally:
         await runner.cleanup()
+    assert ui.errors == []
+
+
+async def test_heatmap_shows_probabilities_with_their_legend_writes_and_monitor_marks(ui: Ui, server: str) -> None:
+    """By default each concept at its recommended layer, p through the manifest's published map;
+    a flag monitor added in the form marks the columns where it fired."""
+    await open_page(ui, server + "ui/", prompt="def add(a, b):\n    return a + b\n\n", temperature="0", max_tokens="8")
+    manifest = ui.model_info()["readout_manifest"]
+    concepts, layers, info = manifest["concepts"], manifest["layers"], manifest["concept_info"]
+    form = ui.page.locator("#monitors")
+    await form.locator(".concept").select_option("code")
+    await form.locator(".threshold").fill("0.01")  # code after code: it holds from the first token
+    await form.get_by_role("button", name="add monitor").click()
+    await ui.page.get_by_role("button", name="Generate").click()
+    pane = ui.page.locator(".pane").first
+    await expect(pane.locator(".state")).to_contain_text("done")
+
+    stream = ui.tokens(ui.stream_id("GENERATE"))
+    readouts = {p["position"]: p["readout"] for p in stream if "readout" in p}
+    assert await pane.locator("select.view").input_value() == "probability"
+    shown = await pane.locator("td[data-value]").evaluate_all(
+        "tds => tds.map(td => [Number(td.dataset.position), Number(td.dataset.row), Number(td.dataset.value)])"
+    )
+    expected = {}
+    for k, concept in enumerate(info):
+        i = layers.index(concept["recommended_layer"])
+        fit = next(f for f in concept["layers"] if f["layer"] == concept["recommended_layer"])
+        for position, readout in readouts.items():
+            raw = readout[i * len(concepts) + k]
+            expected[(position, k)] = 0.5 * (1 + math.tanh((fit["scale"] * raw + fit["offset"]) / 2))
+    got = {(position, k): value for position, k, value in shown}
+    assert got.keys() == expected.keys()
+    assert all(abs(got[key] - expected[key]) < 1e-12 for key in got)
+    assert await pane.locator(".legend .lo").inner_text() == "p = 0"
+    writes = await pane.get_by_role("button", name="code").get_attribute("title")
+    assert "raises:" in writes and "lowers:" in writes
+
+    events = [(p["position"], m) for p in stream for m in p.get("monitors", ())]
+    assert events and all(m["concept"] == "code" and m["action"] == "flag" for _, m in events)
+    code = concepts.index("code")
+    generated = sorted(p["position"] for p in stream if "token" in p and not p.get("prompt"))
+    holds = [expected[(position, code)] > 0.01 for position in generated]
+    starts = [g for n, g in enumerate(generated) if holds[n] and (n == 0 or not holds[n - 1])]
+    assert [position for position, _ in events] == starts
+    marked = await pane.locator("thead th.monitor").count()
+    assert marked == len({position for position, _ in events})
+    await expect(pane.locator(".monitor-events li")).to_have_count(len(events))
     assert ui.errors == []

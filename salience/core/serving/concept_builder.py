@@ -20,6 +20,7 @@ directions and calibrations are fitted and validated is in probes/fitting.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -39,6 +40,7 @@ from salience.errors import InvalidArgument
 
 __all__ = ["MIN_EXAMPLES", "build_concept_set", "describe", "load_spec"]
 
+READ_BATCH = 16  # texts read at once: their prefills share engine steps
 MIN_EXAMPLES = 4  # per class: k-fold validation needs both classes in every fit part
 SIDES = ("positive", "negative")
 
@@ -177,16 +179,25 @@ async def _read_residuals(
         EngineSettings(model=model, served_model_name="concept-builder", concepts=identity, max_model_len=2048)
     )
     texts = list(dict.fromkeys(t for c in spec["concepts"] for side in SIDES for t in c[side]))
+    encoded = {text: engine.tokenizer.encode(text, add_special_tokens=False) for text in texts}
+    for text, ids in encoded.items():
+        if len(ids) < 2:
+            raise InvalidArgument(f"example text {text!r} is a single token; it needs at least two")
     residuals = {}
+    progress = tqdm(total=len(texts), desc="reading example texts", unit="text")
+
+    async def read(text: str) -> None:
+        ids = encoded[text]
+        readouts = await engine.readout(ids, [(1, len(ids))])
+        rows = torch.tensor([readouts[p] for p in range(1, len(ids))], dtype=torch.float32)
+        residuals[text] = rows.reshape(len(ids) - 1, len(layers), hidden)
+        progress.update()
+
     try:
-        for text in tqdm(texts, desc="reading example texts", unit="text"):
-            ids = engine.tokenizer.encode(text, add_special_tokens=False)
-            if len(ids) < 2:
-                raise InvalidArgument(f"example text {text!r} is a single token; it needs at least two")
-            readouts = await engine.readout(ids, [(1, len(ids))])
-            rows = torch.tensor([readouts[p] for p in range(1, len(ids))], dtype=torch.float32)
-            residuals[text] = rows.reshape(len(ids) - 1, len(layers), hidden)
+        for start in range(0, len(texts), READ_BATCH):  # prefills batched in the engine
+            await asyncio.gather(*(read(text) for text in texts[start : start + READ_BATCH]))
     finally:
+        progress.close()
         engine.shutdown()
     return residuals, engine.tokenizer
 

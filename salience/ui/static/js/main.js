@@ -1,6 +1,7 @@
 // The page: connection indicator, auth token, the request form, and the panes.
 
 import { LmtpClient } from "./lmtp.js";
+import { MonitorControls } from "./monitors.js";
 import { Pane } from "./pane.js";
 import { SteeringControls } from "./steering.js";
 import { Vocab } from "./vocab.js";
@@ -29,6 +30,7 @@ function socketUrl() {
 const client = new LmtpClient(socketUrl);
 const vocab = new Vocab(client);
 const steering = new SteeringControls($("#steering"));
+const monitors = new MonitorControls($("#monitors"));
 $("#steer-reset").addEventListener("click", () => steering.reset());
 const LABELS = {
   connecting: "connecting…",
@@ -52,6 +54,7 @@ client.addEventListener("state", ({ detail: { state, detail } }) => {
     $("#readouts").disabled = !info.readout_manifest;
     $("#readouts").checked &&= Boolean(info.readout_manifest);
     if (!$("#steering .steer")) steering.show(info.steering); // built once: a reconnect keeps the settings
+    if (!$("#monitors .concept option")) monitors.show(info.readout_manifest);
   }
   if (state === "unauthorized") $("#auth").open = true;
 });
@@ -82,6 +85,7 @@ function start(mode) {
     topLogprobs: Number($("#top_logprobs").value),
     manifest: $("#readouts").checked ? info.readout_manifest : null,
     steer: steering.interventions(),
+    monitors: mode === "generate" ? monitors.monitors() : [],
   };
   const pane = new Pane({ client, vocab, tip: $("#tip"), request });
   $("#panes").prepend(pane.element);

@@ -6,7 +6,8 @@
 //     -> TOKEN {"prompt": true, "position", "readout"}  one per prompt position, first
 //     -> TOKEN {"token", "text", "logprob", "top_logprobs", "position", "readout"}  per token
 //   CANCEL {"stream_id"} (Stop)                     -> last TOKEN has finish_reason "cancelled"
-// With steering sliders set, GENERATE and SCORE also carry "steer": [{"direction", "layers", ...}].
+// With steering sliders set, GENERATE and SCORE also carry "steer": [{"direction", "layers", ...}];
+// with monitors, GENERATE carries "monitors" and a token where one fires has "monitors" events.
 // (The last generated token's readout comes too: the server reads it out with one short pass.)
 // Score mode reads a text the user wrote: SCORE its first token as prompt and the rest as
 // `scored`, which gives every token a logprob, alternatives and a readout.
@@ -30,7 +31,8 @@ export class Pane {
 
   /**
    * @param request {{mode: "generate" | "score", text: string, params: object, topLogprobs: number,
-   *                  manifest: object | null, steer: object[]}} manifest null: no readouts; steer: interventions
+   *                  manifest: object | null, steer: object[], monitors: object[]}} manifest null: no
+   *                  readouts; steer: interventions; monitors: watched on every generated token
    */
   constructor({ client, vocab, tip, request }) {
     this.#client = client;
@@ -50,6 +52,7 @@ export class Pane {
       <p class="steered" hidden></p>
       <p class="error" role="alert" hidden></p>
       <div class="stream"></div>
+      <ul class="monitor-events" aria-label="monitor events" hidden></ul>
       <details class="protocol"><summary>LMTP messages sent</summary><pre></pre></details>`;
     if (request.steer.length) {
       const steered = this.element.querySelector(".steered");
@@ -90,6 +93,7 @@ export class Pane {
     const body = { prompt: this.#prompt, ...params, top_logprobs: topLogprobs, text: true };
     if (this.#heatmap) body.readout = [[0, this.#prompt.length + (params.max_tokens ?? 16)]];
     if (this.#request.steer.length) body.steer = this.#request.steer;
+    if (this.#request.monitors.length) body.monitors = this.#request.monitors;
     this.#strip.addContext(text);
     this.#start("GENERATE", body);
   }
@@ -129,13 +133,26 @@ export class Pane {
     if (payload.token != null) {
       const { token, text, logprob, top_logprobs: alternatives } = payload;
       this.#strip.add({ token, text, logprob, alternatives });
-      this.#heatmap?.set(payload.position, { label: text, readout: payload.readout });
+      this.#heatmap?.set(payload.position, { label: text, readout: payload.readout, monitors: payload.monitors });
+      if (payload.monitors) this.#monitored(payload.monitors);
       this.#state(`streaming · ${count(this.#strip.length)}`);
     }
     if (payload.finish_reason == null) return false;
     const reason = payload.finish_reason === "cancelled" ? "stopped" : `done (${payload.finish_reason})`;
     this.#state(`${reason} · ${count(this.#strip.length)}`);
     return true;
+  }
+
+  /** A line per monitor event under the tokens (the heatmap marks the token's column too). */
+  #monitored(events) {
+    const list = this.element.querySelector(".monitor-events");
+    list.hidden = false;
+    for (const m of events) {
+      const item = document.createElement("li");
+      item.dataset.action = m.action;
+      item.textContent = `${m.action}: ${m.concept} p = ${m.probability.toFixed(3)} at position ${m.position} (layer ${m.layer})`;
+      list.append(item);
+    }
   }
 
   async #labelPrompt() {

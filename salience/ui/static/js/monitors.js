@@ -1,0 +1,41 @@
+// The monitor controls: watch a concept's calibrated probability on every generated token.
+//
+// Each row becomes one of the request's `monitors` (docs/readouts.md#monitors):
+//   {"concept": "code", "above": 0.9, "action": "stop"}   // or "below", "flag", "layer"
+// `flag` marks each token where the condition starts to hold; `stop` ends the generation there.
+
+export class MonitorControls {
+  #fieldset;
+
+  constructor(fieldset) {
+    this.#fieldset = fieldset;
+    fieldset.querySelector(".add").addEventListener("click", () => this.#add());
+  }
+
+  /** Offer the calibrated concepts of MODEL_INFO's readout_manifest (none: no monitors). */
+  show(manifest) {
+    const info = manifest?.concept_info ?? [];
+    const calibrated = info.length > 0 && info.every(Boolean);
+    this.#fieldset.hidden = !calibrated;
+    const select = this.#fieldset.querySelector(".concept");
+    select.replaceChildren(...(calibrated ? manifest.concepts : []).map((name) => new Option(name, name)));
+  }
+
+  #add() {
+    const field = (name) => this.#fieldset.querySelector(`.${name}`).value;
+    const monitor = { concept: field("concept"), [field("side")]: Number(field("threshold")), action: field("action") };
+    const row = document.createElement("li");
+    row.dataset.monitor = JSON.stringify(monitor);
+    const sign = monitor.above !== undefined ? `> ${monitor.above}` : `< ${monitor.below}`;
+    row.innerHTML = `<span></span> <button type="button" class="quiet">remove</button>`;
+    row.querySelector("span").textContent = `${monitor.concept} ${sign} → ${monitor.action}`;
+    row.querySelector("button").addEventListener("click", () => row.remove());
+    this.#fieldset.querySelector(".list").append(row);
+  }
+
+  /** The request's `monitors` (the server checks them: a bad one comes back as the pane's error). */
+  monitors() {
+    if (this.#fieldset.hidden) return [];
+    return [...this.#fieldset.querySelectorAll(".list li")].map((row) => JSON.parse(row.dataset.monitor));
+  }
+}
