@@ -64,6 +64,34 @@ async def test_prompt_and_decoded_positions_match_reference(
     assert_readout_close(last[len(ids) - 1], want[len(ids) - 1])
 
 
+async def test_readouts_come_with_the_steps_outputs_without_a_call_per_step(
+    engine: Engine, reference: Reference, concepts: ConceptSet
+) -> None:
+    """8 concurrent generations: their rows reach this process inside the engine's outputs
+    (readout_scheduler.py), with no collective_rpc at all, and are the reference's."""
+    assert engine.readouts.with_output
+    calls = []
+    llm = engine._llm
+    rpc = llm.collective_rpc
+
+    async def counted(method, *args, **kwargs):
+        calls.append(method)
+        return await rpc(method, *args, **kwargs)
+
+    llm.collective_rpc = counted
+    try:
+        options = SamplingOptions(max_tokens=16, temperature=0.0, ignore_eos=True)
+        generations = [engine.generate(p[:20], options, readout_ranges=[(0, 2000)]) for p in PROMPTS]
+        streams = await asyncio.gather(*([e async for e in g] for g in generations))
+    finally:
+        llm.collective_rpc = rpc
+    assert calls == []
+    for prompt, generation, events in zip(PROMPTS, generations, streams, strict=True):
+        want = reference_readouts(reference, concepts, prompt[:20] + [e.token_id for e in events])
+        assert sorted(generation.prompt_readouts) == list(range(20))
+        assert_readouts_close({**generation.prompt_readouts, **{e.position: e.readout for e in events}}, want)
+
+
 async def test_taps_are_traced_into_the_compiled_graph(engine: Engine) -> None:
     """vLLM compiles with fullgraph=True, so a tap that broke the graph would fail the start;
     this shows the compiled engine really traced a graph, with the taps in the model it traced."""

@@ -132,10 +132,16 @@ class Engine:
             if settings.pipeline_parallel_size > 1:
                 await llm.collective_rpc("salience_pipeline_setup")
             if settings.concepts is not None:
-                engine.readouts = await ReadoutHub.install(llm, settings.concepts, settings.data_parallel_size)
+                engine.readouts = await ReadoutHub.install(
+                    llm, settings.concepts, settings.data_parallel_size, launch.readouts_with_output(settings, cpu)
+                )
                 log.info(
                     "readouts on",
-                    extra={"layers": len(settings.concepts.layers), "mode": "compiled" if compiled else "eager"},
+                    extra={
+                        "layers": len(settings.concepts.layers),
+                        "mode": "compiled" if compiled else "eager",
+                        "transport": "step output" if engine.readouts.with_output else "fetched",
+                    },
                 )
             if settings.steering and (settings.concepts is not None or settings.steering_set is not None):
                 engine.steering = await _install_steering(llm, Directions(settings.concepts, settings.steering_set))

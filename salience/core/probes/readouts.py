@@ -1,22 +1,28 @@
-"""Engine side of concept readouts: ask the worker for captured blocks, hand them out.
+"""Engine side of concept readouts: receive the captured blocks, hand them out.
 
-Readouts are captured in the worker (readout_worker.py) as a step runs and
-fetched with `collective_rpc` between steps. Many generations want theirs at
-about the same moment (one engine step serves them all), so fetches coalesce:
-a generation that needs data joins the fetch in flight, or starts one that
-takes every registered key at once.
+Readouts are captured in the worker (readout_worker.py) as a step runs. They reach
+this process one of two ways (docs/readouts.md, "Transport"):
 
-Pipeline parallelism: each stage's TP-rank-0 worker files blocks holding the
-readout slots (layers) that stage holds and zeros elsewhere. `collective_rpc`
-answers per worker in rank order, and stages run a step at different moments,
-so a fetch may see stage 0's rows of a step before stage 1's. A position is
-handed out only once every filing stage has sent it: its row is assembled
-slot by slot from the stage that holds each slot (exact: nothing is added).
+- **With the step's output** (CPU, one pipeline stage): the worker attaches them to
+  the step's ModelRunnerOutput, the engine core's scheduler (readout_scheduler.py)
+  puts each request's rows into its EngineCoreOutput, and this hub takes them out
+  in vLLM's output processor, before the request's output is queued. When a
+  generation sees a token, the readouts of every token before it are already here.
+- **Fetched** (pipeline parallelism, where each stage holds some layers and only the
+  last stage's output returns): `collective_rpc` between steps. Many generations
+  want theirs at about the same moment (one engine step serves them all), so
+  fetches coalesce: a generation that needs data joins the fetch in flight, or
+  starts one that takes every registered key at once. Each stage's TP-rank-0 worker
+  files blocks holding the readout slots (layers) that stage holds and zeros
+  elsewhere; stages run a step at different moments, so a fetch may see stage 0's
+  rows of a step before stage 1's. A position is handed out only once every filing
+  stage has sent it: its row is assembled slot by slot from the stage that holds
+  each slot (exact: nothing is added).
 
-Data parallelism: each DP engine has its own workers. vLLM's DP client runs a
-utility call on every engine but returns the first engine's answer, so the hub
-calls each engine itself and reads every engine's blocks (request ids are unique
-across engines); a request's readouts come from the engine that ran it.
+Data parallelism: each DP engine has its own workers and scheduler; a request's
+readouts come from the engine that ran it (`origin`, for tests). Fetched, the hub
+calls each engine itself (vLLM's DP client returns only the first engine's answer
+to a utility call); with the output, the scheduler names its engine.
 
 Position semantics: the residual at position p exists once token p has been
 fed through the model. For a prompt position that is the prefill; for a
@@ -35,6 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from salience.core.probes.concepts import ConceptSet
+from salience.core.probes.readout_scheduler import PAYLOAD
 from salience.errors import EngineError, InvalidArgument
 
 if TYPE_CHECKING:
@@ -61,13 +68,20 @@ def check_ranges(ranges: Sequence[tuple[int, int]]) -> list[list[int]]:
 
 class ReadoutHub:
     def __init__(
-        self, llm: AsyncLLM, concepts: ConceptSet, stages: dict[int, Sequence[int]] | None = None, engines: int = 1
+        self,
+        llm: AsyncLLM,
+        concepts: ConceptSet,
+        stages: dict[int, Sequence[int]] | None = None,
+        engines: int = 1,
+        with_output: bool = False,
     ) -> None:
         """`stages`: for each filing worker (its index in collective_rpc's answers), the readout
         slots it holds; by default worker 0 holds them all. `engines`: data-parallel engines, each
-        with the same workers."""
+        with the same workers. `with_output`: rows come with the steps' outputs (one filing
+        worker), else they are fetched."""
         self._llm = llm
         self._engines = engines
+        self.with_output = with_output
         self.origin: dict[str, int] = {}  # request id -> the DP engine its readouts came from (tests)
         self.manifest = concepts.manifest
         n_concepts = len(concepts.concepts)
@@ -86,8 +100,10 @@ class ReadoutHub:
         self._inflight: asyncio.Task | None = None
 
     @staticmethod
-    async def install(llm: AsyncLLM, concepts: ConceptSet, engines: int = 1) -> ReadoutHub:
-        per_engine = await _each_engine(llm, engines, "salience_readout_setup")
+    async def install(llm: AsyncLLM, concepts: ConceptSet, engines: int = 1, with_output: bool = False) -> ReadoutHub:
+        """Set the workers up and return the hub. `with_output` needs the engine core to run
+        readout_scheduler.ReadoutScheduler (launch.engine_args)."""
+        per_engine = await _each_engine(llm, engines, "salience_readout_setup", (with_output,))
         if any(answers != per_engine[0] for answers in per_engine):
             raise EngineError(f"the data-parallel engines' readout workers differ: {per_engine}")
         answers = per_engine[0]
@@ -107,7 +123,12 @@ class ReadoutHub:
                 f"the workers' readout taps hold slots {held} of {len(concepts.layers)}: "
                 "the engine was not started with the readout loader"
             )
-        return ReadoutHub(llm, concepts, stages, engines)
+        if with_output and len(stages) != 1:
+            raise EngineError(f"readouts come with the step's output from one worker, not {len(stages)}")
+        hub = ReadoutHub(llm, concepts, stages, engines, with_output)
+        if with_output:
+            llm.output_processor.process_outputs = hub._receiving(llm.output_processor.process_outputs)
+        return hub
 
     def register(self, key: str) -> None:
         self._buffers[key] = {}
@@ -117,12 +138,13 @@ class ReadoutHub:
         """The request is over (finished, failed or aborted): forget its blocks here and in the worker."""
         self._buffers.pop(key, None)
         self._partial.pop(key, None)
-        self._dropped.add(key)
+        if not self.with_output:  # with the output, the worker keeps nothing past a step
+            self._dropped.add(key)
 
     async def take(self, key: str, positions: Sequence[int]) -> dict[int, Readout]:
         """Readouts at `positions` (those captured by now, on every stage), removed from the buffer."""
         buffer = self._buffers[key]
-        for _ in range(3):  # a fetch already in flight may predate the step we wait for
+        for _ in range(0 if self.with_output else 3):  # a fetch in flight may predate the step we wait for
             if all(p in buffer for p in positions):
                 break
             await self._fetch()
@@ -133,7 +155,8 @@ class ReadoutHub:
         return len(self._buffers)
 
     async def stored_in_worker(self) -> int:
-        await self._fetch()
+        if not self.with_output:
+            await self._fetch()
         per_engine = await _each_engine(self._llm, self._engines, "salience_readout_stored")
         return sum(stored[worker] for stored in per_engine for worker in self._masks)
 
@@ -155,31 +178,51 @@ class ReadoutHub:
         for engine, answers in enumerate(per_engine):
             self._file(engine, answers)
 
+    def _receiving(self, process_outputs):
+        """Wrap vLLM's OutputProcessor.process_outputs: file the rows a step's outputs carry
+        before the requests' outputs are queued for their generators."""
+
+        def run(outputs, *args, **kwargs):
+            for output in outputs:
+                params = output.kv_transfer_params
+                if params is None or PAYLOAD not in params:
+                    continue
+                payload = params.pop(PAYLOAD)
+                if not params:
+                    output.kv_transfer_params = None
+                for key, positions, values in payload["blocks"]:
+                    self._file_block(payload["engine"], next(iter(self._masks)), key, positions, values)
+            return process_outputs(outputs, *args, **kwargs)
+
+        return run
+
     def _file(self, engine: int, answers: list) -> None:
-        single = len(self._masks) == 1
-        for worker, mask in self._masks.items():
+        for worker in self._masks:
             for key, (positions, values) in answers[worker].items():
-                buffer = self._buffers.get(key)
-                if buffer is None:
-                    continue
-                if self._engines > 1:
-                    self.origin[key] = engine
-                    if len(self.origin) > 4096:  # the most recent requests only
-                        del self.origin[next(iter(self.origin))]
-                rows = np.frombuffer(values, dtype=np.float32).reshape(-1, self.width)
-                positions = np.frombuffer(positions, dtype=np.int64).tolist()
-                if single:
-                    for position, row in zip(positions, rows, strict=True):
-                        buffer[position] = tuple(row.tolist())  # a recomputed position (preemption) wins
-                    continue
-                partial = self._partial[key]
-                for position, row in zip(positions, rows, strict=True):
-                    merged, sent = partial.setdefault(position, (np.zeros(self.width, dtype=np.float32), set()))
-                    merged[mask] = row[mask]
-                    sent.add(worker)
-                    if len(sent) == len(self._masks):
-                        buffer[position] = tuple(merged.tolist())
-                        del partial[position]
+                self._file_block(engine, worker, key, positions, values)
+
+    def _file_block(self, engine: int, worker: int, key: str, positions: bytes, values: bytes) -> None:
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            return
+        if self._engines > 1:
+            self.origin[key] = engine
+            if len(self.origin) > 4096:  # the most recent requests only
+                del self.origin[next(iter(self.origin))]
+        rows = np.frombuffer(values, dtype=np.float32).reshape(-1, self.width)
+        positions = np.frombuffer(positions, dtype=np.int64).tolist()
+        if len(self._masks) == 1:
+            for position, row in zip(positions, rows, strict=True):
+                buffer[position] = tuple(row.tolist())  # a recomputed position (preemption) wins
+            return
+        mask, partial = self._masks[worker], self._partial[key]
+        for position, row in zip(positions, rows, strict=True):
+            merged, sent = partial.setdefault(position, (np.zeros(self.width, dtype=np.float32), set()))
+            merged[mask] = row[mask]
+            sent.add(worker)
+            if len(sent) == len(self._masks):
+                buffer[position] = tuple(merged.tolist())
+                del partial[position]
 
 
 async def _each_engine(llm: AsyncLLM, engines: int, method: str, args: tuple = ()) -> list[list]:
