@@ -78,11 +78,14 @@ async def test_readouts_come_with_the_steps_outputs_without_a_call_per_step(
         calls.append(method)
         return await rpc(method, *args, **kwargs)
 
+    async def collect(generation) -> list:
+        return [e async for e in generation]
+
     llm.collective_rpc = counted
     try:
         options = SamplingOptions(max_tokens=16, temperature=0.0, ignore_eos=True)
         generations = [engine.generate(p[:20], options, readout_ranges=[(0, 2000)]) for p in PROMPTS]
-        streams = await asyncio.gather(*([e async for e in g] for g in generations))
+        streams = await asyncio.gather(*(collect(g) for g in generations))
     finally:
         llm.collective_rpc = rpc
     assert calls == []

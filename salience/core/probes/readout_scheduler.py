@@ -31,7 +31,8 @@ class ReadoutScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._rows: dict[str, list[list]] = {}  # vLLM request id -> [key, positions, values] blocks
-        self._engine = self.vllm_config.parallel_config.data_parallel_rank
+        # The DP engine this is (for a dense model vLLM resets data_parallel_rank to 0 in every one).
+        self._engine = self.vllm_config.parallel_config.data_parallel_index
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
