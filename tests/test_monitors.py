@@ -103,6 +103,12 @@ def column(concept: str, layer: int) -> int:
     return TINY_LAYERS.index(layer) * len(TINY_CONCEPTS) + TINY_CONCEPTS.index(concept)
 
 
+def generated_p(calibrated: ConceptSet, reference: Reference, i: int, ids: list[int], concept: str, layer: int):
+    """The reference's probabilities of `concept` at `layer` over prompt i's generated positions."""
+    p = probabilities(calibrated, reference_readouts(reference, calibrated, ids))
+    return p[len(PROMPTS[i]) :, column(concept, layer)]
+
+
 def threshold(p: torch.Tensor) -> float:
     """A threshold inside the range of `p` but at least 1e-3 from every value, so float32 vs float64
     cannot move a crossing."""
@@ -161,9 +167,7 @@ async def test_a_monitor_fires_where_the_reference_crosses(
 ) -> None:
     concept, layer = "gamma", 2
     ids = continuations[2]
-    p = probabilities(calibrated, reference_readouts(reference, calibrated, ids))[
-        len(PROMPTS[2]) :, column(concept, layer)
-    ]
+    p = generated_p(calibrated, reference, 2, ids, concept, layer)
     above = threshold(p)
     fires = expected(p, above, action)
     assert fires, "the threshold must be crossed inside the generation"
@@ -215,9 +219,7 @@ async def test_mixed_concurrent_streams(
     concept, layer = "delta", 3
     plans = []
     for i, ids in enumerate(continuations):
-        p = probabilities(calibrated, reference_readouts(reference, calibrated, ids))[
-            len(PROMPTS[i]) :, column(concept, layer)
-        ]
+        p = generated_p(calibrated, reference, i, ids, concept, layer)
         action = (None, Action.STOP, Action.FLAG)[i % 3]
         above = threshold(p)
         plans.append((action, above, expected(p, above, action) if action else []))
@@ -248,9 +250,7 @@ async def test_a_stopped_session_turn_keeps_its_last_token(
 ) -> None:
     concept, layer = "alpha", 0
     ids = continuations[5]
-    p = probabilities(calibrated, reference_readouts(reference, calibrated, ids))[
-        len(PROMPTS[5]) :, column(concept, layer)
-    ]
+    p = generated_p(calibrated, reference, 5, ids, concept, layer)
     above = threshold(p)
     (stop,) = expected(p, above, Action.STOP)
     client = await LmtpClient.connect(served.ws)

@@ -86,15 +86,17 @@ def french(concepts: ConceptSet, readout, layer: int) -> float:
 async def test_adding_french_at_a_middle_layer_makes_the_model_french(engine: Engine, concepts: ConceptSet) -> None:
     text = "My favourite food is"
     prompt, plain, plain_readouts = await run(engine, text, (), n=16)
-    interventions = [steer("french", 15, "add", 64.0, ranges=AFTER_SINK)]
+    # Measured on the default set's french direction: +64 at layer 12 turns the answer French
+    # (" la Croque, le livre, au chocolat, et ..."); at 15 it needs about +96 (docs/steering.md).
+    interventions = [steer("french", 12, "add", 64.0, ranges=AFTER_SINK)]
     _, events, readouts = await run(engine, text, interventions, n=16)
 
     def mean_french(rows: dict, layer: int) -> float:
         return sum(french(concepts, rows[p], layer) for p in rows if p > 0) / (len(rows) - 1)
 
-    # The french readout at layer 15 moves by exactly alpha (it reports the steered residual) ...
-    at_15 = [french(concepts, readouts[p], 15) - french(concepts, plain_readouts[p], 15) for p in range(1, len(prompt))]
-    assert at_15 == pytest.approx([64.0] * len(at_15), abs=1e-2)
+    # The french readout at layer 12 moves by exactly alpha (it reports the steered residual) ...
+    at_12 = [french(concepts, readouts[p], 12) - french(concepts, plain_readouts[p], 12) for p in range(1, len(prompt))]
+    assert at_12 == pytest.approx([64.0] * len(at_12), abs=1e-2)
     # ... and the model carries it to the last layer, far beyond what it had there.
     assert mean_french(readouts, 29) > mean_french(plain_readouts, 29) + 100
     decode = engine.tokenizer.decode
