@@ -61,8 +61,8 @@ class LogfmtFormatter(logging.Formatter):
 
 
 # What vLLM says of settings Salience chooses deliberately (eager mode when asked for,
-# whole-prompt prefill on CPU, token prompts, its CPU build's missing extras): nothing an
-# operator can act on.
+# whole-prompt prefill on CPU, token prompts, the readout scheduler where vLLM never schedules
+# asynchronously anyway, its CPU build's missing extras): nothing an operator can act on.
 _EXPECTED = (
     "does not officially support disabling chunked prefill",
     "Enforce eager set",
@@ -74,6 +74,7 @@ _EXPECTED = (
     "doesn't allow to use `torch.set_num_threads`",
     "Passing raw prompts to InputProcessor is deprecated",
     "The global random seed is set",
+    "Using custom scheduler class salience.",
 )
 
 

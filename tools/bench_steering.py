@@ -10,13 +10,13 @@ runs it), started once and measured in turn in one run:
   add a concept at a middle layer at every position (the salted cache, the coefficient writes
   and the taps' work all included).
 
-Each batch is N concurrent greedy streams, P-token prompts, M tokens each, EOS ignored, with
+For each stream count N, each batch is N concurrent greedy streams, P-token prompts, M tokens each, EOS ignored, with
 prompts of its own so that nothing is served from the prefix cache; the three kinds rotate,
 repeated. Reported: median tokens/s of each, steered / unsteered on the same engine (the
 target is >= 0.90), and both against `--no-steering`. With readouts, every generated token
 also asks for its readout, in every kind.
 
-    .venv/bin/python tools/bench_steering.py [--streams 8] [--tokens 64] [--repeats 5] [--readouts]
+    .venv/bin/python tools/bench_steering.py [--streams 1,8,16] [--tokens 64] [--repeats 5] [--readouts]
     .venv/bin/python tools/bench_steering.py --model DIR --concepts FILE --tokens 4 --repeats 1   # a smoke run
 """
 
@@ -62,7 +62,7 @@ async def run(engine, batch: list[list[int]], tokens: int, steer, readouts: bool
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--streams", default="1,8,16", help="stream counts, each measured in turn")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
@@ -98,37 +98,41 @@ async def main() -> None:
         Intervention(direction=direction, layers=(layer,), op=Op.ADD, value=args.value, prompt=True, generated=True)
     ]
     kinds = [(NO_STEERING, plain, ()), (UNSTEERED, engine, ()), (STEERED, engine, steer)]
-    rates: dict[str, list[float]] = {kind: [] for kind, _, _ in kinds}
+    counts = [int(n) for n in args.streams.split(",")]
+    rates: dict[tuple[int, str], list[float]] = {(n, kind): [] for n in counts for kind, _, _ in kinds}
     try:
         for n, (_, server, interventions) in enumerate(kinds):  # lazy initialisation, every path
             await run(server, prompts(1, 8, -1 - n, server.vocab_size), 4, interventions, args.readouts)
-        for repeat in range(args.repeats):
-            for i, (kind, server, interventions) in enumerate(kinds[repeat % 3 :] + kinds[: repeat % 3]):
-                batch = prompts(args.streams, args.prompt_tokens, 3 * repeat + i, server.vocab_size)
-                seconds, produced = await run(server, batch, args.tokens, interventions, args.readouts)
-                expected = args.streams * args.tokens
-                assert produced == expected, f"{kind}: {produced} tokens, expected {expected}"
-                rates[kind].append(produced / seconds)
-                print(f"  {kind:28} run {repeat + 1}: {produced / seconds:7.1f} tok/s", file=sys.stderr)
+        for streams in counts:
+            for repeat in range(args.repeats):
+                for i, (kind, server, interventions) in enumerate(kinds[repeat % 3 :] + kinds[: repeat % 3]):
+                    batch = prompts(streams, args.prompt_tokens, 1000 * streams + 3 * repeat + i, server.vocab_size)
+                    seconds, produced = await run(server, batch, args.tokens, interventions, args.readouts)
+                    expected = streams * args.tokens
+                    assert produced == expected, f"{kind}: {produced} tokens, expected {expected}"
+                    rate = produced / seconds
+                    rates[streams, kind].append(rate)
+                    print(f"  N={streams:<3} {kind:28} run {repeat + 1}: {rate:7.1f} tok/s", file=sys.stderr)
     finally:
         engine.shutdown()
         plain.shutdown()
 
-    fastest, unsteered, steered = (statistics.median(rates[k]) for k in (NO_STEERING, UNSTEERED, STEERED))
     also = "; readouts on every generated token" if args.readouts else ""
     print(
-        f"\n{name}, core engines ({mode}), {args.streams} concurrent greedy streams, {args.prompt_tokens}-token "
-        f"prompts, {args.tokens} tokens each, median of {args.repeats}; steered: add {args.value:g} x "
-        f"{direction!r} at layer {layer}, every position{also}"
+        f"\n{name}, core engines ({mode}), greedy streams, {args.prompt_tokens}-token prompts, {args.tokens} tokens "
+        f"each, median of {args.repeats}; steered: add {args.value:g} x {direction!r} at layer {layer}, every "
+        f"position{also}"
     )
     print(
-        "\n| --no-steering tok/s | unsteered tok/s | steered tok/s | steered / unsteered "
-        "| unsteered / --no-steering | steered / --no-steering |\n|---:|---:|---:|---:|---:|---:|"
+        "\n| streams | --no-steering tok/s | unsteered tok/s | steered tok/s | steered / unsteered "
+        "| unsteered / --no-steering | steered / --no-steering |\n|---:|---:|---:|---:|---:|---:|---:|"
     )
-    print(
-        f"| {fastest:.1f} | {unsteered:.1f} | {steered:.1f} | {steered / unsteered:.2f} "
-        f"| {unsteered / fastest:.2f} | {steered / fastest:.2f} |"
-    )
+    for streams in counts:
+        fastest, unsteered, steered = (statistics.median(rates[streams, k]) for k in (NO_STEERING, UNSTEERED, STEERED))
+        print(
+            f"| {streams} | {fastest:.1f} | {unsteered:.1f} | {steered:.1f} | {steered / unsteered:.2f} "
+            f"| {unsteered / fastest:.2f} | {steered / fastest:.2f} |"
+        )
 
 
 if __name__ == "__main__":
