@@ -1,7 +1,7 @@
 """A model folder's float32 logits under whichever transformers runs this file.
 
 Imported by the tests (transformers 5.x) and run as a script by the client
-environment's Python (transformers 4.x, tests/client_env.py), which has no Salience:
+environment's Python (transformers 4.x, tools/lmql_env.py), which has no Salience:
 
     python tests/folder_logits.py OUT_DIR '[ids]' FOLDER...
 

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from salience.core.models.portable import portable_config
-from tests.client_env import client_python
+from tools.lmql_env import client_python
 from tests.folder_logits import folder_logits
 
 FOLDER_LOGITS = Path(__file__).with_name("folder_logits.py")

@@ -1,4 +1,4 @@
-"""Run under LMQL 0.7.3's own environment (tests/client_env.py), against a Salience server.
+"""Run under LMQL 0.7.3's own environment (tools/lmql_env.py), against a Salience server.
 
 usage: python lmql_queries.py ENDPOINT MODEL_NAME TOKENIZER_DIR  -> one JSON line of results
 """

@@ -17,7 +17,7 @@ from salience.core.engine.requests import SamplingOptions
 from salience.core.serving.status import ServerStatus
 from salience.lmtp.app import make_app
 from salience.lmtp.session import LmtpConfig
-from tests.client_env import client_python
+from tools.lmql_env import client_python
 from tests.conftest import free_port, start_engine
 
 NAME = "SmolLM2-135M-Instruct"
