@@ -1,4 +1,5 @@
-"""The readout hub's merge across pipeline stages and DP engines, against scripted worker answers.
+"""The readout hub against scripted engines: the merge across pipeline stages and DP engines, and
+the frontend half of the step-output transport.
 
 The real engines are tested in test_pipeline_parallel.py and test_data_parallel.py. This pins
 down the orders the real ones produce only sometimes: one stage's rows of a step arriving a
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from salience.core.probes.readout_scheduler import PAYLOAD
 from salience.core.probes.readouts import ReadoutHub
 from salience.errors import EngineError
 
@@ -101,3 +103,48 @@ async def test_each_dp_engine_is_read() -> None:
     assert await hub.take("on1", [7]) == {7: pytest.approx(tuple(full))}
     assert await hub.take("on0", [1]) == {1: pytest.approx(tuple(full))}
     assert hub.origin == {"on0": 0, "on1": 1}
+
+
+async def test_rows_that_come_with_the_step_outputs_are_filed_before_vllm_sees_them() -> None:
+    """The step-output transport's frontend half: the hub takes its payload out of each output's
+    kv_transfer_params (keeping anything else there), files the rows under the request's key and
+    the engine the scheduler names, and only then hands the outputs to vLLM's processor."""
+    setup = [{"shape": [64, 3, 2], "slots": [0, 1, 2]}]
+    full, other = row({0: 1.0, 1: 2.0, 2: 3.0}), row({0: 4.0, 1: 5.0, 2: 6.0})
+    seen = []
+
+    def process_outputs(outputs, *args, **kwargs):
+        seen.append([(o.request_id, o.kv_transfer_params, dict(hub._buffers.get("k", {}))) for o in outputs])
+        return "processed"
+
+    processor = SimpleNamespace(process_outputs=process_outputs)
+    llm = SimpleNamespace(output_processor=processor)
+
+    async def call_utility_all_async(utility, method, timeout, args, kwargs):
+        assert (method, args) == ("salience_readout_setup", (True,))
+        return [setup, setup]
+
+    llm.engine_core = SimpleNamespace(call_utility_all_async=call_utility_all_async)
+    hub = await ReadoutHub.install(llm, SET, engines=2, with_output=True)
+    hub.register("k")
+
+    def payload(engine: int, key: str, rows: dict) -> dict:
+        return {PAYLOAD: {"engine": engine, "blocks": [[key, *block(rows)]]}}
+
+    outputs = [
+        SimpleNamespace(request_id="k-1", kv_transfer_params=payload(1, "k", {4: full})),
+        SimpleNamespace(request_id="j-1", kv_transfer_params={"remote": 7, **payload(0, "gone", {0: other})}),
+        SimpleNamespace(request_id="i-1", kv_transfer_params=None),
+    ]
+    assert processor.process_outputs(outputs, 0.0, None) == "processed"
+    (batch,) = seen
+    assert [(request_id, params) for request_id, params, _ in batch] == [
+        ("k-1", None),
+        ("j-1", {"remote": 7}),
+        ("i-1", None),
+    ]
+    assert batch[0][2] == {4: pytest.approx(tuple(full))}  # filed before vLLM's processor ran
+    assert await hub.take("k", [4]) == {4: pytest.approx(tuple(full))}
+    assert hub.origin == {"k": 1}  # "gone" was released (never registered): its rows are dropped
+    hub.release("k")
+    assert hub.tracked() == 0 and hub._dropped == set()  # nothing to tell a worker: it keeps nothing
