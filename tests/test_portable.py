@@ -11,8 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from salience.core.models.portable import portable_config
-from tools.lmql_env import client_python
 from tests.folder_logits import folder_logits
+from tools.lmql_env import client_python
 
 FOLDER_LOGITS = Path(__file__).with_name("folder_logits.py")
 

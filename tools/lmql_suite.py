@@ -5,7 +5,7 @@ usage: python lmql_suite.py ENDPOINT MODEL_NAME TOKENIZER_DIR  -> one JSON line:
        {"queries": {query: [answer, seconds], ...}, "cpu_seconds": this process's CPU time}
 
 Every query decodes greedily (or scores), so two servers on the same weights must give the
-same answers.
+same answers. tests/lmtp/test_lmql.py checks three of them against the engine itself.
 """
 
 import asyncio
