@@ -193,6 +193,38 @@ async def test_prefix_cache_hit_still_gives_every_position(
         assert_readout_close(generation.prompt_readouts[position], want[position])
 
 
+async def test_a_request_aborted_mid_step_leaks_nothing_into_the_next(
+    engine: Engine, reference: Reference, concepts: ConceptSet
+) -> None:
+    """Requests abandoned after their first token while others run beside them, three rounds, so
+    later requests take the abandoned ones' batch slots: every finished request's readouts are
+    its own (the reference's), and nothing stays stored."""
+    options = SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def abandoned(i: int) -> None:
+        generation = engine.generate(PROMPTS[i], SamplingOptions(max_tokens=400), readout_ranges=[(0, 900)])
+        await anext(generation)
+        await generation.aclose()
+
+    async def successor(i: int) -> tuple[list[int], dict]:
+        prompt = PROMPTS[(i + 4) % 8][:12]
+        generation = engine.generate(prompt, options, readout_ranges=[(0, 100)])
+        events = [e async for e in generation]
+        return prompt + [e.token_id for e in events], {
+            **generation.prompt_readouts,
+            **{e.position: e.readout for e in events},
+        }
+
+    for round_ in range(3):
+        done = await asyncio.gather(*(abandoned(i) for i in range(4)), *(successor(i) for i in range(4)))
+        for ids, readouts in done[4:]:
+            assert sorted(readouts) == list(range(len(ids))), round_
+            assert_readouts_close(readouts, reference_readouts(reference, concepts, ids))
+    await asyncio.sleep(0.2)
+    assert engine.num_unfinished_requests() == 0
+    assert await engine.readouts.stored_in_worker() == 0 and engine.readouts.tracked() == 0
+
+
 async def test_state_is_freed_however_requests_end(engine: Engine) -> None:
     """10,000 requests that finish, are abandoned mid-stream, or fail: nothing stays behind."""
     options = SamplingOptions(max_tokens=2, temperature=0.0, ignore_eos=True)
