@@ -130,3 +130,11 @@ async def check_score_readouts(engine, reference, concepts, ids: list[int]) -> N
     assert [token.position for token in scored] == list(range(10, len(ids)))
     for token in scored:
         assert_readout_close(token.readout, want[token.position])
+
+
+def probabilities(concepts, raw: torch.Tensor) -> torch.Tensor:
+    """[positions, layers * concepts] probabilities from raw rows (layer-major, as they stream),
+    through the set's published calibration: the client's side of readout_format probability."""
+    scale = torch.tensor([[f["scale"] for f in info["layers"]] for info in concepts.info], dtype=torch.float64)
+    offset = torch.tensor([[f["offset"] for f in info["layers"]] for info in concepts.info], dtype=torch.float64)
+    return torch.sigmoid(raw * scale.T.reshape(-1) + offset.T.reshape(-1))

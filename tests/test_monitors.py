@@ -32,7 +32,7 @@ from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
 from tests.inprocess import Frontends, frontends
-from tests.reference import Reference, reference_readouts
+from tests.reference import Reference, probabilities, reference_readouts
 
 PROMPTS = [[0, *range(40 + 13 * i, 60 + 13 * i)] for i in range(8)]
 DECODE = 16
@@ -90,13 +90,6 @@ async def engine(tiny_model: Path, calibrated: ConceptSet) -> AsyncIterator[Engi
 async def served(engine: Engine) -> AsyncIterator[Frontends]:
     async with frontends(engine) as running:
         yield running
-
-
-def probabilities(calibrated: ConceptSet, raw: torch.Tensor) -> torch.Tensor:
-    """[positions, layers * concepts] probabilities from raw rows, with the set's published map."""
-    scale = torch.tensor([[f["scale"] for f in info["layers"]] for info in calibrated.info], dtype=torch.float64)
-    offset = torch.tensor([[f["offset"] for f in info["layers"]] for info in calibrated.info], dtype=torch.float64)
-    return torch.sigmoid(raw * scale.T.reshape(-1) + offset.T.reshape(-1))
 
 
 def column(concept: str, layer: int) -> int:

@@ -17,7 +17,7 @@ from salience.core.engine.requests import SamplingOptions
 from salience.core.probes import fitting
 from salience.core.probes.concepts import ConceptSet
 from tests.conftest import start_engine
-from tests.reference import Reference, assert_readouts_close, reference_readouts
+from tests.reference import Reference, assert_readouts_close, probabilities, reference_readouts
 
 
 @pytest.fixture(scope="module")
@@ -148,13 +148,11 @@ async def mean_probability(engine: Engine, concepts: ConceptSet, concept: str, t
     manifest's calibration, over the tokens after the first (an attention sink, left out by the
     builder too)."""
     k = concepts.concepts.index(concept)
-    info = concepts.info[k]
-    fit = next(f for f in info["layers"] if f["layer"] == info["recommended_layer"])
-    column = concepts.layers.index(info["recommended_layer"]) * len(concepts.concepts) + k
+    column = concepts.layers.index(concepts.info[k]["recommended_layer"]) * len(concepts.concepts) + k
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
     readouts = await engine.readout(ids, [(1, len(ids))])
-    raw = torch.tensor([readouts[p][column] for p in range(1, len(ids))], dtype=torch.float64)
-    return float(torch.sigmoid(fit["scale"] * raw + fit["offset"]).mean())
+    raw = torch.tensor([readouts[p] for p in range(1, len(ids))], dtype=torch.float64)
+    return float(probabilities(concepts, raw)[:, column].mean())
 
 
 @pytest.mark.parametrize("concept", sorted(PAIRS))
