@@ -19,6 +19,12 @@ const POSITIVE = [178, 24, 43];
 
 const RECOMMENDED = -1; // the layer select's "each concept at its recommended layer"
 
+/** The manifest's concept_info when every concept has a calibration, else null (raw only). */
+export function calibration(manifest) {
+  const info = manifest?.concept_info ?? [];
+  return info.length > 0 && info.length === manifest.concepts.length && info.every(Boolean) ? info : null;
+}
+
 /** Colour for a value on a scale of ±`scale`: blue below 0, white at 0, red above. */
 export function valueColor(value, scale) {
   const t = Math.max(-1, Math.min(1, value / scale));
@@ -42,8 +48,7 @@ export class Heatmap {
   constructor(manifest) {
     this.#concepts = manifest.concepts;
     this.#layers = manifest.layers;
-    const info = manifest.concept_info ?? [];
-    this.#info = info.length === this.#concepts.length && info.every(Boolean) ? info : null;
+    this.#info = calibration(manifest);
     this.#view = this.#info ? "probability" : "raw";
     this.#layer = this.#info ? RECOMMENDED : manifest.layers.length - 1;
     this.element = document.createElement("section");

@@ -4,6 +4,8 @@
 //   {"concept": "code", "above": 0.9, "action": "stop"}   // or "below", "flag", "layer"
 // `flag` marks each token where the condition starts to hold; `stop` ends the generation there.
 
+import { calibration } from "./heatmap.js";
+
 export class MonitorControls {
   #fieldset;
 
@@ -14,8 +16,7 @@ export class MonitorControls {
 
   /** Offer the calibrated concepts of MODEL_INFO's readout_manifest (none: no monitors). */
   show(manifest) {
-    const info = manifest?.concept_info ?? [];
-    const calibrated = info.length > 0 && info.every(Boolean);
+    const calibrated = calibration(manifest) !== null;
     this.#fieldset.hidden = !calibrated;
     const select = this.#fieldset.querySelector(".concept");
     select.replaceChildren(...(calibrated ? manifest.concepts : []).map((name) => new Option(name, name)));
