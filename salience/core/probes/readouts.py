@@ -181,6 +181,7 @@ class ReadoutHub:
     def _receiving(self, process_outputs):
         """Wrap vLLM's OutputProcessor.process_outputs: file the rows a step's outputs carry
         before the requests' outputs are queued for their generators."""
+        (worker,) = self._masks  # the one filing worker (install checked it)
 
         def run(outputs, *args, **kwargs):
             for output in outputs:
@@ -191,7 +192,7 @@ class ReadoutHub:
                 if not params:
                     output.kv_transfer_params = None
                 for key, positions, values in payload["blocks"]:
-                    self._file_block(payload["engine"], next(iter(self._masks)), key, positions, values)
+                    self._file_block(payload["engine"], worker, key, positions, values)
             return process_outputs(outputs, *args, **kwargs)
 
         return run
