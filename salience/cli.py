@@ -10,9 +10,9 @@ import os
 import sys
 from pathlib import Path
 
-from salience.auth import AUTH_TOKEN_ENV, token_from_environment
+from salience.auth import ADMIN_TOKEN_ENV, AUTH_TOKEN_ENV, token_from_environment
 from salience.core.models.home import configure_environment
-from salience.errors import InvalidArgument, SalienceError
+from salience.errors import FailedPrecondition, InvalidArgument, SalienceError, Unavailable
 
 __all__ = ["main"]
 
@@ -68,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
         "--auth-token",
         default=token_from_environment(),
         help=f"bearer token every client must present (default: ${AUTH_TOKEN_ENV}; unset: open)",
+    )
+    serve.add_argument(
+        "--admin-token",
+        default=token_from_environment(ADMIN_TOKEN_ENV),
+        help=f"the operator's bearer token: it alone may define, delete and save live concepts (default: "
+        f"${ADMIN_TOKEN_ENV}; unset: anyone on an open server, nobody on one with --auth-token)",
     )
     sessions = serve.add_argument_group("sessions")
     sessions.add_argument("--session-ttl", type=float, default=1800.0, help="seconds an idle session is kept")
@@ -151,6 +157,16 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("-o", "--output", type=Path, required=True)
     show = concepts.add_parser("show", help="print a concept set's manifest and provenance")
     show.add_argument("file", type=Path)
+    save = concepts.add_parser(
+        "save", help="write a running server's concepts, live ones included, as a concept-set file"
+    )
+    save.add_argument("file", type=Path)
+    save.add_argument("--server", default="ws://127.0.0.1:8080/", help="the server's LMTP WebSocket URL")
+    save.add_argument(
+        "--token",
+        default=token_from_environment(ADMIN_TOKEN_ENV),
+        help=f"the server's operator token (default: ${ADMIN_TOKEN_ENV})",
+    )
 
     repl = commands.add_parser("repl", help="interactive prompt against a running server")
     repl.add_argument("url", nargs="?", default="ws://127.0.0.1:8080/", help="LMTP WebSocket URL")
@@ -221,6 +237,7 @@ def _serve(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port if args.grpc else None,
         model_aliases=tuple(args.model_alias),
         auth_token=args.auth_token or None,
+        admin_token=args.admin_token or None,
         metrics_port=args.metrics_port,
         drain_timeout=args.drain_timeout,
         lmtp_limits=lmtp_limits,
@@ -260,11 +277,34 @@ def _concepts(args: argparse.Namespace) -> int:
     if args.concepts_command == "show":
         print(describe(ConceptSet.load(args.file)))
         return 0
+    if args.concepts_command == "save":
+        saved = asyncio.run(_save_from(args.server, args.token))
+        args.file.write_bytes(saved)
+        print(describe(ConceptSet.load(args.file)))
+        return 0
     model = inspect_model_folder(args.model or ensure_default_model()).path
     built = asyncio.run(build_concept_set(load_spec(args.spec), model, source=str(args.spec)))
     built.save(args.output)
     print(describe(built))
     return 0
+
+
+async def _save_from(url: str, token: str | None) -> bytes:
+    import base64
+
+    from salience.lmtp.client import LmtpClient, LmtpStreamError
+
+    try:
+        client = await LmtpClient.connect(url, {"Authorization": f"Bearer {token}"} if token else None)
+    except OSError as exc:
+        raise Unavailable(f"cannot connect to {url}: {exc}") from None
+    try:
+        reply = await client.request("SAVE_CONCEPTS")
+    except LmtpStreamError as exc:
+        raise FailedPrecondition(str(exc)) from None
+    finally:
+        await client.close()
+    return base64.b64decode(reply["concept_set"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,8 @@ Core code raises these; each frontend maps them to its wire form in one place
     ├── NotFound              unknown or evicted session
     ├── FailedPrecondition    offset drift, image-block split
     ├── SessionBusy           a Generate is already running on the session
-    ├── ResourceExhausted     server-side limits (sessions, stored tokens)
+    ├── ResourceExhausted     server-side limits (sessions, stored tokens, concept columns)
+    ├── PermissionDenied      an operator's act (live concepts) asked with an ordinary token
     ├── ModelError            the model folder cannot be served
     ├── Unavailable           the model is loading or the server is stopping
     └── EngineError           the engine failed while serving a request
@@ -24,6 +25,7 @@ __all__ = [
     "InvalidArgument",
     "ModelError",
     "NotFound",
+    "PermissionDenied",
     "ResourceExhausted",
     "SalienceError",
     "SessionBusy",
@@ -56,6 +58,10 @@ class SessionBusy(SalienceError):
 
 
 class ResourceExhausted(SalienceError):
+    pass
+
+
+class PermissionDenied(SalienceError):
     pass
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from salience.auth import Tokens
 from salience.core.engine.engine import Engine
 from salience.core.engine.settings import EngineSettings
 from salience.core.serving.sessions import SessionLimits, SessionStore
@@ -43,6 +44,7 @@ class ServeOptions:
     grpc_port: int | None = 50051
     model_aliases: tuple[str, ...] = ()
     auth_token: str | None = None
+    admin_token: str | None = None  # the operator's: define, delete and save live concepts
     sessions: SessionLimits = field(default_factory=SessionLimits)
     lmtp_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # message size limits and more
     metrics_port: int | None = None  # GET /metrics without auth, for a private network
@@ -66,13 +68,16 @@ async def serve(settings: EngineSettings, options: ServeOptions) -> None:
     loop.add_signal_handler(signal.SIGINT, stop.set)
 
     status = ServerStatus(settings.served_model_name, {settings.model.name, *options.model_aliases})
+    tokens = Tokens(options.auth_token, options.admin_token)
     if options.auth_token is None:
         log.warning("no auth token configured: every client that can reach the ports may use the server")
+        if options.admin_token is None:
+            log.warning("no admin token configured: every client may define, delete and save live concepts")
     elif options.lmtp_tcp_port is not None:
         raise InvalidArgument(
             "--lmtp-tcp-port cannot carry a token: serve it without --auth-token, or use the WebSocket"
         )
-    lmtp = LmtpConfig(auth_token=options.auth_token, limits=options.lmtp_limits)
+    lmtp = LmtpConfig(auth_token=options.auth_token, admin_token=options.admin_token, limits=options.lmtp_limits)
     sessions = SessionStore(status.serving_engine, options.sessions)
     sweeper = asyncio.create_task(sessions.sweep_forever())
     runner = web.AppRunner(make_app(status, lmtp, sessions), access_log=None, handle_signals=False)
@@ -92,7 +97,7 @@ async def serve(settings: EngineSettings, options: ServeOptions) -> None:
         log.info("listening", extra={"lmtp_tcp": f"{options.host}:{options.lmtp_tcp_port}"})
     grpc = None
     if options.grpc_port is not None:
-        grpc = await start_grpc_server(status, sessions, options.host, options.grpc_port, options.auth_token)
+        grpc = await start_grpc_server(status, sessions, options.host, options.grpc_port, tokens)
         log.info("listening", extra={"grpc": f"{options.host}:{grpc.port}"})
 
     engine: Engine | None = None

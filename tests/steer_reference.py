@@ -3,7 +3,8 @@
 Independent of the serving code: positions, layers and coefficients are taken from the
 interventions as a client states them, and applied in float64 to each hooked layer's output
 (the residual stream before the final norm), every intervention at a layer computed from the
-residual before any of them and summed, as docs/steering.md defines.
+residual before any of them and summed, as docs/steering.md defines. A cap adds
+(clamp(<h, d>, lo, hi) - <h, d>) d; a request's own vector is its direction at every layer.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from salience.core.probes.concepts import ConceptSet
@@ -50,10 +52,21 @@ def steered(model, sets: Sequence[ConceptSet], steer: Sequence[Intervention], pr
         h = hidden[0].double()  # [positions, hidden]
         delta = torch.zeros_like(h)
         for i in by_layer[layer]:
-            d = unit(sets, i.direction, layer)
-            a, b = {Op.ADD: (i.value, 0.0), Op.SET: (i.value, -1.0), Op.ABLATE: (0.0, -1.0)}[i.op]
+            if i.vector is not None:
+                d = torch.from_numpy(np.frombuffer(i.vector, dtype=np.float32).copy()).double()
+                d = d / d.norm()
+            else:
+                d = unit(sets, i.direction, layer)
             mask = positions(i, prompt_len, h.shape[0]).double()[:, None]
-            delta += mask * (a + b * (h @ d))[:, None] * d[None, :]
+            p = h @ d
+            if i.op is Op.CAP:
+                lo = -torch.inf if i.lo is None else i.lo
+                hi = torch.inf if i.hi is None else i.hi
+                change = p.clamp(lo, hi) - p
+            else:
+                a, b = {Op.ADD: (i.value, 0.0), Op.SET: (i.value, -1.0), Op.ABLATE: (0.0, -1.0)}[i.op]
+                change = a + b * p
+            delta += mask * change[:, None] * d[None, :]
         new = (h + delta).to(hidden.dtype)[None]
         return (new, *output[1:]) if isinstance(output, tuple) else new
 

@@ -303,6 +303,8 @@ async def test_readouts_over_lmtp(engine: Engine, concepts: ConceptSet) -> None:
             "hidden_size": 128,
             "dtype": "float32",
             "concept_info": [None] * len(TINY_CONCEPTS),  # a set built by hand has no calibration
+            "version": 0,
+            "live": [],
         }
         prompt = PROMPTS[3]
         fields = {

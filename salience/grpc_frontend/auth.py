@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from salience import metrics, request_ids
-from salience.auth import bearer_matches
+from salience.auth import Tokens
 from salience.errors import InvalidArgument
 
 __all__ = ["BearerAuthInterceptor"]
@@ -30,8 +30,8 @@ async def _deny(request: object, context: grpc.aio.ServicerContext) -> None:
 
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str) -> None:
-        self._token = token
+    def __init__(self, tokens: Tokens) -> None:
+        self._tokens = tokens
         self._deny = grpc.unary_unary_rpc_method_handler(_deny)
 
     async def intercept_service(
@@ -42,7 +42,7 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         if handler_call_details.method.startswith(_OPEN_PREFIXES):
             return await continuation(handler_call_details)
         metadata = dict(handler_call_details.invocation_metadata or ())
-        if bearer_matches(self._token, metadata.get("authorization", "")):
+        if self._tokens.admits(metadata.get("authorization", "")):
             return await continuation(handler_call_details)
         metrics.AUTH_FAILURES.labels("grpc").inc()
         return self._deny

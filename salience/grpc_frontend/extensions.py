@@ -8,9 +8,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from salience.auth import Tokens
 from salience.core.engine.images import Vision
 from salience.core.probes.calibration import Action, Monitor, MonitorEvent, parse_monitors
 from salience.core.probes.steering import MAX_INTERVENTIONS, MAX_MAGNITUDE, Intervention, Op
+from salience.core.serving import live_concepts
+from salience.core.serving.live_concepts import ConceptDefinition
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import ServerStatus
 from salience.core.serving.turns import SessionToken
@@ -24,16 +27,25 @@ from salience.proto.salience.v1 import salience_pb2 as pb
 
 __all__ = ["ExtensionsService"]
 
-_OPS = {ext.Intervention.OP_ADD: Op.ADD, ext.Intervention.OP_SET: Op.SET, ext.Intervention.OP_ABLATE: Op.ABLATE}
+_OPS = {
+    ext.Intervention.OP_ADD: Op.ADD,
+    ext.Intervention.OP_SET: Op.SET,
+    ext.Intervention.OP_ABLATE: Op.ABLATE,
+    ext.Intervention.OP_CAP: Op.CAP,
+}
 _ACTIONS = {ext.Monitor.ACTION_FLAG: "flag", ext.Monitor.ACTION_STOP: "stop"}
 _INFO_FIELDS = ("name", "recommended_layer", "method", "n_fit", "n_heldout", "validation")
 _FIT_FIELDS = tuple(ext.LayerFit.DESCRIPTOR.fields_by_name)
 
 
 class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
-    def __init__(self, status: ServerStatus, sessions: SessionStore) -> None:
+    def __init__(self, status: ServerStatus, sessions: SessionStore, tokens: Tokens | None = None) -> None:
         self._status = status
         self._sessions = sessions
+        self._tokens = tokens or Tokens()
+
+    def _operator(self, context: grpc.aio.ServicerContext) -> bool:
+        return self._tokens.is_operator(dict(context.invocation_metadata() or ()).get("authorization"))
 
     @translating_stream
     async def SteeredGenerate(
@@ -51,14 +63,13 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
         self, request: ext.ExtendedGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ext.ExtendedGenerateEvent]:
         probabilities = request.readout_format == ext.ExtendedGenerateRequest.READOUT_FORMAT_PROBABILITY
-        view = self._status.serving_engine().calibration().probabilities if probabilities else None
         steer, watch = interventions(request.interventions), monitors(request.monitors)
-        turn = turn_from(request.generate, REQUEST_ID.get(), steer, watch)
+        turn = turn_from(request.generate, REQUEST_ID.get(), steer, watch, probabilities)
         async with contextlib.aclosing(
             run_turn(self._status, self._sessions, request.generate.session_id, turn)
         ) as items:
             async for item in items:
-                event = ext.ExtendedGenerateEvent(event=seed_event(item, view))
+                event = ext.ExtendedGenerateEvent(event=seed_event(item))
                 if isinstance(item, SessionToken):
                     event.monitors.extend(_monitor_event(m) for m in item.monitors)
                 elif item.stopped_by is not None:
@@ -67,23 +78,58 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
 
     @translating
     async def GetConceptManifest(self, request: ext.GetConceptManifestRequest, context: grpc.aio.ServicerContext):
-        readouts = self._status.serving_engine().readouts
+        view = self._status.serving_engine().live.view()
         manifest = ext.ConceptManifest()
-        if readouts is not None:
-            for name, info in zip(readouts.manifest.concepts, readouts.manifest.concept_info, strict=True):
-                concept = manifest.concepts.add(name=name)
-                if info:
+        if view is not None:
+            manifest.version = view.version
+            for name, info in zip(view.concepts, view.info, strict=True):
+                concept = manifest.concepts.add(name=name, live=name in view.live)
+                if info and info.get("layers"):
                     concept.info.CopyFrom(_concept_info(info))
         return manifest
 
     @translating
+    async def DefineConcept(self, request: ext.DefineConceptRequest, context: grpc.aio.ServicerContext):
+        definition = ConceptDefinition(
+            name=request.name,
+            positive=tuple(request.positive),
+            negative=tuple(request.negative),
+            method=request.method or "auto",
+            layers=tuple(request.layers) or None,
+            vector=request.vector or None,
+            vectors=dict(request.vectors) or None,
+        )
+        reply = await live_concepts.define(self._status, definition, operator=self._operator(context), frontend="grpc")
+        response = ext.DefineConceptResponse(
+            name=reply["concept"], manifest_version=reply["version"], table=reply["table"]
+        )
+        info = reply["concept_info"]
+        if info and info.get("layers"):
+            response.info.CopyFrom(_concept_info(info))
+        return response
+
+    @translating
+    async def DeleteConcept(self, request: ext.DeleteConceptRequest, context: grpc.aio.ServicerContext):
+        reply = await live_concepts.delete(self._status, request.name, operator=self._operator(context))
+        return ext.DeleteConceptResponse(manifest_version=reply["version"])
+
+    @translating
+    async def SaveConcepts(self, request: ext.SaveConceptsRequest, context: grpc.aio.ServicerContext):
+        data = live_concepts.save(self._status, operator=self._operator(context))
+        view = self._status.serving_engine().live.view()
+        return ext.SaveConceptsResponse(concept_set=data, concepts=view.concepts if view else ())
+
+    @translating
     async def GetSteeringManifest(self, request: ext.GetSteeringManifestRequest, context: grpc.aio.ServicerContext):
-        steering = self._status.serving_engine().steering
+        engine = self._status.serving_engine()
+        steering = engine.steering
         manifest = ext.SteeringManifest(max_interventions=MAX_INTERVENTIONS, max_magnitude=MAX_MAGNITUDE)
         if steering is not None:
+            described = steering.manifest(engine.live.view())
+            manifest.vector_columns = described["vector_columns"]
             manifest.directions.extend(
                 ext.SteeringManifest.Direction(name=name, layers=layers)
-                for name, layers in steering.manifest()["directions"].items()
+                for name, layers in described["directions"].items()
             )
         return manifest
 
@@ -155,13 +201,16 @@ def interventions(messages) -> tuple[Intervention, ...]:
     out = []
     for n, m in enumerate(messages):
         if m.op not in _OPS:
-            raise InvalidArgument(f"steer[{n}]: op must be OP_ADD, OP_SET or OP_ABLATE")
+            raise InvalidArgument(f"steer[{n}]: op must be OP_ADD, OP_SET, OP_ABLATE or OP_CAP")
         out.append(
             Intervention(
                 direction=m.direction,
+                vector=m.vector or None,
                 layers=tuple(m.layers),
                 op=_OPS[m.op],
                 value=m.value,
+                lo=m.lo if m.HasField("lo") else None,
+                hi=m.hi if m.HasField("hi") else None,
                 prompt=m.prompt,
                 ranges=tuple((r.start, r.end) for r in m.ranges),
                 generated=m.generated,

@@ -6,6 +6,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from salience.auth import Tokens
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import ServerStatus
 from salience.grpc_frontend.auth import BearerAuthInterceptor
@@ -39,10 +40,11 @@ class GrpcServer:
 
 
 async def start_grpc_server(
-    status: ServerStatus, sessions: SessionStore, host: str, port: int, auth_token: str | None = None
+    status: ServerStatus, sessions: SessionStore, host: str, port: int, tokens: Tokens | None = None
 ) -> GrpcServer:
     """Listen on host:port (0 picks a free port) and report NOT_SERVING until `serving(True)`."""
-    interceptors = [BearerAuthInterceptor(auth_token)] if auth_token else []
+    tokens = tokens or Tokens()
+    interceptors = [BearerAuthInterceptor(tokens)] if tokens.required else []
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[
@@ -51,7 +53,7 @@ async def start_grpc_server(
         ],
     )
     salience_pb2_grpc.add_SalienceServicer_to_server(SalienceService(status, sessions), server)
-    extensions_pb2_grpc.add_SalienceExtensionsServicer_to_server(ExtensionsService(status, sessions), server)
+    extensions_pb2_grpc.add_SalienceExtensionsServicer_to_server(ExtensionsService(status, sessions, tokens), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (

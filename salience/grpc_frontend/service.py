@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+import math
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
@@ -19,9 +20,7 @@ from salience.logs import REQUEST_ID
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
 
-__all__ = ["SalienceService", "View", "run_turn", "seed_event", "turn_from"]
-
-View = Callable[[Sequence[float]], Sequence[float]]
+__all__ = ["SalienceService", "run_turn", "seed_event", "turn_from"]
 
 _FINISH = {
     FinishReason.STOP: pb.GenerateDone.FINISH_REASON_EOS,
@@ -91,11 +90,11 @@ async def run_turn(
         yield run.done
 
 
-def seed_event(item: SessionToken | TurnDone, view: View | None = None) -> pb.GenerateEvent:
-    """A turn's token or end as the seed's GenerateEvent; `view` maps readout rows (probabilities)."""
+def seed_event(item: SessionToken | TurnDone) -> pb.GenerateEvent:
+    """A turn's token or end as the seed's GenerateEvent (a probability with no calibration: NaN)."""
     if isinstance(item, TurnDone):
         return pb.GenerateEvent(done=_done(item))
-    return pb.GenerateEvent(token=_token(item, view))
+    return pb.GenerateEvent(token=_token(item))
 
 
 def turn_from(
@@ -103,12 +102,14 @@ def turn_from(
     request_id: str | None = None,
     steer: Sequence[Intervention] = (),
     monitors: Sequence[Monitor] = (),
+    probabilities: bool = False,
 ) -> Turn:
     """The core Turn a seed GenerateRequest asks for (and, from the extensions, its interventions
     and monitors)."""
     return Turn(
         steer=steer,
         monitors=monitors,
+        probabilities=probabilities,
         request_id=request_id,
         offset=request.offset,
         truncating=request.truncating,
@@ -130,10 +131,10 @@ def turn_from(
     )
 
 
-def _token(token: SessionToken, view: View | None) -> pb.Token:
+def _token(token: SessionToken) -> pb.Token:
     message = pb.Token(id=token.token_id, position=token.position, is_prefill=token.is_prefill)
     if token.readout is not None:
-        message.readout.extend(token.readout if view is None else view(token.readout))
+        message.readout.extend(math.nan if value is None else value for value in token.readout)
     if token.logprob is not None:
         message.sampled_logprob = token.logprob
         message.has_sampled_logprob = True

@@ -29,6 +29,7 @@ _CODES: dict[type[errors.SalienceError], grpc.StatusCode] = {
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.SessionBusy: grpc.StatusCode.ABORTED,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.ModelError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.EngineError: grpc.StatusCode.INTERNAL,

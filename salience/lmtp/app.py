@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from salience import metrics, request_ids
-from salience.auth import bearer_matches
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import Phase, ServerStatus
 from salience.errors import InvalidArgument
@@ -81,8 +80,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
     """Prometheus text format, behind the bearer token when the server has one."""
-    token = request.app[LMTP_CONFIG].auth_token
-    if token and not bearer_matches(token, request.headers.get("Authorization"), request.query.get("token")):
+    tokens = request.app[LMTP_CONFIG].tokens
+    if not tokens.admits(request.headers.get("Authorization"), request.query.get("token")):
         metrics.AUTH_FAILURES.labels("metrics").inc()
         raise web.HTTPUnauthorized(
             headers={"WWW-Authenticate": "Bearer"}, text="unauthorized: missing or wrong bearer token"
@@ -140,15 +139,20 @@ async def lmtp_websocket(request: web.Request) -> web.StreamResponse:
             raise web.HTTPBadRequest(text=str(exc)) from None
     await ws.prepare(request)
     config = request.app[LMTP_CONFIG]
-    if config.auth_token and not bearer_matches(
-        config.auth_token, request.headers.get("Authorization"), request.query.get("token")
-    ):
+    offered = (request.headers.get("Authorization"), request.query.get("token"))
+    if not config.tokens.admits(*offered):
         # Close after the upgrade, not a 401 before it: browsers see close codes, never HTTP statuses.
         metrics.AUTH_FAILURES.labels("lmtp_ws").inc()
         await ws.close(code=AUTH_CLOSE_CODE, message=b"unauthorized: missing or wrong token")
         return ws
     request.app[SOCKETS].add(ws)
-    session = LmtpSession(request.app[STATUS], config, request.app[SESSIONS], request_id_prefix=prefix)
+    session = LmtpSession(
+        request.app[STATUS],
+        config,
+        request.app[SESSIONS],
+        request_id_prefix=prefix,
+        operator=config.tokens.is_operator(*offered),
+    )
     request.app[CONNECTIONS].add(session)
 
     async def lines() -> AsyncIterator[str | bytes]:

@@ -26,12 +26,14 @@ import orjson
 from salience import request_ids
 from salience.core.engine.requests import ImageBlock
 from salience.core.probes.calibration import Monitor, parse_monitors
-from salience.core.probes.steering import Intervention, parse_interventions
+from salience.core.probes.steering import Intervention, parse_interventions, parse_vector
 from salience.errors import InvalidArgument
 from salience.lmtp.messages import (
     Cancel,
     ClientMessage,
     CloseSession,
+    DefineConcept,
+    DeleteConcept,
     Detokenize,
     DumpSession,
     ForkSession,
@@ -39,6 +41,7 @@ from salience.lmtp.messages import (
     ImageInfo,
     ModelInfo,
     OpenSession,
+    SaveConcepts,
     Score,
     SessionGenerate,
     Status,
@@ -282,6 +285,49 @@ _SESSION_GENERATE: dict[str, _Reader] = {
     },
     "images": _images,
 }
+
+
+def _texts(value: Any, name: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+        raise ValueError(f"{name} must be a list of texts")
+    return tuple(value)
+
+
+def _layer_list(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(x) is int for x in value):
+        raise ValueError(f"{name} must be a list of layer indices")
+    return tuple(value)
+
+
+def _vector(value: Any, name: str) -> bytes:
+    try:
+        return parse_vector(name, value)
+    except InvalidArgument as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _vectors(value: Any, name: str) -> dict[int, bytes]:
+    """{"<layer>": vector, ...}: JSON keys are strings."""
+    if not isinstance(value, dict) or not value:
+        raise ValueError(f'{name} must be an object {{"<layer>": vector, ...}}')
+    out = {}
+    for key, vector in value.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise ValueError(f"{name}: {key!r} is not a layer index")
+        out[int(key)] = _vector(vector, f"{name}[{key}]")
+    return out
+
+
+_DEFINE_CONCEPT: dict[str, _Reader] = {
+    "stream_id": _int,
+    "name": _str,
+    "positive": _texts,
+    "negative": _texts,
+    "method": _str,
+    "layers": _layer_list,
+    "vector": _vector,
+    "vectors": _vectors,
+}
 _SESSION_ID = {"stream_id": _int, "session_id": _str}
 _TYPES: dict[str, tuple[type, dict[str, _Reader], frozenset[str]]] = {
     "GENERATE": (Generate, _GENERATE, frozenset({"stream_id", "prompt"})),
@@ -305,6 +351,9 @@ _TYPES: dict[str, tuple[type, dict[str, _Reader], frozenset[str]]] = {
         frozenset({*_SESSION_ID, "at_position"}),
     ),
     "SESSION_GENERATE": (SessionGenerate, _SESSION_GENERATE, frozenset({*_SESSION_ID, "offset"})),
+    "DEFINE_CONCEPT": (DefineConcept, _DEFINE_CONCEPT, frozenset({"stream_id", "name"})),
+    "DELETE_CONCEPT": (DeleteConcept, {"stream_id": _int, "name": _str}, frozenset({"stream_id", "name"})),
+    "SAVE_CONCEPTS": (SaveConcepts, {"stream_id": _int}, frozenset({"stream_id"})),
     "IMAGE_INFO": (
         ImageInfo,
         {"stream_id": _int, "data": _base64, "mime": _str},

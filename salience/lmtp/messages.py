@@ -19,6 +19,8 @@ __all__ = [
     "Cancel",
     "ClientMessage",
     "CloseSession",
+    "DefineConcept",
+    "DeleteConcept",
     "Detokenize",
     "DumpSession",
     "ForkSession",
@@ -26,6 +28,7 @@ __all__ = [
     "ImageInfo",
     "ModelInfo",
     "OpenSession",
+    "SaveConcepts",
     "Score",
     "SessionGenerate",
     "Status",
@@ -109,6 +112,35 @@ class Detokenize:
     tokens: tuple[int, ...]
 
 
+# ---- live concepts (docs/live-concepts.md) ------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class DefineConcept:
+    """Examples to fit (`positive`, `negative`), or vectors to use as given: `vector` for every
+    read layer, or `vectors` per read layer (float32 bytes)."""
+
+    stream_id: int
+    name: str
+    positive: tuple[str, ...] = ()
+    negative: tuple[str, ...] = ()
+    method: str = "auto"
+    layers: tuple[int, ...] | None = None
+    vector: bytes | None = None
+    vectors: Mapping[int, bytes] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeleteConcept:
+    stream_id: int
+    name: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveConcepts:
+    stream_id: int
+
+
 # ---- sessions: the same core sessions the gRPC service drives (docs/lmtp.md) ----------
 
 
@@ -185,4 +217,7 @@ ClientMessage = (
     | SessionMessage
     | SessionGenerate
     | ImageInfo
+    | DefineConcept
+    | DeleteConcept
+    | SaveConcepts
 )

@@ -4,10 +4,8 @@ kept apart from the connection that sequences it (session.py)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
 
 from salience.core.engine.detokenizer import TextStream
-from salience.core.engine.engine import Engine
 from salience.core.engine.requests import FinishReason, SamplingOptions, ScoredToken, TokenEvent
 from salience.core.probes.calibration import MonitorEvent
 from salience.core.serving.turns import SessionToken, Turn, TurnDone
@@ -16,25 +14,12 @@ from salience.lmtp.messages import Generate, SessionGenerate
 __all__ = [
     "finish_reason",
     "prompt_payloads",
-    "readout_view",
     "sampling_options",
     "session_payload",
     "token_payload",
     "turn",
     "turn_end_payload",
 ]
-
-View = Callable[[Sequence[float]], Sequence[float]]
-
-
-def readout_view(engine: Engine, readout_format: str) -> View:
-    """How a request's readout rows go on the wire: as read, or each value through its calibration
-    (InvalidArgument, before anything runs, if the served set has none)."""
-    return engine.calibration().probabilities if readout_format == "probability" else _as_read
-
-
-def _as_read(row: Sequence[float]) -> Sequence[float]:
-    return row
 
 
 def finish_reason(reason: FinishReason | None, stopped_by: MonitorEvent | None) -> str | None:
@@ -83,6 +68,7 @@ def turn(request: SessionGenerate, request_id: str) -> Turn:
         request_id=request_id,
         steer=request.steer,
         monitors=request.monitors,
+        probabilities=request.readout_format == "probability",
     )
 
 
@@ -94,7 +80,6 @@ def token_payload(
     top: bool,
     text: TextStream | None,
     readout: bool,
-    view: View = _as_read,
 ) -> dict:
     """One TOKEN payload: the fields LMQL reads, plus the extensions the request asked for."""
     payload = {
@@ -110,14 +95,14 @@ def token_payload(
     if readout:
         payload["position"] = token.position
         if token.readout is not None:
-            payload["readout"] = view(token.readout)
+            payload["readout"] = token.readout
     if isinstance(token, TokenEvent) and token.monitors:
         payload["position"] = token.position
         payload["monitors"] = [event.as_dict() for event in token.monitors]
     return payload
 
 
-def prompt_payloads(stream_id: int, prompt: tuple[int, ...], readouts: dict, view: View = _as_read) -> list[dict]:
+def prompt_payloads(stream_id: int, prompt: tuple[int, ...], readouts: dict) -> list[dict]:
     """Prompt positions' readouts, which go before any other payload, marked "prompt": true."""
     return [
         {
@@ -126,13 +111,13 @@ def prompt_payloads(stream_id: int, prompt: tuple[int, ...], readouts: dict, vie
             "position": position,
             "prompt": True,
             "finish_reason": None,
-            "readout": view(readouts[position]),
+            "readout": readouts[position],
         }
         for position in sorted(readouts)
     ]
 
 
-def session_payload(stream_id: int, token: SessionToken, text: TextStream | None, view: View = _as_read) -> dict:
+def session_payload(stream_id: int, token: SessionToken, text: TextStream | None) -> dict:
     """A session turn's TOKEN payload: prompt positions marked "prompt": true; fields only where covered."""
     payload: dict = {"stream_id": stream_id, "token": token.token_id, "position": token.position}
     if token.is_prefill:
@@ -142,7 +127,7 @@ def session_payload(stream_id: int, token: SessionToken, text: TextStream | None
     if token.top_logprobs:
         payload["top_logprobs"] = _top_logprobs(token.top_logprobs)
     if token.readout is not None:
-        payload["readout"] = view(token.readout)
+        payload["readout"] = token.readout
     if token.monitors:
         payload["monitors"] = [event.as_dict() for event in token.monitors]
     if text is not None and not token.is_prefill:

@@ -24,8 +24,9 @@ from typing import Any
 
 from salience.core.models.home import salience_home
 from salience.lmtp.client import LmtpClient, LmtpStreamError
+from salience.lmtp.repl_parsing import parse_line, parse_monitor, parse_steer
 
-__all__ = ["parse_line", "parse_monitor", "parse_steer", "run_repl"]
+__all__ = ["run_repl"]
 
 HELP = """\
   PROMPT [key=value ...]     generate from PROMPT (e.g. max_tokens=32 temperature=0 top_k=40 seed=1)
@@ -44,81 +45,17 @@ HELP = """\
                              LAYERS (15, 10-14 or 3,7; default: the middle of its layers), at every
                              position (@all, the default), the prompt's or the generated ones
   /steer [off]               list the interventions in force; drop them all
+  /define NAME               define concept NAME on the server from examples: type positive examples,
+                             one per line, a blank line ends them; then negative ones. Prints its
+                             held-out validation; /readout, /monitor and /steer NAME then work on it
+  /delete NAME               delete live concept NAME
+  /concepts                  every concept the server reads, live or loaded, with its validation
+  /save FILE                 write the served concepts, live ones included, as a concept-set file
+                             (salience serve --concepts FILE serves them again)
   /set key=value ...         change the defaults for every generation
   /info                      what the server serves
   /help, /quit               this text; leave (Ctrl-D works too)
   Ctrl-C stops the running generation."""
-
-
-def parse_line(line: str) -> tuple[str, dict[str, Any]]:
-    """Split 'prompt words key=value ...' into the prompt and the parameters."""
-    words = line.split(" ")
-    params: dict[str, Any] = {}
-    while words and "=" in words[-1] and not words[-1].startswith("="):
-        key, _, raw = words.pop().partition("=")
-        try:
-            params[key] = json.loads(raw)
-        except ValueError:
-            params[key] = raw
-    return " ".join(words), dict(reversed(params.items()))
-
-
-def parse_steer(args: str, layers_of: dict[str, list[int]]) -> dict:
-    """`NAME +A|-A|=V|ablate [LAYERS] [@all|@prompt|@generated]` as an intervention's LMTP form.
-    `layers_of` is each direction's layers (MODEL_INFO's steering.directions)."""
-    words = args.split()
-    if len(words) < 2:
-        raise ValueError("usage: /steer NAME +A|-A|=V|ablate [LAYERS] [@all|@prompt|@generated]")
-    name, amount, *rest = words
-    if name not in layers_of:
-        raise ValueError(f"unknown direction {name!r}; this server steers along {', '.join(layers_of)}")
-    intervention: dict[str, Any] = {"direction": name, "positions": "all"}
-    if amount == "ablate":
-        intervention["op"] = "ablate"
-    elif amount[:1] in "+-=" and _is_number(amount[1:]):
-        intervention["op"] = "set" if amount[0] == "=" else "add"
-        intervention["value"] = float(amount[1:]) * (-1 if amount[0] == "-" else 1)
-    else:
-        raise ValueError(f"{amount!r} is not +A, -A, =V or ablate")
-    available = layers_of[name]
-    intervention["layers"] = [available[len(available) // 2]]
-    for word in rest:
-        if word.startswith("@"):
-            if word[1:] not in ("all", "prompt", "generated"):
-                raise ValueError(f"{word!r} is not @all, @prompt or @generated")
-            intervention["positions"] = word[1:]
-        elif "-" in word:
-            first, _, last = word.partition("-")
-            if not (first.isdigit() and last.isdigit()):
-                raise ValueError(f"{word!r} is not a layer range like 10-14")
-            intervention["layers"] = list(range(int(first), int(last) + 1))
-        elif all(part.isdigit() for part in word.split(",")):
-            intervention["layers"] = [int(part) for part in word.split(",")]
-        else:
-            raise ValueError(f"{word!r} is not LAYERS or @positions")
-    return intervention
-
-
-def parse_monitor(args: str) -> dict:
-    """`NAME >P|<P stop|flag [LAYER]` as a monitor's LMTP form (the server checks the rest)."""
-    words = args.split()
-    if len(words) not in (3, 4) or words[1][:1] not in "<>" or not _is_number(words[1][1:]):
-        raise ValueError("usage: /monitor NAME >P|<P stop|flag [LAYER]   (e.g. /monitor code >0.9 stop)")
-    name, threshold, action, *layer = words
-    monitor: dict[str, Any] = {"concept": name, "above" if threshold[0] == ">" else "below": float(threshold[1:])}
-    monitor["action"] = action
-    if layer:
-        if not layer[0].isdigit():
-            raise ValueError(f"{layer[0]!r} is not a layer number")
-        monitor["layer"] = int(layer[0])
-    return monitor
-
-
-def _is_number(text: str) -> bool:
-    try:
-        return math.isfinite(float(text))
-    except ValueError:
-        return False
 
 
 class Repl:
@@ -154,6 +91,15 @@ class Repl:
             self.set_steer(rest.strip())
         elif command == "/monitor":
             self.set_monitor(rest.strip())
+        elif command == "/define":
+            self.define(rest.strip())
+        elif command == "/delete":
+            reply = self.run(self.client.request("DELETE_CONCEPT", name=rest.strip()))
+            print(f"deleted {rest.strip()} (concepts version {reply['version']})")
+        elif command == "/concepts":
+            self.list_concepts()
+        elif command == "/save":
+            self.save(rest.strip())
         elif command == "/set":
             self.defaults.update(parse_line("x " + rest)[1])
             print(" ".join(f"{k}={json.dumps(v)}" for k, v in self.defaults.items()))
@@ -172,9 +118,58 @@ class Repl:
 
     def manifest(self) -> dict | None:
         if self._manifest is None:
-            info = self.run(self.client.request("MODEL_INFO"))["model_info"]
-            self._manifest = info.get("readout_manifest") if isinstance(info, dict) else None  # str: loading
+            self._manifest = self.run(self._read_manifest())
         return self._manifest
+
+    async def _read_manifest(self) -> dict | None:
+        info = (await self.client.request("MODEL_INFO"))["model_info"]
+        return info.get("readout_manifest") if isinstance(info, dict) else None  # str: loading
+
+    def define(self, name: str) -> None:
+        if not name or " " in name:
+            print("usage: /define NAME   (then the examples, one per line)")
+            return
+        examples = {}
+        for side in ("positive", "negative"):
+            print(f"{side} examples of {name}, one per line; a blank line ends them:")
+            lines = []
+            while line := input(f"  {side[:3]}> ").strip():
+                lines.append(line)
+            examples[side] = lines
+        print(f"fitting {name} on the server ...")
+        reply = self.run(self.client.request("DEFINE_CONCEPT", name=name, **examples))
+        self._manifest = None
+        print(reply["table"])
+        print(f"defined {name} (concepts version {reply['version']}): /readout, /monitor and /steer {name} use it")
+
+    def list_concepts(self) -> None:
+        self._manifest = None
+        manifest = self.manifest()
+        if not manifest:
+            print("the server has no concept set")
+            return
+        print(
+            f"concepts version {manifest['version']}, read at layers {manifest['layers'][0]}..{manifest['layers'][-1]}"
+        )
+        for name, info in zip(manifest["concepts"], manifest["concept_info"], strict=True):
+            kind = "live" if name in manifest["live"] else "loaded"
+            if info and info.get("layers"):
+                best = next(fit for fit in info["layers"] if fit["layer"] == info["recommended_layer"])
+                facts = f"{info['method']}, layer {info['recommended_layer']}, held-out AUROC {best['auroc']:.3f}"
+            else:
+                facts = "not validated (raw readouts only)"
+            print(f"  {name:<24} {kind:<7} {facts}")
+
+    def save(self, path: str) -> None:
+        if not path:
+            print("usage: /save FILE")
+            return
+        import base64
+        from pathlib import Path
+
+        reply = self.run(self.client.request("SAVE_CONCEPTS"))
+        Path(path).expanduser().write_bytes(base64.b64decode(reply["concept_set"]))
+        print(f"wrote {reply['bytes']} bytes to {path}")
 
     def set_readout(self, arg: str) -> None:
         if arg == "off":
@@ -257,6 +252,7 @@ class Repl:
             fields |= self.defaults | params
             fields.setdefault("top_logprobs", self.top)
         if self.readout is not None:
+            self._manifest = await self._read_manifest()  # the concepts this stream will read
             fields["readout"] = [[0, 2**31]]  # every position: the prompt's and the generated ones
             if self.readout[0] == "probability":
                 fields["readout_format"] = "probability"

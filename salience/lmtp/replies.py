@@ -7,14 +7,27 @@ which the connection turns into the error payload every frontend error takes.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 
 from salience.core.engine.images import Vision
+from salience.core.serving import live_concepts
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import Phase, ServerStatus
-from salience.lmtp.messages import CloseSession, Detokenize, DumpSession, ForkSession, ImageInfo, OpenSession, Tokenize
+from salience.lmtp.messages import (
+    CloseSession,
+    DefineConcept,
+    DeleteConcept,
+    Detokenize,
+    DumpSession,
+    ForkSession,
+    ImageInfo,
+    OpenSession,
+    SaveConcepts,
+    Tokenize,
+)
 
-__all__ = ["image_info", "model_info", "session_call", "tokenizer"]
+__all__ = ["concepts_call", "image_info", "model_info", "session_call", "tokenizer"]
 
 
 def model_info(status: ServerStatus) -> dict | str:
@@ -29,7 +42,7 @@ def model_info(status: ServerStatus) -> dict | str:
         "max_logprobs": engine.max_logprobs,
         "eos_token_id": engine.tokenizer.eos_token_id,
         "readout_manifest": dataclasses.asdict(engine.readouts.manifest) if engine.readouts else None,
-        "steering": engine.steering.manifest() if engine.steering else None,
+        "steering": engine.steering.manifest(engine.live.view()) if engine.steering else None,
     }
 
 
@@ -72,3 +85,25 @@ async def session_call(
             return {"session_id": sessions.fork(session_id, at), "length": at}
         case DumpSession(session_id=session_id):
             return {"session_id": session_id, "tokens": sessions.tokens(session_id)}
+
+
+async def concepts_call(
+    status: ServerStatus, request: DefineConcept | DeleteConcept | SaveConcepts, *, operator: bool, frontend: str
+) -> dict:
+    match request:
+        case DefineConcept():
+            definition = live_concepts.ConceptDefinition(
+                name=request.name,
+                positive=request.positive,
+                negative=request.negative,
+                method=request.method,
+                layers=request.layers,
+                vector=request.vector,
+                vectors=request.vectors,
+            )
+            return await live_concepts.define(status, definition, operator=operator, frontend=frontend)
+        case DeleteConcept(name=name):
+            return await live_concepts.delete(status, name, operator=operator)
+        case SaveConcepts():
+            data = live_concepts.save(status, operator=operator)
+            return {"concept_set": base64.b64encode(data).decode("ascii"), "bytes": len(data)}

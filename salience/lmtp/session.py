@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from salience import metrics, request_ids
+from salience.auth import Tokens
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import Admitted, Phase, ServerStatus
 from salience.errors import InvalidArgument, SalienceError
@@ -49,6 +50,8 @@ from salience.lmtp.messages import (
     Cancel,
     ClientMessage,
     CloseSession,
+    DefineConcept,
+    DeleteConcept,
     Detokenize,
     DumpSession,
     ForkSession,
@@ -56,6 +59,7 @@ from salience.lmtp.messages import (
     ImageInfo,
     ModelInfo,
     OpenSession,
+    SaveConcepts,
     Score,
     SessionGenerate,
     Status,
@@ -97,6 +101,11 @@ class ConnectionLimits:
 class LmtpConfig:
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     auth_token: str | None = None  # required of every WebSocket client when set
+    admin_token: str | None = None  # the operator's (auth.Tokens): live concept changes
+
+    @property
+    def tokens(self) -> Tokens:
+        return Tokens(self.auth_token, self.admin_token)
 
 
 class LmtpSession:
@@ -108,11 +117,15 @@ class LmtpSession:
         *,
         frontend: str = "lmtp_ws",
         request_id_prefix: str | None = None,
+        operator: bool | None = None,
     ) -> None:
+        """`operator`: whether this connection offered the operator token (default: as an
+        unauthenticated connection, Tokens.is_operator)."""
         self._status = status
         self._sessions = sessions
         self._limits = config.limits
         self._frontend = frontend
+        self._operator = config.tokens.is_operator() if operator is None else operator
         self._request_id_prefix = request_id_prefix  # the connection's x-request-id header
         self._drop_cause: str | None = None
         self._ended = False
@@ -170,6 +183,9 @@ class LmtpSession:
                 self._spawn(self._answer(message.stream_id, replies.tokenizer(self._status, message)))
             case ImageInfo():
                 self._spawn(self._answer(message.stream_id, replies.image_info(self._status, message)))
+            case DefineConcept() | DeleteConcept() | SaveConcepts():
+                call = replies.concepts_call(self._status, message, operator=self._operator, frontend=self._frontend)
+                self._spawn(self._answer(message.stream_id, call))
             case OpenSession() | CloseSession() | ForkSession() | DumpSession():
                 self._spawn(
                     self._answer(message.stream_id, replies.session_call(self._status, self._sessions, message))

@@ -51,7 +51,6 @@ def emit_all(emit: Emit, many: Iterable[dict]) -> None:
 async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit) -> None:
     """Tokens as the engine makes them, the prompt's readouts with the first."""
     stream_id = request.stream_id
-    view = payloads.readout_view(engine, request.readout_format)
     generation = engine.generate(
         request.prompt,
         payloads.sampling_options(request),
@@ -59,6 +58,7 @@ async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit
         readout_ranges=request.readout,
         steer=request.steer,
         monitors=request.monitors,
+        probabilities=request.readout_format == "probability",
     )
     await stream.attach(generation)
     text = TextStream(engine.tokenizer, request.prompt) if request.text else None
@@ -66,13 +66,11 @@ async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit
     async with generation:
         async for event in generation:
             if event.position == len(request.prompt):  # first event: prompt readouts are in
-                prompt = payloads.prompt_payloads(stream_id, request.prompt, generation.prompt_readouts, view)
+                prompt = payloads.prompt_payloads(stream_id, request.prompt, generation.prompt_readouts)
                 emit_all(emit, prompt)
             ended = event.finish_reason is not None
             finish = payloads.finish_reason(event.finish_reason, event.stopped_by)
-            token = payloads.token_payload(
-                stream_id, event, finish, top=True, text=text, readout=bool(request.readout), view=view
-            )
+            token = payloads.token_payload(stream_id, event, finish, top=True, text=text, readout=bool(request.readout))
             emit(token)
     if not ended:  # cancelled after its last token went out: end the stream explicitly
         reason = generation.finish_reason.value if generation.finish_reason else "cancelled"
@@ -82,7 +80,6 @@ async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit
 async def score(stream: Stream, engine: Engine, request: Score, emit: Emit) -> None:
     """The prompt's readouts and the continuation's scores, from one prefill pass."""
     prompt, continuation = engine.checks.scoring(request.prompt, request.scored)
-    view = payloads.readout_view(engine, request.readout_format)
     # `generated` positions are the scored ones, as if the model had generated them.
     steer = engine.resolve_steer(request.steer, len(prompt)).interventions
     scored = []
@@ -100,12 +97,13 @@ async def score(stream: Stream, engine: Engine, request: Score, emit: Emit) -> N
             readout_ranges=request.readout,
             request_id=stream.request_id,
             steer=steer,
+            probabilities=request.readout_format == "probability",
         )
         if stream.cancelled:
             emit(cancelled)
             return
         readouts = {p: r for p, r in scores.readouts.items() if p < len(prompt)}
-        emit_all(emit, payloads.prompt_payloads(request.stream_id, request.prompt, readouts, view))
+        emit_all(emit, payloads.prompt_payloads(request.stream_id, request.prompt, readouts))
         scored = [scores.at(p) for p in range(len(prompt), len(ids))]
     text = TextStream(engine.tokenizer, request.prompt) if request.text else None
     scored_payloads = [
@@ -116,7 +114,6 @@ async def score(stream: Stream, engine: Engine, request: Score, emit: Emit) -> N
             top=request.top_logprobs > 0,
             text=text,
             readout=bool(request.readout),
-            view=view,
         )
         for i, token in enumerate(scored)
     ]
@@ -130,7 +127,6 @@ async def session_generate(
 ) -> None:
     """A session turn: its prefill positions, its tokens, then the turn's end."""
     turn = payloads.turn(request, stream.request_id)
-    view = payloads.readout_view(engine, request.readout_format)
     run = await sessions.start(request.session_id, turn, engine)
     stream_id = request.stream_id
     await stream.attach(run)
@@ -139,6 +135,6 @@ async def session_generate(
         async for token in tokens:
             if request.text and text is None and not token.is_prefill:
                 text = TextStream(engine.tokenizer, sessions.tokens(request.session_id)[: token.position])
-            emit(payloads.session_payload(stream_id, token, text, view))
+            emit(payloads.session_payload(stream_id, token, text))
     assert run.done is not None
     emit(payloads.turn_end_payload(stream_id, run.done, text))

@@ -181,7 +181,7 @@ INVALID = [
     (
         'GENERATE {"stream_id": 3, "prompt": [1], "steer": [{"direction": "a", "layers": [1], "op": "mul"}]}',
         3,
-        "steer[0]: op must be one of ['add', 'set', 'ablate'], got 'mul'",
+        "steer[0]: op must be one of ['add', 'set', 'ablate', 'cap'], got 'mul'",
     ),
     (
         'GENERATE {"stream_id": 3, "prompt": [1], "steer": [{"direction": "a", "layers": [1], "alpha": 2}]}',

@@ -20,7 +20,7 @@ import pytest_asyncio
 
 from salience.core.engine.engine import Engine
 from salience.core.probes.concepts import ConceptSet
-from salience.lmtp.repl import parse_line, parse_monitor, parse_steer
+from salience.lmtp.repl_parsing import parse_line, parse_monitor, parse_steer
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
 from tests.lmtp.conftest import LmtpServer
 

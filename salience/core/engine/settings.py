@@ -40,4 +40,6 @@ class EngineSettings:
     concepts: ConceptSet | None = None  # readouts on (taps in the model's forward) when set
     steering_set: ConceptSet | None = None  # more directions to steer along (--steering FILE)
     steering: bool = True  # steering along the concept set's and steering set's vectors
+    spare_concepts: int = 16  # readout and steering columns for live concepts (needs a concept set)
+    steer_vectors: int = 16  # steering columns for requests' own vectors, distinct ones running at once
     engine_args: dict[str, Any] = field(default_factory=dict)

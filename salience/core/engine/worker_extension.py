@@ -4,12 +4,24 @@ from __future__ import annotations
 
 from salience.core.probes.readout_worker import ReadoutWorker
 from salience.core.probes.steering_worker import SteeringWorker
+from salience.core.probes.taps import taps
 
 __all__ = ["SalienceWorker"]
 
 
 class SalienceWorker(ReadoutWorker, SteeringWorker):
     """Mixed into vLLM's worker class (`worker_extension_cls`)."""
+
+    def salience_column_norms(self) -> dict[str, list[float]]:
+        """Each tap's readout and steering columns' largest magnitude, per column (tests: a freed
+        column holds exactly zero)."""
+        out = {}
+        for tap in taps(self.model_runner.get_model()):
+            if tap.readout_slot is not None:
+                out[f"read{tap.readout_slot}"] = tap.matrix.abs().amax(dim=0).tolist()
+            if tap.steering_slot is not None:
+                out[f"steer{tap.steering_slot}"] = tap.directions.abs().amax(dim=0).tolist()
+        return out
 
     def salience_pipeline_setup(self) -> None:
         """Give a later pipeline stage the buffer it receives hidden states into.

@@ -50,28 +50,40 @@ class Calibration:
 
     @staticmethod
     def of(concepts: Sequence[str], layers: Sequence[int], concept_info: Sequence[dict | None]) -> Calibration:
-        """From a manifest's concept_info; InvalidArgument naming every concept that has none."""
-        missing = [name for name, info in zip(concepts, concept_info, strict=False) if not info]
-        if missing or len(concept_info) != len(concepts):
+        """From a manifest's concept_info. A concept without calibration (a live concept given as raw
+        vectors) reads None as a probability; InvalidArgument if no concept has one."""
+        calibrated = [bool(info and info.get("layers")) for info in concept_info]
+        if len(concept_info) != len(concepts) or not any(calibrated):
             raise InvalidArgument(
-                f"the concept set has no calibration for {', '.join(missing or concepts)}: probabilities and "
+                f"the concept set has no calibration for {', '.join(concepts)}: probabilities and "
                 "monitors need a set built by `salience concepts build` (raw readouts still work)"
             )
         scale, offset = [], []
-        fits = [{fit["layer"]: fit for fit in info["layers"]} for info in concept_info if info]
+        fits = [
+            {fit["layer"]: fit for fit in info["layers"]} if ok else None
+            for info, ok in zip(concept_info, calibrated, strict=True)
+        ]
         for layer in layers:
             for name, by_layer in zip(concepts, fits, strict=True):
+                if by_layer is None:
+                    scale.append(math.nan)
+                    offset.append(math.nan)
+                    continue
                 if layer not in by_layer:
                     raise InvalidArgument(f"concept {name!r} has no calibration at layer {layer}")
                 scale.append(float(by_layer[layer]["scale"]))
                 offset.append(float(by_layer[layer]["offset"]))
         recommended = {
-            name: int(info["recommended_layer"]) for name, info in zip(concepts, concept_info, strict=True) if info
+            name: int(info["recommended_layer"])
+            for name, info, ok in zip(concepts, concept_info, calibrated, strict=True)
+            if ok
         }
         return Calibration(tuple(concepts), tuple(layers), tuple(scale), tuple(offset), recommended)
 
-    def probabilities(self, row: Sequence[float]) -> tuple[float, ...]:
-        return tuple(_logistic(s * r + o) for s, r, o in zip(self.scale, row, self.offset, strict=True))
+    def probabilities(self, row: Sequence[float]) -> tuple[float | None, ...]:
+        return tuple(
+            None if s != s else _logistic(s * r + o) for s, r, o in zip(self.scale, row, self.offset, strict=True)
+        )
 
     def probability(self, row: Sequence[float], index: int) -> float:
         return _logistic(self.scale[index] * row[index] + self.offset[index])
@@ -176,6 +188,11 @@ class MonitorState:
             if monitor.concept not in calibration.concepts:
                 raise InvalidArgument(
                     f"monitor {i}: unknown concept {monitor.concept!r}; known: {', '.join(calibration.concepts)}"
+                )
+            if monitor.concept not in calibration.recommended:
+                raise InvalidArgument(
+                    f"monitor {i}: concept {monitor.concept!r} has no calibration (it was given as raw vectors): "
+                    "it cannot be monitored as a probability"
                 )
             layer = calibration.recommended[monitor.concept] if monitor.layer is None else monitor.layer
             if layer not in calibration.layers:

@@ -45,6 +45,8 @@ class ReadoutManifest:
     # layers: [{layer, scale, offset, auroc, accuracy, ...}], ...}, or None where it was not
     # validated (a set built before calibration, or by hand).
     concept_info: tuple[dict | None, ...] = ()
+    version: int = 0  # changes on every live define or delete: a client re-reads the manifest
+    live: tuple[str, ...] = ()  # the concepts defined on the running server (probes/live.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +86,17 @@ class ConceptSet:
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
 
+        tensors, metadata = self._stored()
+        save_file(tensors, str(path), metadata=metadata)
+
+    def to_bytes(self) -> bytes:
+        """The file `save` writes, as bytes."""
+        from safetensors.torch import save
+
+        tensors, metadata = self._stored()
+        return save(tensors, metadata=metadata)
+
+    def _stored(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         tensors = {f"layer.{layer}": v.to(torch.float32).contiguous() for layer, v in self.vectors.items()}
         metadata = {
             "salience.format": FORMAT,
@@ -96,7 +109,7 @@ class ConceptSet:
         }
         if self.info:
             metadata["concept_info"] = json.dumps(list(self.info))
-        save_file(tensors, str(path), metadata=metadata)
+        return tensors, metadata
 
     @classmethod
     def load(cls, path: Path) -> ConceptSet:

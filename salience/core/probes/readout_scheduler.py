@@ -37,8 +37,8 @@ class ReadoutScheduler(Scheduler):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
-        for request_id, block in (getattr(model_runner_output, ROWS, None) or {}).items():
-            self._rows.setdefault(request_id, []).append(block)
+        for request_id, blocks in (getattr(model_runner_output, ROWS, None) or {}).items():
+            self._rows.setdefault(request_id, []).extend(blocks)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if not self._rows:
             return outputs

@@ -6,20 +6,26 @@ Loaded by vLLM as `worker_extension_cls`; the engine sets it up by name through
 during the forward pass, compiled or eager. Theory of operation:
 
 - A request asks for readouts through `SamplingParams.extra_args[TAG] =
-  [key, [[start, end], ...]]` (absolute positions, end exclusive).
+  [key, [[start, end], ...], columns]` (absolute positions, end exclusive; the
+  buffer columns of the concepts it reads, in its order: live.ConceptView).
 - `salience_readout_setup` wraps the model runner's `execute_model`. After each
   step it maps the step's token rows to requests (input_batch.req_ids and
   query_start_loc; absolute positions from runner.positions), picks the rows
   whose positions were asked for, and copies them out of the buffer as one
-  [rows, layers, concepts] block per request. Rows past the step's real tokens
+  [rows, layers, its columns] block per request. Rows past the step's real tokens
   (padding) are never read. Requests batched together never mix: rows are
   selected per request.
+- A request asks for its raw residual rows through `extra_args[RESIDUAL_TAG] = [key,
+  ranges]`: before the forward (the runner's `_model_forward`, wrapped) the worker names the
+  step's rows to copy (taps.Capture), the taps' readout op copies them out at each read layer,
+  and after the step they are filed as [rows, layers, hidden] blocks under that key, like
+  readouts. A step nobody asked for residuals copies nothing.
 - The blocks leave the worker one of two ways (docs/readouts.md, "Transport"):
   - **with the step's output** (one filing worker, synchronous scheduling: CPU
     with PP=1, any TP and DP): the runner's `sample_tokens` (or `execute_model`,
     where that returns the output) is wrapped too, and the step's blocks ride
     on its ModelRunnerOutput as the attribute ROWS, `{request id: [key,
-    positions bytes, values bytes]}`. The engine core's scheduler
+    positions bytes, values bytes], ...]}`. The engine core's scheduler
     (readout_scheduler.py) moves them into that request's EngineCoreOutput. No
     extra message, no extra round trip.
   - **fetched** (pipeline parallelism): blocks wait here until the engine calls
@@ -43,12 +49,13 @@ import numpy as np
 import torch
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
-from salience.core.probes.taps import readout_buffer, taps
+from salience.core.probes.taps import Capture, LayerTap, decoder_stack, readout_buffer, taps
 
 TAG = "salience_readout"
+RESIDUAL_TAG = "salience_residual"
 ROWS = "salience_readout_rows"  # the ModelRunnerOutput attribute that carries a step's blocks
 
-__all__ = ["ROWS", "TAG", "ReadoutWorker"]
+__all__ = ["RESIDUAL_TAG", "ROWS", "TAG", "ReadoutWorker"]
 
 Blocks = list[tuple[np.ndarray, np.ndarray]]
 
@@ -63,8 +70,9 @@ class ReadoutWorker:
         readout layer and files nothing)."""
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        # Per vLLM request id: the key the request was tagged with, and its blocks so far.
-        self._ro_store: dict[str, tuple[str, Blocks]] = {}
+        # Per vLLM request id: per key it was tagged with (readouts, residuals), its blocks so far.
+        self._ro_store: dict[str, dict[str, Blocks]] = {}
+        self._ro_capture: list[tuple[str, str, np.ndarray]] = []  # this step's: request id, key, rows
         if get_tensor_model_parallel_rank() != 0:
             return None
         runner = self.model_runner
@@ -74,6 +82,7 @@ class ReadoutWorker:
             return {"shape": None, "slots": []}
         self._ro_buffer = buffer
         runner.execute_model = self._ro_after(runner.execute_model, file=True, send=with_output)
+        runner._model_forward = self._ro_capturing(runner._model_forward)
         if with_output:
             runner.sample_tokens = self._ro_after(runner.sample_tokens, file=False, send=True)
         slots = sorted(tap.readout_slot for tap in taps(model) if tap.readout_slot is not None)
@@ -83,13 +92,29 @@ class ReadoutWorker:
         """Blocks captured since the last take, per key: [positions bytes, values bytes]."""
         wanted, dropped = set(keys), set(drop)
         taken = {}
-        for request_id, (key, blocks) in list(self._ro_store.items()):
-            if key in dropped:
+        for request_id, by_key in list(self._ro_store.items()):
+            for key in list(by_key):
+                if key in dropped:
+                    del by_key[key]
+                elif key in wanted:
+                    taken[key] = _joined(by_key.pop(key))
+            if not by_key:
                 del self._ro_store[request_id]
-            elif key in wanted:
-                del self._ro_store[request_id]
-                taken[key] = _joined(blocks)
         return taken
+
+    def salience_concept_write(self, column: int, vectors: dict[int, bytes] | None) -> None:
+        """Column `column` of every readout tap's matrix: `vectors[layer]` (float32 bytes, as
+        given), or zero (None). Every rank writes (each projects)."""
+        for index, tap in enumerate(decoder_stack(self.model_runner.get_model())[1]):
+            if not isinstance(tap, LayerTap) or tap.readout_slot is None:
+                continue
+            vector = vectors.get(index) if vectors else None
+            if vector is None:
+                tap.matrix[:, column] = 0.0
+            else:
+                tap.matrix[:, column] = torch.from_numpy(np.frombuffer(vector, dtype=np.float32).copy()).to(
+                    tap.matrix.device
+                )
 
     def salience_readout_stored(self) -> int:
         return len(self._ro_store)
@@ -124,45 +149,92 @@ class ReadoutWorker:
         an empty step: that one is copied, never written)."""
         if output is EMPTY_MODEL_RUNNER_OUTPUT:
             output = copy.copy(output)
-        rows = {request_id: [key, *_joined(blocks)] for request_id, (key, blocks) in self._ro_store.items()}
+        rows = {
+            request_id: [[key, *_joined(blocks)] for key, blocks in by_key.items()]
+            for request_id, by_key in self._ro_store.items()
+        }
         setattr(output, ROWS, rows)
         self._ro_store = {}
         return output
 
-    def _ro_file(self) -> None:
+    def _ro_capturing(self, model_forward):
+        @functools.wraps(model_forward)
+        def run(*args, **kwargs):
+            self._ro_plan_capture()
+            try:
+                return model_forward(*args, **kwargs)
+            finally:
+                if Capture.rows is not None:
+                    self._ro_file_capture()
+
+        return run
+
+    def _ro_plan_capture(self) -> None:
+        picks = [(request_id, extra[RESIDUAL_TAG][0], rows) for request_id, extra, rows in self._ro_rows(RESIDUAL_TAG)]
+        self._ro_capture = picks
+        if picks:
+            rows = np.concatenate([rows for _, _, rows in picks])
+            Capture.taken = {}
+            Capture.rows = torch.from_numpy(rows).to(self._ro_buffer.device)
+
+    def _ro_file_capture(self) -> None:
+        taken, Capture.rows, Capture.taken = Capture.taken, None, {}
+        values = torch.stack([taken[slot] for slot in sorted(taken)], dim=1).numpy()  # [rows, layers, hidden]
+        positions = self.model_runner.positions[: self._ro_step_tokens].cpu().numpy()
+        first = 0
+        for request_id, key, rows in self._ro_capture:
+            blocks = self._ro_store.setdefault(request_id, {}).setdefault(key, [])
+            blocks.append((positions[rows], values[first : first + len(rows)]))
+            first += len(rows)
+        self._ro_capture = []
+
+    def _ro_rows(self, tag: str) -> list[tuple[str, dict, np.ndarray]]:
+        """This step's requests tagged `tag` ([key, ranges, ...]), each with the step rows (indices)
+        whose absolute positions its ranges cover; requests with no such row are left out."""
         runner = self.model_runner
         batch = runner.input_batch
         n = batch.num_reqs
+        out: list[tuple[str, dict, np.ndarray]] = []
         if n == 0:
-            return
-        starts = runner.query_start_loc.cpu[: n + 1].tolist()
+            return out
+        starts = None
         positions = None
-        picks: list[tuple[str, str, np.ndarray]] = []
         for i, request_id in enumerate(batch.req_ids[:n]):
             state = runner.requests.get(request_id)
             extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
-            if not extra or TAG not in extra:
+            if not extra or tag not in extra:
                 continue
+            if starts is None:
+                starts = runner.query_start_loc.cpu[: n + 1].tolist()
+                self._ro_step_tokens = starts[n]
+                positions = runner.positions[: starts[n]].cpu().numpy()
             s, e = starts[i], starts[i + 1]
             if e <= s:
                 continue
-            if positions is None:
-                positions = runner.positions[: starts[n]].cpu().numpy()
-            key, ranges = extra[TAG]
             pos = positions[s:e]
             wanted = np.zeros(e - s, dtype=bool)
-            for start, end in ranges:
+            for start, end in extra[tag][1]:
                 wanted |= (pos >= start) & (pos < end)
             if wanted.any():
-                picks.append((request_id, key, np.nonzero(wanted)[0] + s))
+                out.append((request_id, extra, np.nonzero(wanted)[0] + s))
+        return out
+
+    def _ro_file(self) -> None:
+        picks = self._ro_rows(TAG)
         if not picks:
             return
+        positions = self.model_runner.positions[: self._ro_step_tokens].cpu().numpy()
         rows = np.concatenate([idx for _, _, idx in picks])
         block = self._ro_buffer[torch.from_numpy(rows).to(self._ro_buffer.device)].cpu().numpy()
+        width = block.shape[2]
         first = 0
-        for request_id, key, idx in picks:
-            blocks = self._ro_store.setdefault(request_id, (key, []))[1]
-            blocks.append((positions[idx], block[first : first + len(idx)]))
+        for request_id, extra, idx in picks:
+            key, _, columns = extra[TAG]
+            blocks = self._ro_store.setdefault(request_id, {}).setdefault(key, [])
+            mine = block[first : first + len(idx)]
+            if len(columns) != width or columns != list(range(width)):
+                mine = mine[:, :, columns]
+            blocks.append((positions[idx], mine))
             first += len(idx)
 
 

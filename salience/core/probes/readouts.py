@@ -41,13 +41,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from salience.core.probes.concepts import ConceptSet
+from salience.core.probes.live import ConceptTable
 from salience.core.probes.readout_scheduler import PAYLOAD
 from salience.errors import EngineError, InvalidArgument
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["READ_TO_END", "ReadoutHub", "check_ranges"]
+__all__ = ["READ_TO_END", "ReadoutHub", "check_ranges", "each_engine"]
 
 Readout = tuple[float, ...]
 READ_TO_END = 2**62 - 1  # a range end past any position: "every position from start on"
@@ -74,6 +75,7 @@ class ReadoutHub:
         stages: dict[int, Sequence[int]] | None = None,
         engines: int = 1,
         with_output: bool = False,
+        spare: int = 0,
     ) -> None:
         """`stages`: for each filing worker (its index in collective_rpc's answers), the readout
         slots it holds; by default worker 0 holds them all. `engines`: data-parallel engines, each
@@ -83,31 +85,40 @@ class ReadoutHub:
         self._engines = engines
         self.with_output = with_output
         self.origin: dict[str, int] = {}  # request id -> the DP engine its readouts came from (tests)
-        self.manifest = concepts.manifest
-        n_concepts = len(concepts.concepts)
-        self.width = len(concepts.layers) * n_concepts
+        self.table = ConceptTable(concepts, spare)
+        self._layers = len(concepts.layers)
         stages = stages if stages is not None else {0: range(len(concepts.layers))}
-        # Per filing worker, which entries of a flat (layer-major) readout row it supplies.
+        # Per filing worker, which read layers (slots) of a readout row it supplies.
         self._masks: dict[int, np.ndarray] = {}
         for worker, slots in stages.items():
-            mask = np.zeros((len(concepts.layers), n_concepts), dtype=bool)
+            mask = np.zeros(len(concepts.layers), dtype=bool)
             mask[list(slots)] = True
-            self._masks[worker] = mask.reshape(-1)
+            self._masks[worker] = mask
+        self._widths: dict[str, int] = {}  # per request: the concepts in its rows (its view's)
+        self._raw: set[str] = set()  # keys whose rows stay arrays
         self._buffers: dict[str, dict[int, Readout]] = {}
         # Positions some stages have sent and others not yet: [row so far, workers that sent it].
         self._partial: dict[str, dict[int, tuple[np.ndarray, set[int]]]] = {}
         self._dropped: set[str] = set()
         self._inflight: asyncio.Task | None = None
 
+    @property
+    def manifest(self):
+        """The concepts a request starting now reads (live ones included)."""
+        return self.table.view.manifest
+
     @staticmethod
-    async def install(llm: AsyncLLM, concepts: ConceptSet, engines: int = 1, with_output: bool = False) -> ReadoutHub:
+    async def install(
+        llm: AsyncLLM, concepts: ConceptSet, engines: int = 1, with_output: bool = False, spare: int = 0
+    ) -> ReadoutHub:
         """Set the workers up and return the hub. `with_output` needs the engine core to run
-        readout_scheduler.ReadoutScheduler (launch.engine_args)."""
-        per_engine = await _each_engine(llm, engines, "salience_readout_setup", (with_output,))
+        readout_scheduler.ReadoutScheduler (launch.engine_args); `spare`: the taps' columns for
+        live concepts (live.py)."""
+        per_engine = await each_engine(llm, engines, "salience_readout_setup", (with_output,))
         if any(answers != per_engine[0] for answers in per_engine):
             raise EngineError(f"the data-parallel engines' readout workers differ: {per_engine}")
         answers = per_engine[0]
-        expected = [len(concepts.layers), len(concepts.concepts)]
+        expected = [len(concepts.layers), len(concepts.concepts) + spare]
         stages = {}
         for worker, answer in enumerate(answers):
             if answer is None or not answer["slots"]:  # a TP rank > 0, or a stage without readout layers
@@ -125,17 +136,24 @@ class ReadoutHub:
             )
         if with_output and len(stages) != 1:
             raise EngineError(f"readouts come with the step's output from one worker, not {len(stages)}")
-        hub = ReadoutHub(llm, concepts, stages, engines, with_output)
+        hub = ReadoutHub(llm, concepts, stages, engines, with_output, spare)
         if with_output:
             llm.output_processor.process_outputs = hub._receiving(llm.output_processor.process_outputs)
         return hub
 
-    def register(self, key: str) -> None:
+    def register(self, key: str, concepts: int, raw: bool = False) -> None:
+        """Expect readouts for `key`, rows of `concepts` values per read layer; `raw`: handed out
+        as float32 arrays [layers, concepts] (residual rows), not tuples."""
+        self._widths[key] = concepts
+        if raw:
+            self._raw.add(key)
         self._buffers[key] = {}
         self._partial[key] = {}
 
     def release(self, key: str) -> None:
         """The request is over (finished, failed or aborted): forget its blocks here and in the worker."""
+        self._widths.pop(key, None)
+        self._raw.discard(key)
         self._buffers.pop(key, None)
         self._partial.pop(key, None)
         if not self.with_output:  # with the output, the worker keeps nothing past a step
@@ -157,7 +175,7 @@ class ReadoutHub:
     async def stored_in_worker(self) -> int:
         if not self.with_output:
             await self._fetch()
-        per_engine = await _each_engine(self._llm, self._engines, "salience_readout_stored")
+        per_engine = await each_engine(self._llm, self._engines, "salience_readout_stored")
         return sum(stored[worker] for stored in per_engine for worker in self._masks)
 
     async def graph(self) -> dict:
@@ -174,7 +192,7 @@ class ReadoutHub:
     async def _fetch_now(self) -> None:
         keys, dropped = list(self._buffers), list(self._dropped)
         self._dropped.clear()
-        per_engine = await _each_engine(self._llm, self._engines, "salience_readout_take", (keys, dropped))
+        per_engine = await each_engine(self._llm, self._engines, "salience_readout_take", (keys, dropped))
         for engine, answers in enumerate(per_engine):
             self._file(engine, answers)
 
@@ -210,15 +228,21 @@ class ReadoutHub:
             self.origin[key] = engine
             if len(self.origin) > 4096:  # the most recent requests only
                 del self.origin[next(iter(self.origin))]
-        rows = np.frombuffer(values, dtype=np.float32).reshape(-1, self.width)
+        concepts = self._widths[key]
+        width = self._layers * concepts
+        rows = np.frombuffer(values, dtype=np.float32).reshape(-1, width)
         positions = np.frombuffer(positions, dtype=np.int64).tolist()
+        if key in self._raw:  # residual rows: one stage (the engine checks), kept as arrays
+            for position, row in zip(positions, rows, strict=True):
+                buffer[position] = row.reshape(self._layers, concepts).copy()
+            return
         if len(self._masks) == 1:
             for position, row in zip(positions, rows, strict=True):
                 buffer[position] = tuple(row.tolist())  # a recomputed position (preemption) wins
             return
-        mask, partial = self._masks[worker], self._partial[key]
+        mask, partial = np.repeat(self._masks[worker], concepts), self._partial[key]
         for position, row in zip(positions, rows, strict=True):
-            merged, sent = partial.setdefault(position, (np.zeros(self.width, dtype=np.float32), set()))
+            merged, sent = partial.setdefault(position, (np.zeros(width, dtype=np.float32), set()))
             merged[mask] = row[mask]
             sent.add(worker)
             if len(sent) == len(self._masks):
@@ -226,7 +250,7 @@ class ReadoutHub:
                 del partial[position]
 
 
-async def _each_engine(llm: AsyncLLM, engines: int, method: str, args: tuple = ()) -> list[list]:
+async def each_engine(llm: AsyncLLM, engines: int, method: str, args: tuple = ()) -> list[list]:
     """collective_rpc on every data-parallel engine: per engine, its workers' answers in rank order."""
     if engines == 1:
         return [await llm.collective_rpc(method, args=args)]

@@ -8,13 +8,22 @@ and h the residual stream after layer L at a covered position:
     add     h += value * d
     set     h += (value - <h, d>) * d        so that <h', d> = value
     ablate  h -= <h, d> * d                  set with value 0
+    cap     h += (clamp(<h, d>, lo, hi) - <h, d>) * d     the projection kept within [lo, hi]
 
-All three are `h += (a + b * <h, d>) * d` with (a, b) = (value, 0), (value, -1), (0, -1). That
-is what the model computes (taps.py): per token row and tap layer a coefficient pair
-per direction, zero for rows nobody steers, so an unsteered row's residual gets exactly 0.0
-added. Several interventions at one layer and position are each computed from the residual
-*before* any of them and summed (their coefficients add); with non-orthogonal directions a
-`set` is then exact only along its own direction when the others leave it alone.
+The first three are `h += (a + b * <h, d>) * d` with (a, b) = (value, 0), (value, -1), (0, -1);
+a cap adds `(clamp(<h, d>, lo, hi) - <h, d>) * d`, which is exactly 0 where the projection is in
+range (activation capping: it acts only where the concept is present beyond the bound). That is
+what the model computes (taps.py): per token row, tap layer and direction a coefficient pair and
+a bound pair, (0, 0) and (-inf, inf) for rows nobody steers, so an unsteered row's residual gets
+exactly 0.0 added. Several interventions at one layer and position are each computed from the
+residual *before* any of them and summed (their coefficients add; caps meeting there intersect
+their ranges); with non-orthogonal directions a `set` is then exact only along its own direction
+when the others leave it alone.
+
+A direction is a concept of the loaded set, a vector of the steering set, a live concept
+(probes/live.py), or a vector the request itself carries (`vector`, float32 [hidden]): that one
+takes a free vector column of the taps for the request's life (`VectorColumns`); requests that
+carry the same vector share it.
 
 Positions: `prompt` (every position of the call's prompt), `ranges` (absolute positions
 [start, end), which may reach into generated ones) and `generated` (every token the call
@@ -37,12 +46,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from salience.errors import InvalidArgument, ModelError
+from salience.errors import InvalidArgument, ModelError, ResourceExhausted
 
 if TYPE_CHECKING:  # clients parse interventions without the server's libraries
     import torch
 
     from salience.core.probes.concepts import ConceptSet
+    from salience.core.probes.live import ConceptView
 
 __all__ = [
     "MAX_INTERVENTIONS",
@@ -52,7 +62,9 @@ __all__ = [
     "Intervention",
     "Op",
     "ResolvedSteer",
+    "VectorColumns",
     "parse_interventions",
+    "unit",
 ]
 
 MAX_INTERVENTIONS = 16  # per request
@@ -67,12 +79,16 @@ class Op(enum.Enum):
     ADD = "add"
     SET = "set"
     ABLATE = "ablate"
+    CAP = "cap"
 
 
 @dataclass(frozen=True, kw_only=True)
 class Intervention:
     """One intervention; see the module docstring. `value` is alpha for add, the target
-    projection for set, and must be 0 for ablate."""
+    projection for set, and must be 0 for ablate and cap; `lo` and `hi` bound a cap (either may be
+    None: unbounded). `direction` names a direction, or is "" when `vector` (float32 [hidden]
+    bytes) is the direction. `identity` is set by Directions.resolve: what the direction's values
+    are (a live concept or a vector may change under one name), for the cache salt."""
 
     direction: str
     layers: tuple[int, ...]
@@ -81,10 +97,21 @@ class Intervention:
     prompt: bool = False
     ranges: tuple[Range, ...] = ()
     generated: bool = False
+    lo: float | None = None
+    hi: float | None = None
+    vector: bytes | None = None
+    identity: str = ""
 
     def coefficients(self) -> tuple[float, float]:
         """(a, b) of h += (a + b * <h, d>) * d."""
-        return {Op.ADD: (self.value, 0.0), Op.SET: (self.value, -1.0), Op.ABLATE: (0.0, -1.0)}[self.op]
+        return {Op.ADD: (self.value, 0.0), Op.SET: (self.value, -1.0), Op.ABLATE: (0.0, -1.0), Op.CAP: (0.0, 0.0)}[
+            self.op
+        ]
+
+    def bounds(self) -> tuple[float, float]:
+        """A cap's [lo, hi]; (-inf, inf) leaves the projection alone."""
+        lo, hi = (self.lo, self.hi) if self.op is Op.CAP else (None, None)
+        return (-math.inf if lo is None else lo, math.inf if hi is None else hi)
 
 
 @dataclass(frozen=True)
@@ -92,16 +119,21 @@ class ResolvedSteer:
     """A request's interventions in absolute form: what the worker applies and the cache is salted with."""
 
     interventions: tuple[Intervention, ...]
+    columns: tuple[int, ...] = ()  # each intervention's column in the taps' directions
 
     def __bool__(self) -> bool:
         return bool(self.interventions)
 
-    def payload(self, directions: Directions) -> list:
-        """The worker's form (SamplingParams.extra_args): [layers, column, a, b, ranges] each."""
+    def payload(self) -> list:
+        """The worker's form (SamplingParams.extra_args), each intervention as [layers, column, a, b,
+        ranges, lo, hi, vector]: vector is [identity, float32 bytes] for a request's own vector
+        (the worker writes it into its column), else None."""
         out = []
-        for i in self.interventions:
+        for i, column in zip(self.interventions, self.columns, strict=True):
             a, b = i.coefficients()
-            out.append([list(i.layers), directions.column(i.direction), a, b, [list(r) for r in i.ranges]])
+            lo, hi = i.bounds()
+            vector = [i.identity, i.vector] if i.vector is not None else None
+            out.append([list(i.layers), column, a, b, [list(r) for r in i.ranges], lo, hi, vector])
         return out
 
     def cache_salt(self) -> str | None:
@@ -110,17 +142,22 @@ class ResolvedSteer:
         if not self.interventions:
             return None
         canonical = sorted(
-            json.dumps([i.direction, i.layers, i.op.value, float(i.value).hex(), i.ranges]) for i in self.interventions
+            json.dumps([i.identity or i.direction, i.layers, i.op.value, float(i.value).hex(), i.ranges, *i.bounds()])
+            for i in self.interventions
         )
         return "salience-steer-" + hashlib.sha256("\n".join(canonical).encode()).hexdigest()
 
 
 class Directions:
     """The directions a server can steer along: the concept set's concepts, then the steering
-    set's vectors, each defined at the layers its set holds. Column k of layer L's matrix is
-    direction k's unit vector there (zero where it has none)."""
+    set's vectors, each defined at the layers its set holds, then `spare` columns for live
+    concepts (in the order of the concept table's spare columns) and `vectors` columns for
+    requests' own vectors. Column k of layer L's matrix is direction k's unit vector there (zero
+    where it has none, and in every spare and vector column until something is written there)."""
 
-    def __init__(self, concepts: ConceptSet | None, steering: ConceptSet | None) -> None:
+    def __init__(
+        self, concepts: ConceptSet | None, steering: ConceptSet | None, *, spare: int = 0, vectors: int = 0
+    ) -> None:
         sets = [s for s in (concepts, steering) if s is not None]
         if not sets:
             raise ModelError("steering needs a concept set or a steering set")
@@ -135,55 +172,70 @@ class Directions:
         self.names: tuple[str, ...] = tuple(name for s in sets for name in s.concepts)
         self._sets = sets
         self._column = {name: k for k, name in enumerate(self.names)}
+        self._loaded_concepts = len(concepts.concepts) if concepts is not None else 0
+        self.spare = spare if concepts is not None else 0  # live concepts need readouts
+        self.vector_columns = range(len(self.names) + self.spare, len(self.names) + self.spare + vectors)
+        self.width = len(self.names) + self.spare + vectors
         self.defined_at: dict[str, frozenset[int]] = {name: frozenset(s.layers) for s in sets for name in s.concepts}
         self.layers: tuple[int, ...] = tuple(sorted(set().union(*(s.layers for s in sets))))
         for s in sets:
-            for layer, vectors in s.vectors.items():
-                zero = [s.concepts[k] for k, norm in enumerate(vectors.norm(dim=1).tolist()) if norm == 0]
+            for layer, vectors_at in s.vectors.items():
+                zero = [s.concepts[k] for k, norm in enumerate(vectors_at.norm(dim=1).tolist()) if norm == 0]
                 if zero:
                     raise ModelError(f"{zero[0]!r} is the zero vector at layer {layer}: it cannot be steered along")
 
-    def manifest(self) -> dict:
+    def manifest(self, view: ConceptView | None = None) -> dict:
         """What clients are told (LMTP MODEL_INFO, gRPC GetSteeringManifest): each direction's
-        layers, and the limits."""
+        layers (live ones included), and the limits."""
+        directions = {name: sorted(self.defined_at[name]) for name in self.names}
+        for name in sorted(view.live) if view is not None else ():
+            directions[name] = list(self.layers)
         return {
-            "directions": {name: sorted(self.defined_at[name]) for name in self.names},
+            "directions": directions,
             "max_interventions": MAX_INTERVENTIONS,
             "max_magnitude": MAX_MAGNITUDE,
+            "vector_columns": len(self.vector_columns),
+            "ops": [op.value for op in Op],
         }
 
     def column(self, name: str) -> int:
         return self._column[name]
 
+    def live_column(self, readout_column: int) -> int:
+        """The steering column of the live concept in readout column `readout_column`."""
+        return len(self.names) + readout_column - self._loaded_concepts
+
     def matrix(self, layer: int) -> torch.Tensor:
-        """[hidden, directions] float32: unit columns, normalised in float64."""
+        """[hidden, width] float32: unit columns, normalised in float64; spare and vector columns zero."""
         import torch
 
-        out = torch.zeros(self.hidden_size, len(self.names), dtype=torch.float64)
+        out = torch.zeros(self.hidden_size, self.width, dtype=torch.float64)
         first = 0
         for s in self._sets:
             if layer in s.vectors:
-                vectors = s.vectors[layer].to(torch.float64)
-                out[:, first : first + len(s.concepts)] = (vectors / vectors.norm(dim=1, keepdim=True)).T
+                out[:, first : first + len(s.concepts)] = unit(s.vectors[layer]).T
             first += len(s.concepts)
         return out.to(torch.float32)
 
     # ---- checks ------------------------------------------------------------------
 
-    def resolve(self, interventions: Sequence[Intervention], prompt_len: int) -> ResolvedSteer:
-        """Check a request's interventions and make their positions absolute: `prompt` is
-        [0, prompt_len), `generated` is [prompt_len, end)."""
+    def resolve(
+        self, interventions: Sequence[Intervention], prompt_len: int, view: ConceptView | None = None
+    ) -> ResolvedSteer:
+        """Check a request's interventions (named directions against `view`, the concepts the
+        request sees) and make their positions absolute: `prompt` is [0, prompt_len), `generated`
+        is [prompt_len, end). A request vector's column is -1 until VectorColumns.claim."""
         if not isinstance(interventions, Sequence) or isinstance(interventions, (str, bytes)):
             raise InvalidArgument("steer must be a list of interventions")
         if len(interventions) > MAX_INTERVENTIONS:
             raise InvalidArgument(
                 f"steer has {len(interventions)} interventions; at most {MAX_INTERVENTIONS} are allowed per request"
             )
-        resolved = []
+        resolved, columns = [], []
         for n, intervention in enumerate(interventions):
             if not isinstance(intervention, Intervention):
                 raise InvalidArgument(f"steer[{n}] is not an intervention")
-            self._check(n, intervention)
+            column, identity = self._check(n, intervention, view)
             ranges = list(intervention.ranges)
             if intervention.prompt:
                 ranges.append((0, prompt_len))
@@ -194,19 +246,51 @@ class Directions:
                     intervention,
                     layers=tuple(sorted(set(intervention.layers))),
                     value=float(intervention.value),
+                    lo=None if intervention.lo is None else float(intervention.lo),
+                    hi=None if intervention.hi is None else float(intervention.hi),
                     prompt=False,
                     generated=False,
                     ranges=_merge(ranges),
+                    identity=identity,
                 )
             )
-        return ResolvedSteer(tuple(resolved))
+            columns.append(column)
+        return ResolvedSteer(tuple(resolved), tuple(columns))
 
-    def _check(self, n: int, i: Intervention) -> None:
+    def _direction(self, where: str, i: Intervention, view: ConceptView | None) -> tuple[int, str, frozenset[int]]:
+        """The direction's column, identity (for the cache salt) and the layers it is defined at."""
+        if i.vector is not None:
+            if i.direction:
+                raise InvalidArgument(f"{where}: give a direction or a vector, not both")
+            if not self.vector_columns:
+                raise InvalidArgument(f"{where}: this server takes no request vectors (--steer-vectors 0)")
+            if not isinstance(i.vector, bytes) or len(i.vector) != 4 * self.hidden_size:
+                size = len(i.vector) // 4 if isinstance(i.vector, bytes) else "?"
+                raise InvalidArgument(
+                    f"{where}: vector has {size} values; the model's hidden size is {self.hidden_size}"
+                )
+            import numpy as np
+
+            values = np.frombuffer(i.vector, dtype=np.float32)
+            if not np.isfinite(values).all():
+                raise InvalidArgument(f"{where}: vector holds NaN or inf")
+            if not np.abs(values).max() > 0:
+                raise InvalidArgument(f"{where}: vector is zero: it has no direction")
+            return -1, "vector:" + hashlib.sha256(i.vector).hexdigest(), frozenset(self.layers)
+        if i.direction in self._column:
+            return self._column[i.direction], i.direction, self.defined_at[i.direction]
+        readout_column = view.column_of(i.direction) if view is not None and i.direction in view.live else None
+        if readout_column is not None:
+            assert view is not None
+            return self.live_column(readout_column), view.identities[i.direction], frozenset(self.layers)
+        known = [*self.names, *(sorted(view.live) if view is not None else ())]
+        raise InvalidArgument(f"{where}: unknown direction {i.direction!r}; this server has {known}")
+
+    def _check(self, n: int, i: Intervention, view: ConceptView | None) -> tuple[int, str]:
         where = f"steer[{n}]"
-        if i.direction not in self._column:
-            raise InvalidArgument(f"{where}: unknown direction {i.direction!r}; this server has {list(self.names)}")
         if not isinstance(i.op, Op):
             raise InvalidArgument(f"{where}: op must be one of {[op.value for op in Op]}, got {i.op!r}")
+        column, identity, defined_at = self._direction(where, i, view)
         if not i.layers:
             raise InvalidArgument(f"{where}: names no layer")
         for layer in i.layers:
@@ -214,18 +298,19 @@ class Directions:
                 raise InvalidArgument(
                     f"{where}: layer {layer!r} is not a layer of this model (0..{self.num_layers - 1})"
                 )
-            if layer not in self.defined_at[i.direction]:
+            if layer not in defined_at:
                 raise InvalidArgument(
-                    f"{where}: direction {i.direction!r} has no vector at layer {layer} "
-                    f"(it has {sorted(self.defined_at[i.direction])})"
+                    f"{where}: direction {i.direction or 'vector'!r} has no vector at layer {layer} "
+                    f"(it has {sorted(defined_at)})"
                 )
         value = i.value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise InvalidArgument(f"{where}: value must be a finite number, got {value!r}")
         if abs(value) > MAX_MAGNITUDE:
             raise InvalidArgument(f"{where}: |value| must be at most {MAX_MAGNITUDE:g}, got {value!r}")
-        if i.op is Op.ABLATE and value != 0:
-            raise InvalidArgument(f"{where}: ablate takes no value (it sets the projection to 0)")
+        if i.op in (Op.ABLATE, Op.CAP) and value != 0:
+            raise InvalidArgument(f"{where}: {i.op.value} takes no value (use lo and hi for a cap)")
+        _check_bounds(where, i)
         if not (i.prompt or i.ranges or i.generated):
             raise InvalidArgument(f"{where}: names no positions (prompt, ranges or generated)")
         if len(i.ranges) > MAX_RANGES:
@@ -237,6 +322,70 @@ class Directions:
                 raise InvalidArgument(f"{where}: range {r} must be [start, end]") from None
             if type(start) is not int or type(end) is not int or not 0 <= start < end <= END:
                 raise InvalidArgument(f"{where}: range {r} must satisfy 0 <= start < end, got [{start!r}, {end!r}]")
+        return column, identity
+
+
+def _check_bounds(where: str, i: Intervention) -> None:
+    if i.op is not Op.CAP:
+        if i.lo is not None or i.hi is not None:
+            raise InvalidArgument(f"{where}: lo and hi bound a cap; op {i.op.value} takes none")
+        return
+    if i.lo is None and i.hi is None:
+        raise InvalidArgument(f"{where}: a cap needs lo, hi or both")
+    for name, bound in (("lo", i.lo), ("hi", i.hi)):
+        if bound is None:
+            continue
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not math.isfinite(bound):
+            raise InvalidArgument(f"{where}: {name} must be a finite number, got {bound!r}")
+        if abs(bound) > MAX_MAGNITUDE:
+            raise InvalidArgument(f"{where}: |{name}| must be at most {MAX_MAGNITUDE:g}, got {bound!r}")
+    if i.lo is not None and i.hi is not None and i.lo > i.hi:
+        raise InvalidArgument(f"{where}: lo {i.lo!r} is above hi {i.hi!r}")
+
+
+def unit(vectors: torch.Tensor) -> torch.Tensor:
+    """Rows scaled to unit norm, in float64: what the taps steer along."""
+    rows = vectors.double()
+    return rows / rows.norm(dim=-1, keepdim=True)
+
+
+class VectorColumns:
+    """The taps' columns for requests' own vectors: one per distinct vector among running requests."""
+
+    def __init__(self, columns: range) -> None:
+        self._free = list(columns)
+        self._held: dict[str, tuple[int, int]] = {}  # identity -> (column, requests holding it)
+
+    def claim(self, steer: ResolvedSteer) -> ResolvedSteer:
+        """`steer` with its vectors' columns filled in; ResourceExhausted if too few are free.
+        Release it when the request is over."""
+        wanted = {i.identity for i in steer.interventions if i.vector is not None}
+        new = [identity for identity in wanted if identity not in self._held]
+        if len(new) > len(self._free):
+            raise ResourceExhausted(
+                f"{len(new)} new steering vectors, {len(self._free)} vector columns free: this server steers along "
+                f"at most {len(self._free) + len(self._held)} distinct request vectors at once (--steer-vectors)"
+            )
+        for identity in wanted:
+            column, users = self._held.get(identity) or (self._free.pop(0), 0)
+            self._held[identity] = (column, users + 1)
+        columns = tuple(
+            self._held[i.identity][0] if i.vector is not None else column
+            for i, column in zip(steer.interventions, steer.columns, strict=True)
+        )
+        return dataclasses.replace(steer, columns=columns)
+
+    def release(self, steer: ResolvedSteer) -> None:
+        for identity in {i.identity for i in steer.interventions if i.vector is not None}:
+            column, users = self._held[identity]
+            if users > 1:
+                self._held[identity] = (column, users - 1)
+            else:
+                del self._held[identity]
+                self._free.append(column)
+
+    def in_use(self) -> int:
+        return len(self._held)
 
 
 def _merge(ranges: list[Range]) -> tuple[Range, ...]:
@@ -252,7 +401,7 @@ def _merge(ranges: list[Range]) -> tuple[Range, ...]:
 
 # ---- the JSON form (LMTP, the REPL) ----------------------------------------------------
 
-_FIELDS = {"direction", "layers", "layer", "op", "value", "positions"}
+_FIELDS = {"direction", "vector", "layers", "layer", "op", "value", "lo", "hi", "positions"}
 
 
 def parse_interventions(data: object) -> tuple[Intervention, ...]:
@@ -279,9 +428,10 @@ def _parse_one(n: int, item: object) -> Intervention:
     unknown = sorted(set(item) - _FIELDS)
     if unknown:
         raise InvalidArgument(f"{where}: unknown field {unknown[0]!r}")
-    direction = item.get("direction")
-    if not isinstance(direction, str):
-        raise InvalidArgument(f"{where}: direction must be a name")
+    direction = item.get("direction", "")
+    vector = parse_vector(f"{where}: vector", item["vector"]) if "vector" in item else None
+    if not isinstance(direction, str) or (not direction and vector is None):
+        raise InvalidArgument(f"{where}: direction must be a name (or give a vector)")
     try:
         op = Op(item.get("op", "add"))
     except ValueError:
@@ -292,10 +442,48 @@ def _parse_one(n: int, item: object) -> Intervention:
     value = item.get("value", 0.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgument(f"{where}: value must be a number, got {value!r}")
+    bounds = {}
+    for name in ("lo", "hi"):
+        bound = item.get(name)
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))):
+            raise InvalidArgument(f"{where}: {name} must be a number, got {bound!r}")
+        bounds[name] = bound
     prompt, ranges, generated = _parse_positions(where, item.get("positions", "generated"))
     return Intervention(
-        direction=direction, layers=layers, op=op, value=value, prompt=prompt, ranges=ranges, generated=generated
+        direction=direction,
+        vector=vector,
+        layers=layers,
+        op=op,
+        value=value,
+        prompt=prompt,
+        ranges=ranges,
+        generated=generated,
+        **bounds,
     )
+
+
+def parse_vector(where: str, data: object) -> bytes:
+    """A float32 vector from JSON: base64 of its little-endian bytes, or a list of numbers. Its
+    size and values are checked where the model's shape is known."""
+    if isinstance(data, str):
+        import base64
+        import binascii
+
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidArgument(f"{where} is not valid base64") from None
+        if len(raw) % 4:
+            raise InvalidArgument(f"{where} holds {len(raw)} bytes, not a whole number of float32 values")
+        return raw
+    if isinstance(data, list) and data and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in data):
+        import struct
+
+        try:
+            return struct.pack(f"<{len(data)}f", *data)
+        except OverflowError:
+            raise InvalidArgument(f"{where} holds a value too large for float32") from None
+    raise InvalidArgument(f"{where} must be base64 float32 bytes or a non-empty list of numbers")
 
 
 def parse_layers(where: str, layers: object) -> tuple[int, ...]:

@@ -1,18 +1,21 @@
 """Inside the vLLM worker: write each step's steering coefficients before the model runs.
 
-Theory of operation. The taps (taps.LayerTap) add `(a + b * (h @ D)) @ D.T` to the
-residual, reading a and b from two static buffers `[max_tokens, steering layers, directions]`.
-Those buffers are all zeros except during the forward of a step that holds a steered request:
+Theory of operation. The taps (taps.LayerTap) add
+`(a + b * p + clamp(p, lo, hi) - p) @ D.T` to the residual (p = h @ D), reading a, b, lo and hi
+from four static buffers `[max_tokens, steering layers, directions]`. Those buffers hold
+(0, 0, -inf, inf) except during the forward of a step that holds a steered request:
 
 - A request asks for steering through `SamplingParams.extra_args[TAG]`, the absolute form of
-  its interventions (steering.ResolvedSteer.payload): `[layers, column, a, b, ranges]` each.
+  its interventions (steering.ResolvedSteer.payload): `[layers, column, a, b, ranges, lo, hi,
+  vector]` each. A request's own vector is written, unit-normalised, into its column of every
+  tap's D before the first step that needs it (the engine gives one vector a column at a time).
 - `salience_steering_setup` wraps the model runner's `_model_forward`, which vLLM calls from
   `execute_model` once the step's inputs are prepared: `input_batch.req_ids` in row order,
   `query_start_loc` and `positions` for this step. (vLLM's dummy and profiling runs call the
   model directly and see zeros.) For every steered request it adds each intervention's (a, b)
   at the rows whose absolute positions its ranges cover, for each of its layers; then runs the
-  forward; then zeroes the rows it wrote. Interventions that meet at one row, layer and
-  direction add up (steering.py defines the sum).
+  forward; then resets the rows it wrote. Interventions that meet at one row, layer and
+  direction add up, and caps intersect (steering.py defines both).
 - A step with no steered request costs one dictionary lookup per request: the buffers are
   already zero.
 
@@ -26,9 +29,11 @@ import functools
 import numpy as np
 import torch
 
-from salience.core.probes.taps import steering_buffers
+from salience.core.probes.steering import unit
+from salience.core.probes.taps import decoder_stack, steering_buffers
 
 TAG = "salience_steer"
+RESET = (0.0, 0.0, -np.inf, np.inf)  # a, b, lo, hi of a row nobody steers
 
 __all__ = ["TAG", "SteeringWorker"]
 
@@ -43,17 +48,29 @@ class SteeringWorker:
         found = steering_buffers(runner.get_model())
         if found is None:
             return None
-        add, scale, slots = found
-        self._st_buffers = (add, scale)
+        buffers, slots = found
+        self._st_buffers = buffers
         # Written on the host: the buffers themselves on CPU, a staging copy on an accelerator.
-        on_cpu = add.device.type == "cpu"
-        self._st_host = tuple(
-            (b if on_cpu else torch.zeros(b.shape, dtype=b.dtype, pin_memory=True)).numpy() for b in (add, scale)
-        )
+        on_cpu = buffers[0].device.type == "cpu"
+        self._st_host = tuple((b if on_cpu else b.cpu().pin_memory()).numpy() for b in buffers)
         self._st_slots = slots
+        held = decoder_stack(runner.get_model())[1]
+        self._st_taps = {index: held[index] for index in slots}
         self._st_plans: dict[str, tuple[object, list]] = {}
+        self._st_vectors: dict[int, str] = {}  # vector column -> the identity of the vector it holds
         runner._model_forward = self._st_around(runner._model_forward)
-        return list(add.shape)
+        return list(buffers[0].shape)
+
+    def salience_direction_write(self, column: int, vectors: dict[int, bytes] | None) -> None:
+        """Column `column` of every steering tap's D: the unit vector of `vectors[layer]`
+        (float32 bytes), or zero (None, or a layer not given)."""
+        for index, tap in self._st_taps.items():
+            vector = vectors.get(index) if vectors else None
+            if vector is None:
+                tap.directions[:, column] = 0.0
+            else:
+                values = torch.from_numpy(np.frombuffer(vector, dtype=np.float32).copy())
+                tap.directions[:, column] = unit(values).to(torch.float32).to(tap.directions.device)
 
     def salience_steering_plans(self) -> int:
         """Requests whose parsed interventions this worker holds (tests: nothing stays behind)."""
@@ -88,30 +105,42 @@ class SteeringWorker:
         starts = runner.query_start_loc.cpu[: n + 1].numpy()
         total = int(starts[n])
         positions = runner.positions[:total].cpu().numpy()
-        add, scale = self._st_host
+        add, scale, low, high = self._st_host
         for i, plan in steered:
             s, e = int(starts[i]), int(starts[i + 1])
             pos = positions[s:e]
-            for slots, column, a, b, ranges in plan:
+            for slots, column, a, b, ranges, lo, hi, vector in plan:
                 covered = np.zeros(e - s, dtype=bool)
                 for start, end in ranges:
                     covered |= (pos >= start) & (pos < end)
                 rows = np.nonzero(covered)[0] + s
-                if len(rows):
-                    index = (rows[:, None], slots[None, :], column)
-                    add[index] += a
-                    scale[index] += b
+                if not len(rows):
+                    continue
+                if vector is not None and self._st_vectors.get(column) != vector[0]:
+                    self._st_write_vector(column, vector)
+                index = (rows[:, None], slots[None, :], column)
+                add[index] += a
+                scale[index] += b
+                if lo != -np.inf:
+                    low[index] = np.maximum(low[index], lo)
+                if hi != np.inf:
+                    high[index] = np.minimum(high[index], hi)
         if self._st_buffers[0].device.type != "cpu":
             for device, host in zip(self._st_buffers, self._st_host, strict=True):
                 device[:total].copy_(torch.from_numpy(host[:total]))
         return total
 
+    def _st_write_vector(self, column: int, vector: list) -> None:
+        identity, values = vector
+        self.salience_direction_write(column, dict.fromkeys(self._st_slots, values))
+        self._st_vectors[column] = identity
+
     def _st_clear(self, rows: int) -> None:
-        for host in self._st_host:
-            host[:rows] = 0
+        for host, fill in zip(self._st_host, RESET, strict=True):
+            host[:rows] = fill
         if self._st_buffers[0].device.type != "cpu":
-            for device in self._st_buffers:
-                device[:rows].zero_()
+            for device, fill in zip(self._st_buffers, RESET, strict=True):
+                device[:rows].fill_(fill)
 
     def _st_plan(self, request_id: str, payload: list) -> list:
         """The payload with layers mapped to buffer slots, parsed once per request."""
@@ -121,11 +150,11 @@ class SteeringWorker:
         if len(self._st_plans) > 4 * self.model_runner.max_num_reqs:
             self._st_forget()
         plan = []
-        for layers, column, a, b, ranges in payload:
+        for layers, column, a, b, ranges, lo, hi, vector in payload:
             # Under pipeline parallelism a stage holds some layers only; the others' stages steer those.
             slots = [self._st_slots[layer] for layer in layers if layer in self._st_slots]
             if slots:
-                plan.append((np.array(slots, dtype=np.int64), column, a, b, ranges))
+                plan.append((np.array(slots, dtype=np.int64), column, a, b, ranges, lo, hi, vector))
         self._st_plans[request_id] = (payload, plan)
         return plan
 

@@ -39,7 +39,7 @@ import dataclasses
 import hashlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -51,6 +51,7 @@ __all__ = [
     "CONFIG_KEY",
     "LOAD_FORMAT",
     "STEERING_KEY",
+    "Capture",
     "LayerTap",
     "decoder_stack",
     "file_digest",
@@ -62,31 +63,50 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 LOAD_FORMAT = "salience_readouts"
-CONFIG_KEY = "salience_readouts"  # in vLLM's additional_config: {"path", "sha256", "layers"}
-# {"version", "steering": {"path", "sha256"} or None}: steering along the concept set's vectors
-# and those of the steering set, if any. Absent: no steering in the graph.
+# In vLLM's additional_config: {"path", "sha256", "layers", "spare"}: the concept set, and how many
+# spare (zero) columns follow its concepts for live concepts (live.py).
+CONFIG_KEY = "salience_readouts"
+# {"version", "steering": {"path", "sha256"} or None, "spare", "vectors"}: steering along the
+# concept set's vectors and those of the steering set, if any, then `spare` columns for live
+# concepts and `vectors` for requests' own vectors. Absent: no steering in the graph.
 STEERING_KEY = "salience_steering"
+STEERING_BUFFERS = ("steer_add", "steer_scale", "steer_lo", "steer_hi")  # a, b, lo, hi (LayerTap)
+
+
+class Capture:
+    """Residual rows the worker asked the next forward to copy out (readout_worker.py): set
+    before the forward, taken after it. Empty, the taps copy nothing."""
+
+    rows: ClassVar[torch.Tensor | None] = None  # the step's token rows to copy, ascending
+    taken: ClassVar[dict[int, torch.Tensor]] = {}  # readout slot -> [len(rows), hidden] float32
 
 
 @torch.library.custom_op("salience::readout_store", mutates_args=("buffer",))
-def readout_store(values: torch.Tensor, buffer: torch.Tensor, slot: int) -> None:
-    """buffer[:rows, slot] = values: the graph's one write, into a buffer at a fixed address."""
+def readout_store(values: torch.Tensor, buffer: torch.Tensor, slot: int, state: torch.Tensor) -> None:
+    """buffer[:rows, slot] = values: the graph's one write, into a buffer at a fixed address. Where
+    the worker asked for residual rows (Capture), `state`'s rows are copied out as well: an opaque
+    op runs as Python at every step, so this costs one check when nothing is asked."""
     buffer[: values.shape[0], slot].copy_(values)
+    if Capture.rows is not None:
+        Capture.taken[slot] = state.index_select(0, Capture.rows).cpu()
 
 
 @readout_store.register_fake
-def _(values: torch.Tensor, buffer: torch.Tensor, slot: int) -> None:
+def _(values: torch.Tensor, buffer: torch.Tensor, slot: int, state: torch.Tensor) -> None:
     return None
 
 
 class LayerTap(nn.Module):
     """A decoder layer followed by its steering and its concept projection (either may be absent).
 
-    Steering: with h the layer's output residual (float32) and D the layer's `[hidden, K]` unit
-    directions, h' = h + (a + b * (h @ D)) @ D.T, where a and b are this layer's `[tokens, K]`
-    slices of two buffers the worker fills before each step (steering_worker.py). The delta goes
-    into the layer's `hidden` output, so the next layer's fused add-norm sees h'; an unsteered
-    row has a = b = 0 and gets exactly 0.0 added. The readout projects h'.
+    Steering: with h the layer's output residual (float32), D the layer's `[hidden, K]` unit
+    directions and p = h @ D, h' = h + (a + b * p + clamp(p, lo, hi) - p) @ D.T, where a, b, lo
+    and hi are this layer's `[tokens, K]` slices of four buffers the worker fills before each step
+    (steering_worker.py). The delta goes into the layer's `hidden` output, so the next layer's
+    fused add-norm sees h'; an unsteered row has a = b = 0, lo = -inf and hi = inf and gets
+    exactly 0.0 added. The readout projects h'. Columns of D and of the readout matrix that hold no
+    direction are zero and contribute exactly nothing; the worker writes live concepts and
+    request vectors into them between steps (the graph reads these buffers, never copies them).
     """
 
     def __init__(self, layer: nn.Module) -> None:
@@ -100,11 +120,12 @@ class LayerTap(nn.Module):
         self.register_buffer("matrix", matrix, persistent=False)  # [hidden, concepts] float32
         self.register_buffer("out", buffer, persistent=False)  # [rows, readout layers, concepts], shared
 
-    def steer_from(self, slot: int, directions: torch.Tensor, add: torch.Tensor, scale: torch.Tensor) -> None:
+    def steer_from(self, slot: int, directions: torch.Tensor, coefficients: tuple[torch.Tensor, ...]) -> None:
         self.steering_slot = slot
         self.register_buffer("directions", directions, persistent=False)  # [hidden, K] float32
-        self.register_buffer("steer_add", add, persistent=False)  # a: [rows, steering layers, K], shared
-        self.register_buffer("steer_scale", scale, persistent=False)  # b: the same shape
+        # a, b, lo, hi: each [rows, steering layers, K], shared by every tap
+        for name, buffer in zip(STEERING_BUFFERS, coefficients, strict=True):
+            self.register_buffer(name, buffer, persistent=False)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         output = self.layer(*args, **kwargs)
@@ -117,12 +138,15 @@ class LayerTap(nn.Module):
             rows = state.shape[0]
             a = self.steer_add[:rows, self.steering_slot]
             b = self.steer_scale[:rows, self.steering_slot]
-            delta = (a + b * (state @ self.directions)) @ self.directions.T
+            lo = self.steer_lo[:rows, self.steering_slot]
+            hi = self.steer_hi[:rows, self.steering_slot]
+            projection = state @ self.directions
+            delta = (a + b * projection + (torch.clamp(projection, lo, hi) - projection)) @ self.directions.T
             state = state + delta
             hidden = (hidden.float() + delta).to(hidden.dtype)
             output = (hidden, *output[1:]) if isinstance(output, tuple) else hidden
         if self.readout_slot is not None:
-            torch.ops.salience.readout_store(state @ self.matrix, self.out, self.readout_slot)
+            torch.ops.salience.readout_store(state @ self.matrix, self.out, self.readout_slot, state)
         return output
 
 
@@ -150,15 +174,16 @@ def readout_buffer(model: nn.Module) -> torch.Tensor | None:
     return next((tap.out for tap in taps(model) if tap.readout_slot is not None), None)
 
 
-def steering_buffers(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]] | None:
-    """The coefficient buffers (a, b) and each steerable layer's slot in them, or None without steering."""
+def steering_buffers(model: nn.Module) -> tuple[tuple[torch.Tensor, ...], dict[int, int]] | None:
+    """The coefficient buffers (a, b, lo, hi) and each steerable layer's slot in them, or None
+    without steering."""
     held = decoder_stack(model)[1]
     slots = {index: layer.steering_slot for index, layer in enumerate(held) if isinstance(layer, LayerTap)}
     slots = {index: slot for index, slot in slots.items() if slot is not None}
     if not slots:
         return None
     first = held[next(iter(slots))]
-    return first.steer_add, first.steer_scale, slots
+    return tuple(getattr(first, name) for name in STEERING_BUFFERS), slots
 
 
 def file_digest(path: Path) -> str:
@@ -178,7 +203,7 @@ def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch
     directions = None
     if steering_spec is not None:
         extra = _load_checked(steering_spec["steering"]) if steering_spec.get("steering") else None
-        directions = Directions(concepts, extra)
+        directions = Directions(concepts, extra, spare=steering_spec["spare"], vectors=steering_spec["vectors"])
     held, layers = decoder_stack(model)
     tapped: dict[int, LayerTap] = {}
 
@@ -189,20 +214,21 @@ def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch
 
     # Every layer gets its slot whether or not this pipeline stage holds it, so slots agree across stages.
     if concepts is not None:
-        buffer = torch.zeros(
-            max_tokens, len(concepts.layers), len(concepts.concepts), dtype=torch.float32, device=device
-        )
+        width = len(concepts.concepts) + readout_spec["spare"]
+        buffer = torch.zeros(max_tokens, len(concepts.layers), width, dtype=torch.float32, device=device)
         for slot, index in enumerate(concepts.layers):
             if index in held:
-                matrix = concepts.vectors[index].to(device=device, dtype=torch.float32).T.contiguous()
-                tap(index).read_into(slot, matrix, buffer)
+                matrix = torch.zeros(concepts.hidden_size, width, dtype=torch.float32)
+                matrix[:, : len(concepts.concepts)] = concepts.vectors[index].to(torch.float32).T
+                tap(index).read_into(slot, matrix.to(device), buffer)
     if directions is not None:
-        shape = (max_tokens, len(directions.layers), len(directions.names))
-        add = torch.zeros(shape, dtype=torch.float32, device=device)
-        scale = torch.zeros(shape, dtype=torch.float32, device=device)
+        shape = (max_tokens, len(directions.layers), directions.width)
+        coefficients = tuple(
+            torch.full(shape, fill, dtype=torch.float32, device=device) for fill in (0.0, 0.0, -torch.inf, torch.inf)
+        )
         for slot, index in enumerate(directions.layers):
             if index in held:
-                tap(index).steer_from(slot, directions.matrix(index).to(device).contiguous(), add, scale)
+                tap(index).steer_from(slot, directions.matrix(index).to(device).contiguous(), coefficients)
     log.debug("layer taps installed", extra={"layers": sorted(tapped), "rows": max_tokens})
 
 

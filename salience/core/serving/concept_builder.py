@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from salience.core.probes import fitting
 from salience.core.probes.concepts import ConceptSet
 from salience.errors import InvalidArgument
 
-__all__ = ["MIN_EXAMPLES", "build_concept_set", "describe", "load_spec"]
+__all__ = ["MIN_EXAMPLES", "SIDES", "build_concept_set", "describe", "describe_concept", "fit_concept", "load_spec"]
 
 READ_BATCH = 16  # texts read at once: their prefills share engine steps
 MIN_EXAMPLES = 4  # per class: k-fold validation needs both classes in every fit part
@@ -99,51 +100,18 @@ async def build_concept_set(spec: dict[str, Any], model: Path, *, source: str = 
     fingerprint = model_fingerprint(model)
     started = time.monotonic()
     residuals, tokenizer = await _read_residuals(spec, model, layers, hidden, fingerprint, num_layers)
-    norm, unembedding = folders.unembedding(model)
     validation = {"folds": 5, "seed": 0, **(spec.get("validation") or {})}
     names = tuple(c["name"] for c in spec["concepts"])
     vectors = torch.zeros(len(layers), len(names), hidden, dtype=torch.float32)
     info = []
-    steps = sum(len(layers) * (2 if c["method"] == "auto" else 1) for c in spec["concepts"])
+    steps = sum(fitting_steps(c, layers) for c in spec["concepts"])
     with tqdm(total=steps, desc="fitting and validating", unit="layer") as progress:
         for column, concept in enumerate(spec["concepts"]):
-            texts = [t for side in SIDES for t in concept[side]]
-            labels = torch.tensor([side == "positive" for side in SIDES for _ in concept[side]])
-            fold = fitting.folds(
-                labels, min(int(validation["folds"]), len(concept["negative"])), int(validation["seed"])
+            fitted, concept_info = fit_concept(
+                concept, layers, residuals, model, tokenizer, validation, progress=progress.update
             )
-            per_layer = [_residuals_at(residuals, texts, labels, i) for i in range(len(layers))]
-            methods = fitting.METHODS if concept["method"] == "auto" else (concept["method"],)
-            fits: dict[str, list[fitting.LayerFit]] = {}
-            for method in methods:
-                fits[method] = []
-                for i, layer in enumerate(layers):
-                    fits[method].append(fitting.cross_validate(method, layer, per_layer[i], fold))
-                    progress.update()
-            method = max(methods, key=lambda m: (fitting.best_layer(fits[m]).auroc, m == "diff_means"))
-            for i in range(len(layers)):
-                vectors[i, column] = fitting.fit_direction(method, per_layer[i]).to(torch.float32)
-            recommended = fitting.best_layer(fits[method]).layer
-            raises, lowers = fitting.logit_lens(vectors[layers.index(recommended), column], norm, unembedding)
-            info.append(
-                {
-                    "name": concept["name"],
-                    "recommended_layer": recommended,
-                    "method": method,
-                    "n_fit": len(texts),
-                    "n_heldout": len(texts),
-                    "validation": f"stratified {int(fold.max()) + 1}-fold, seed {validation['seed']}: every text "
-                    "held out once; the stored fit uses every text",
-                    "method_auroc": {m: fitting.best_layer(fits[m]).auroc for m in methods},
-                    "layers": [fit.as_dict() for fit in fits[method]],
-                    # What the direction at the recommended layer writes: its logit lens.
-                    "writes": {
-                        "layer": recommended,
-                        "raises": [tokenizer.decode([t]) for t in raises],
-                        "lowers": [tokenizer.decode([t]) for t in lowers],
-                    },
-                }
-            )
+            vectors[:, column] = fitted
+            info.append(concept_info)
     return ConceptSet(
         concepts=names,
         vectors={layer: vectors[i] for i, layer in enumerate(layers)},
@@ -161,6 +129,66 @@ async def build_concept_set(spec: dict[str, Any], model: Path, *, source: str = 
             "seconds": round(time.monotonic() - started, 1),
         },
     )
+
+
+def fitting_steps(concept: dict[str, Any], layers: Sequence[int]) -> int:
+    return len(layers) * (2 if concept["method"] == "auto" else 1)
+
+
+def fit_concept(
+    concept: dict[str, Any],
+    layers: Sequence[int],
+    residuals: Mapping[str, torch.Tensor],
+    model: Path,
+    tokenizer: Any,
+    validation: Mapping[str, Any],
+    *,
+    candidates: Sequence[int] | None = None,
+    progress: Callable[[], object] = lambda: None,
+) -> tuple[torch.Tensor, dict]:
+    """One concept's directions [layers, hidden] (unit, float32) and its concept_info, from each
+    example text's residuals [tokens after the first, layers, hidden]. The recommended layer is
+    the best held-out one among `candidates` (default: every layer). `progress` ticks per fit."""
+    layers = list(layers)
+    norm, unembedding = folders.unembedding(model)
+    texts = [t for side in SIDES for t in concept[side]]
+    labels = torch.tensor([side == "positive" for side in SIDES for _ in concept[side]])
+    fold = fitting.folds(labels, min(int(validation["folds"]), len(concept["negative"])), int(validation["seed"]))
+    per_layer = [_residuals_at(residuals, texts, labels, i) for i in range(len(layers))]
+    methods = fitting.METHODS if concept["method"] == "auto" else (concept["method"],)
+    fits: dict[str, list[fitting.LayerFit]] = {}
+    for method in methods:
+        fits[method] = []
+        for i, layer in enumerate(layers):
+            fits[method].append(fitting.cross_validate(method, layer, per_layer[i], fold))
+            progress()
+    allowed = set(candidates if candidates is not None else layers)
+
+    def best(method: str) -> fitting.LayerFit:
+        return fitting.best_layer([fit for fit in fits[method] if fit.layer in allowed])
+
+    method = max(methods, key=lambda m: (best(m).auroc, m == "diff_means"))
+    vectors = torch.stack([fitting.fit_direction(method, per_layer[i]).to(torch.float32) for i in range(len(layers))])
+    recommended = best(method).layer
+    raises, lowers = fitting.logit_lens(vectors[layers.index(recommended)], norm, unembedding)
+    info = {
+        "name": concept["name"],
+        "recommended_layer": recommended,
+        "method": method,
+        "n_fit": len(texts),
+        "n_heldout": len(texts),
+        "validation": f"stratified {int(fold.max()) + 1}-fold, seed {validation['seed']}: every text "
+        "held out once; the stored fit uses every text",
+        "method_auroc": {m: best(m).auroc for m in methods},
+        "layers": [fit.as_dict() for fit in fits[method]],
+        # What the direction at the recommended layer writes: its logit lens.
+        "writes": {
+            "layer": recommended,
+            "raises": [tokenizer.decode([t]) for t in raises],
+            "lowers": [tokenizer.decode([t]) for t in lowers],
+        },
+    }
+    return vectors, info
 
 
 async def _read_residuals(
@@ -220,24 +248,29 @@ def describe(concept_set: ConceptSet) -> str:
     ]
     for name, info in zip(manifest.concepts, manifest.concept_info, strict=True):
         lines.append("")
-        if info is None:
-            lines.append(f"{name}: not validated (no concept_info in this set)")
-            continue
-        lines.append(
-            f"{name}: method {info['method']}, recommended layer {info['recommended_layer']}, "
-            f"{info['n_fit']} texts ({info['validation']})"
-        )
-        if info.get("writes"):
-            writes = info["writes"]
-            lines.append(f"  writes (logit lens at layer {writes['layer']}):")
-            lines.append(f"    raises: {' '.join(repr(t) for t in writes['raises'])}")
-            lines.append(f"    lowers: {' '.join(repr(t) for t in writes['lowers'])}")
-        lines.append("  layer  auroc  acc    tok_auroc  tok_acc  brier  ece    scale       offset")
-        for fit in info["layers"]:
-            mark = " <" if fit["layer"] == info["recommended_layer"] else ""
-            lines.append(
-                f"  {fit['layer']:>5}  {fit['auroc']:.3f}  {fit['accuracy']:.3f}  {fit['token_auroc']:.3f}      "
-                f"{fit['token_accuracy']:.3f}    {fit['brier']:.3f}  {fit['ece']:.3f}  {fit['scale']:<+10.4g}  "
-                f"{fit['offset']:<+10.4g}{mark}"
-            )
+        lines.extend(describe_concept(name, info))
     return "\n".join(lines)
+
+
+def describe_concept(name: str, info: dict | None) -> list[str]:
+    """One concept's method, logit lens and held-out figures layer by layer, as the builder prints them."""
+    if info is None or not info.get("layers"):
+        return [f"{name}: not validated (no concept_info: a set built by hand, or a live concept given as vectors)"]
+    lines = [
+        f"{name}: method {info['method']}, recommended layer {info['recommended_layer']}, "
+        f"{info['n_fit']} texts ({info['validation']})"
+    ]
+    if info.get("writes"):
+        writes = info["writes"]
+        lines.append(f"  writes (logit lens at layer {writes['layer']}):")
+        lines.append(f"    raises: {' '.join(repr(t) for t in writes['raises'])}")
+        lines.append(f"    lowers: {' '.join(repr(t) for t in writes['lowers'])}")
+    lines.append("  layer  auroc  acc    tok_auroc  tok_acc  brier  ece    scale       offset")
+    for fit in info["layers"]:
+        mark = " <" if fit["layer"] == info["recommended_layer"] else ""
+        lines.append(
+            f"  {fit['layer']:>5}  {fit['auroc']:.3f}  {fit['accuracy']:.3f}  {fit['token_auroc']:.3f}      "
+            f"{fit['token_accuracy']:.3f}    {fit['brier']:.3f}  {fit['ece']:.3f}  {fit['scale']:<+10.4g}  "
+            f"{fit['offset']:<+10.4g}{mark}"
+        )
+    return lines

@@ -219,6 +219,7 @@ class SessionStore:
                 steer=steer,
                 dp_rank=session.dp_rank,
                 monitors=turn.monitors,
+                probabilities=turn.probabilities,
             )
         elif prefill_wanted:
             top_k = turn.logprob_top_k if scored else None
@@ -233,6 +234,7 @@ class SessionStore:
                     request_id=turn.request_id,
                     steer=steer,
                     dp_rank=session.dp_rank,
+                    probabilities=turn.probabilities,
                 )
 
         # Committed: the append is the client's content whatever happens to the turn.

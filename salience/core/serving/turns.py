@@ -38,6 +38,7 @@ class Turn:
     # This call's interventions: `prompt` is the session's tokens after the append, `generated` what it decodes.
     steer: Sequence[Intervention] = ()
     monitors: Sequence[Monitor] = ()  # watched on every decoded token (calibration.py)
+    probabilities: bool = False  # readouts as calibrated probabilities
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

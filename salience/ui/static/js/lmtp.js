@@ -3,7 +3,7 @@
 // Every message is one line `TYPE <json>`; the server answers with `TOKEN [...]` and
 // `MSG [...]` frames whose payloads name their `stream_id`. This client routes TOKEN
 // payloads to the stream that asked (GENERATE, SCORE) and MSG payloads to the request
-// that asked (TOKENIZE, DETOKENIZE, MODEL_INFO), and keeps one STATUS subscription open
+// that asked (TOKENIZE, DETOKENIZE, MODEL_INFO, DEFINE_CONCEPT, DELETE_CONCEPT), and keeps one STATUS subscription open
 // so the page always knows whether the model is loading, ready, draining or stopping.
 //
 // Connection states, reported as `state` events: connecting, loading, ready, draining, stopping,
@@ -62,13 +62,19 @@ export class LmtpClient extends EventTarget {
     if (this.#streams.has(stream_id)) this.#send(`CANCEL ${JSON.stringify({ stream_id })}`);
   }
 
-  /** Send a request answered by one MSG payload (TOKENIZE, DETOKENIZE, MODEL_INFO). */
+  /** Send a request answered by one MSG payload (TOKENIZE, DETOKENIZE, MODEL_INFO, DEFINE_CONCEPT, ...). */
   request(type, body) {
     const stream_id = this.#nextId++;
     return new Promise((resolve, reject) => {
       this.#requests.set(stream_id, { resolve, reject });
       this.#send(`${type} ${JSON.stringify({ ...body, stream_id })}`);
     });
+  }
+
+  /** Read MODEL_INFO into `modelInfo` (at every ready, and after the concept list changed); returns it. */
+  async loadModelInfo() {
+    this.modelInfo = (await this.request("MODEL_INFO", {})).model_info;
+    return this.modelInfo;
   }
 
   #send(line) {
@@ -112,7 +118,7 @@ export class LmtpClient extends EventTarget {
       return;
     }
     try {
-      this.modelInfo = (await this.request("MODEL_INFO", {})).model_info;
+      await this.loadModelInfo();
     } catch {
       return; // the connection went away meanwhile; its close handler reports that
     }

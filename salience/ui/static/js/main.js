@@ -1,5 +1,6 @@
-// The page: connection indicator, auth token, the request form, and the panes.
+// The page: connection indicator, auth token, the request form, live concepts, and the panes.
 
+import { ConceptForm } from "./concepts.js";
 import { LmtpClient } from "./lmtp.js";
 import { MonitorControls } from "./monitors.js";
 import { Pane } from "./pane.js";
@@ -31,6 +32,7 @@ const client = new LmtpClient(socketUrl);
 const vocab = new Vocab(client);
 const steering = new SteeringControls($("#steering"));
 const monitors = new MonitorControls($("#monitors"));
+const concepts = new ConceptForm($("#concepts"), client, showModel);
 $("#steer-reset").addEventListener("click", () => steering.reset());
 const LABELS = {
   connecting: "connecting…",
@@ -48,16 +50,24 @@ client.addEventListener("state", ({ detail: { state, detail } }) => {
   indicator.textContent = LABELS[state] + (detail ? ` — ${detail}` : "");
   const ready = state === "ready";
   for (const button of document.querySelectorAll("#request button")) button.disabled = !ready;
-  if (ready) {
-    const info = client.modelInfo;
-    $("#model").textContent = `${info.model} · context ${info.max_model_len} · top-k ≤ ${info.max_logprobs}`;
-    $("#readouts").disabled = !info.readout_manifest;
-    $("#readouts").checked &&= Boolean(info.readout_manifest);
-    if (!$("#steering .steer")) steering.show(info.steering); // built once: a reconnect keeps the settings
-    if (!$("#monitors .concept option")) monitors.show(info.readout_manifest);
-  }
+  concepts.enable(ready);
+  if (ready) showModel(client.modelInfo);
   if (state === "unauthorized") $("#auth").open = true;
 });
+
+/**
+ * Everything built from MODEL_INFO: at every ready, and after a live concept is defined or deleted.
+ * New panes read `client.modelInfo` when they start (their heatmap's concepts and calibration);
+ * running ones keep the manifest they started with.
+ */
+function showModel(info) {
+  $("#model").textContent = `${info.model} · context ${info.max_model_len} · top-k ≤ ${info.max_logprobs}`;
+  $("#readouts").disabled = !info.readout_manifest;
+  $("#readouts").checked &&= Boolean(info.readout_manifest);
+  steering.show(info.steering);
+  monitors.show(info.readout_manifest);
+  concepts.show(info.readout_manifest);
+}
 
 $("#token").value = sessionStorage.getItem(TOKEN_KEY) ?? "";
 $("#auth-form").addEventListener("submit", (event) => {

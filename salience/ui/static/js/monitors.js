@@ -14,12 +14,22 @@ export class MonitorControls {
     fieldset.querySelector(".add").addEventListener("click", () => this.#add());
   }
 
-  /** Offer the calibrated concepts of MODEL_INFO's readout_manifest (none: no monitors). */
+  /**
+   * Offer the calibrated concepts of MODEL_INFO's readout_manifest (none: no monitors). Shown
+   * again after a reconnect or a change to the concepts: the chosen concept stays chosen, and
+   * monitors on a concept no longer offered are dropped.
+   */
   show(manifest) {
     const calibrated = calibration(manifest) !== null;
+    const offered = calibrated ? manifest.concepts : [];
     this.#fieldset.hidden = !calibrated;
     const select = this.#fieldset.querySelector(".concept");
-    select.replaceChildren(...(calibrated ? manifest.concepts : []).map((name) => new Option(name, name)));
+    const chosen = select.value;
+    select.replaceChildren(...offered.map((name) => new Option(name, name)));
+    if (offered.includes(chosen)) select.value = chosen;
+    for (const row of this.#fieldset.querySelectorAll(".list li")) {
+      if (!offered.includes(JSON.parse(row.dataset.monitor).concept)) row.remove();
+    }
   }
 
   #add() {

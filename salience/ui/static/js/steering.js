@@ -14,34 +14,47 @@ export class SteeringControls {
     this.#fieldset = fieldset;
   }
 
-  /** Build a row per direction from MODEL_INFO's `steering` (null: the server does not steer). */
+  /**
+   * Build a row per direction from MODEL_INFO's `steering` (null: the server does not steer).
+   * Shown again after a reconnect or a change to the concepts: a direction still offered keeps
+   * its slider and layer.
+   */
   show(steering) {
+    const kept = new Map(this.#rows.map(({ name, slider, select }) => [name, { value: slider.value, layer: select.value }]));
     this.#fieldset.querySelector(".controls").replaceChildren();
     this.#rows = [];
     this.#fieldset.hidden = !steering;
     if (!steering) return;
-    for (const [name, layers] of Object.entries(steering.directions)) this.#add(name, layers);
+    for (const [name, layers] of Object.entries(steering.directions)) this.#add(name, layers, kept.get(name));
   }
 
-  #add(name, layers) {
+  #add(name, layers, kept) {
     const row = document.createElement("div");
     row.className = "steer";
     row.dataset.direction = name;
-    const id = `steer-${name}`;
+    const id = `steer-${this.#rows.length}`; // live concepts are named by users: names stay text
     row.innerHTML = `
-      <label for="${id}">${name}</label>
+      <label for="${id}"></label>
       <input id="${id}" type="range" min="${-RANGE}" max="${RANGE}" step="1" value="0">
       <output for="${id}">0</output>
-      <label>layer <select aria-label="${name} layer"></select></label>`;
+      <label>layer <select></select></label>`;
+    row.querySelector("label").textContent = name;
     const slider = row.querySelector("input");
     const output = row.querySelector("output");
     const select = row.querySelector("select");
+    select.setAttribute("aria-label", `${name} layer`);
     for (const layer of layers) select.add(new Option(String(layer), String(layer)));
     select.value = String(layers[Math.floor(layers.length / 2)]);
-    slider.addEventListener("input", () => {
+    const sync = () => {
       output.value = slider.value;
       row.classList.toggle("active", Number(slider.value) !== 0);
-    });
+    };
+    slider.addEventListener("input", sync);
+    if (kept) {
+      slider.value = kept.value;
+      if (layers.map(String).includes(kept.layer)) select.value = kept.layer;
+      sync();
+    }
     this.#fieldset.querySelector(".controls").append(row);
     this.#rows.push({ name, slider, select });
   }

@@ -8,6 +8,67 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DefineConceptRequest(_message.Message):
+    __slots__ = ("name", "positive", "negative", "method", "layers", "vector", "vectors")
+    class VectorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: bytes
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[bytes] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    POSITIVE_FIELD_NUMBER: _ClassVar[int]
+    NEGATIVE_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_FIELD_NUMBER: _ClassVar[int]
+    VECTORS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    positive: _containers.RepeatedScalarFieldContainer[str]
+    negative: _containers.RepeatedScalarFieldContainer[str]
+    method: str
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    vector: bytes
+    vectors: _containers.ScalarMap[int, bytes]
+    def __init__(self, name: _Optional[str] = ..., positive: _Optional[_Iterable[str]] = ..., negative: _Optional[_Iterable[str]] = ..., method: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., vector: _Optional[bytes] = ..., vectors: _Optional[_Mapping[int, bytes]] = ...) -> None: ...
+
+class DefineConceptResponse(_message.Message):
+    __slots__ = ("name", "manifest_version", "info", "table")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    manifest_version: int
+    info: ConceptInfo
+    table: str
+    def __init__(self, name: _Optional[str] = ..., manifest_version: _Optional[int] = ..., info: _Optional[_Union[ConceptInfo, _Mapping]] = ..., table: _Optional[str] = ...) -> None: ...
+
+class DeleteConceptRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteConceptResponse(_message.Message):
+    __slots__ = ("manifest_version",)
+    MANIFEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    manifest_version: int
+    def __init__(self, manifest_version: _Optional[int] = ...) -> None: ...
+
+class SaveConceptsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SaveConceptsResponse(_message.Message):
+    __slots__ = ("concept_set", "concepts")
+    CONCEPT_SET_FIELD_NUMBER: _ClassVar[int]
+    CONCEPTS_FIELD_NUMBER: _ClassVar[int]
+    concept_set: bytes
+    concepts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, concept_set: _Optional[bytes] = ..., concepts: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ExtendedGenerateRequest(_message.Message):
     __slots__ = ("generate", "interventions", "readout_format", "monitors")
     class ReadoutFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -79,18 +140,22 @@ class GetConceptManifestRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ConceptManifest(_message.Message):
-    __slots__ = ("concepts",)
+    __slots__ = ("concepts", "version")
     CONCEPTS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     concepts: _containers.RepeatedCompositeFieldContainer[Concept]
-    def __init__(self, concepts: _Optional[_Iterable[_Union[Concept, _Mapping]]] = ...) -> None: ...
+    version: int
+    def __init__(self, concepts: _Optional[_Iterable[_Union[Concept, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class Concept(_message.Message):
-    __slots__ = ("name", "info")
+    __slots__ = ("name", "info", "live")
     NAME_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
     name: str
     info: ConceptInfo
-    def __init__(self, name: _Optional[str] = ..., info: _Optional[_Union[ConceptInfo, _Mapping]] = ...) -> None: ...
+    live: bool
+    def __init__(self, name: _Optional[str] = ..., info: _Optional[_Union[ConceptInfo, _Mapping]] = ..., live: _Optional[bool] = ...) -> None: ...
 
 class ConceptInfo(_message.Message):
     __slots__ = ("name", "recommended_layer", "method", "n_fit", "n_heldout", "layers", "validation", "writes_layer", "raises", "lowers")
@@ -147,17 +212,19 @@ class SteeredGenerateRequest(_message.Message):
     def __init__(self, generate: _Optional[_Union[_salience_pb2.GenerateRequest, _Mapping]] = ..., interventions: _Optional[_Iterable[_Union[Intervention, _Mapping]]] = ...) -> None: ...
 
 class Intervention(_message.Message):
-    __slots__ = ("direction", "layers", "op", "value", "prompt", "ranges", "generated")
+    __slots__ = ("direction", "layers", "op", "value", "prompt", "ranges", "generated", "lo", "hi", "vector")
     class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OP_UNSPECIFIED: _ClassVar[Intervention.Op]
         OP_ADD: _ClassVar[Intervention.Op]
         OP_SET: _ClassVar[Intervention.Op]
         OP_ABLATE: _ClassVar[Intervention.Op]
+        OP_CAP: _ClassVar[Intervention.Op]
     OP_UNSPECIFIED: Intervention.Op
     OP_ADD: Intervention.Op
     OP_SET: Intervention.Op
     OP_ABLATE: Intervention.Op
+    OP_CAP: Intervention.Op
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +232,9 @@ class Intervention(_message.Message):
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
     GENERATED_FIELD_NUMBER: _ClassVar[int]
+    LO_FIELD_NUMBER: _ClassVar[int]
+    HI_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_FIELD_NUMBER: _ClassVar[int]
     direction: str
     layers: _containers.RepeatedScalarFieldContainer[int]
     op: Intervention.Op
@@ -172,14 +242,17 @@ class Intervention(_message.Message):
     prompt: bool
     ranges: _containers.RepeatedCompositeFieldContainer[_salience_pb2.PositionRange]
     generated: bool
-    def __init__(self, direction: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., op: _Optional[_Union[Intervention.Op, str]] = ..., value: _Optional[float] = ..., prompt: _Optional[bool] = ..., ranges: _Optional[_Iterable[_Union[_salience_pb2.PositionRange, _Mapping]]] = ..., generated: _Optional[bool] = ...) -> None: ...
+    lo: float
+    hi: float
+    vector: bytes
+    def __init__(self, direction: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., op: _Optional[_Union[Intervention.Op, str]] = ..., value: _Optional[float] = ..., prompt: _Optional[bool] = ..., ranges: _Optional[_Iterable[_Union[_salience_pb2.PositionRange, _Mapping]]] = ..., generated: _Optional[bool] = ..., lo: _Optional[float] = ..., hi: _Optional[float] = ..., vector: _Optional[bytes] = ...) -> None: ...
 
 class GetSteeringManifestRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SteeringManifest(_message.Message):
-    __slots__ = ("directions", "max_interventions", "max_magnitude")
+    __slots__ = ("directions", "max_interventions", "max_magnitude", "vector_columns")
     class Direction(_message.Message):
         __slots__ = ("name", "layers")
         NAME_FIELD_NUMBER: _ClassVar[int]
@@ -190,10 +263,12 @@ class SteeringManifest(_message.Message):
     DIRECTIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_INTERVENTIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_MAGNITUDE_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     directions: _containers.RepeatedCompositeFieldContainer[SteeringManifest.Direction]
     max_interventions: int
     max_magnitude: float
-    def __init__(self, directions: _Optional[_Iterable[_Union[SteeringManifest.Direction, _Mapping]]] = ..., max_interventions: _Optional[int] = ..., max_magnitude: _Optional[float] = ...) -> None: ...
+    vector_columns: int
+    def __init__(self, directions: _Optional[_Iterable[_Union[SteeringManifest.Direction, _Mapping]]] = ..., max_interventions: _Optional[int] = ..., max_magnitude: _Optional[float] = ..., vector_columns: _Optional[int] = ...) -> None: ...
 
 class ImageInfoRequest(_message.Message):
     __slots__ = ("bytes", "mime")

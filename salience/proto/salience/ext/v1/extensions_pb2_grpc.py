@@ -60,6 +60,21 @@ class SalienceExtensionsStub:
                 request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetConceptManifestRequest.SerializeToString,
                 response_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ConceptManifest.FromString,
                 _registered_method=True)
+        self.DefineConcept = channel.unary_unary(
+                '/salience.ext.v1.SalienceExtensions/DefineConcept',
+                request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.DefineConceptRequest.SerializeToString,
+                response_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.DefineConceptResponse.FromString,
+                _registered_method=True)
+        self.DeleteConcept = channel.unary_unary(
+                '/salience.ext.v1.SalienceExtensions/DeleteConcept',
+                request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.DeleteConceptRequest.SerializeToString,
+                response_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.DeleteConceptResponse.FromString,
+                _registered_method=True)
+        self.SaveConcepts = channel.unary_unary(
+                '/salience.ext.v1.SalienceExtensions/SaveConcepts',
+                request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SaveConceptsRequest.SerializeToString,
+                response_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SaveConceptsResponse.FromString,
+                _registered_method=True)
 
 
 class SalienceExtensionsServicer:
@@ -112,6 +127,35 @@ class SalienceExtensionsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DefineConcept(self, request, context):
+        """Live concepts (docs/live-concepts.md). Define a concept on the running server, from examples
+        (fitted and validated by the concept builder on the serving engine) or from vectors; from
+        the next request on it is read out, monitored and steered along like a loaded one, with no
+        restart and no recompile. Streams already running keep the concepts they started with.
+        PERMISSION_DENIED without the operator token (--admin-token) when auth is on;
+        INVALID_ARGUMENT for a taken name, too few or too many examples, a bad vector;
+        RESOURCE_EXHAUSTED when no concept column is free or an example exceeds the context;
+        UNAVAILABLE while the server drains.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteConcept(self, request, context):
+        """Delete a live concept: it leaves the manifest at once, its column is freed once no running
+        request reads it. INVALID_ARGUMENT for an unknown name or a loaded concept.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SaveConcepts(self, request, context):
+        """The served set plus every live concept, as a concept-set file (`salience serve --concepts`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SalienceExtensionsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +183,21 @@ def add_SalienceExtensionsServicer_to_server(servicer, server):
                     servicer.GetConceptManifest,
                     request_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetConceptManifestRequest.FromString,
                     response_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ConceptManifest.SerializeToString,
+            ),
+            'DefineConcept': grpc.unary_unary_rpc_method_handler(
+                    servicer.DefineConcept,
+                    request_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.DefineConceptRequest.FromString,
+                    response_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.DefineConceptResponse.SerializeToString,
+            ),
+            'DeleteConcept': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteConcept,
+                    request_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.DeleteConceptRequest.FromString,
+                    response_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.DeleteConceptResponse.SerializeToString,
+            ),
+            'SaveConcepts': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveConcepts,
+                    request_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SaveConceptsRequest.FromString,
+                    response_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SaveConceptsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -276,6 +335,87 @@ class SalienceExtensions:
             '/salience.ext.v1.SalienceExtensions/GetConceptManifest',
             salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetConceptManifestRequest.SerializeToString,
             salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ConceptManifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DefineConcept(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/salience.ext.v1.SalienceExtensions/DefineConcept',
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.DefineConceptRequest.SerializeToString,
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.DefineConceptResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteConcept(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/salience.ext.v1.SalienceExtensions/DeleteConcept',
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.DeleteConceptRequest.SerializeToString,
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.DeleteConceptResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveConcepts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/salience.ext.v1.SalienceExtensions/SaveConcepts',
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SaveConceptsRequest.SerializeToString,
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SaveConceptsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,152 @@
+"""Live concepts on the running engine: what each request holds, and writing the taps' columns.
+
+The bookkeeping is probes/live.py's ConceptTable; this module carries its decisions to the
+workers. A define writes the new concept's column into every worker's readout matrices and
+steering directions (collective_rpc, which vLLM runs between two steps) and only then publishes
+it, so no request can name it before its vectors are in place. A deleted concept's column is
+zeroed once the last request holding it has ended (Hold.release), and only then is it free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from salience.core.probes.concepts import ConceptSet
+from salience.core.probes.live import ConceptTable, ConceptView, LiveConcept, check_vectors
+from salience.core.probes.steering import Directions, ResolvedSteer, VectorColumns
+from salience.errors import FailedPrecondition
+
+__all__ = ["Hold", "LiveConcepts"]
+
+log = logging.getLogger(__name__)
+
+# collective_rpc on every data-parallel engine's workers
+Rpc = Callable[[str, tuple], Awaitable[object]]
+
+
+@dataclass(eq=False)
+class Hold:
+    """What a request holds while it runs: the concepts it sees, and columns for its own vectors."""
+
+    view: ConceptView | None
+    steer: ResolvedSteer
+    _release: Callable[[Hold], None] | None = None
+
+    def release(self) -> None:
+        """Safe to call twice."""
+        release, self._release = self._release, None
+        if release is not None:
+            release(self)
+
+
+class LiveConcepts:
+    def __init__(
+        self, table: ConceptTable | None, directions: Directions | None, rpc: Rpc, vector_columns: VectorColumns | None
+    ) -> None:
+        self.table = table
+        self.directions = directions
+        self._rpc = rpc
+        self._vectors = vector_columns
+        self._zeroing: set[asyncio.Task] = set()
+        self._clearing: set[int] = set()  # columns being zeroed
+
+    def hold(self, steer: ResolvedSteer) -> Hold:
+        """The current view, and `steer` with its vectors' columns claimed (ResourceExhausted if none
+        is free). The caller releases the Hold when the request is over."""
+        if self._vectors is not None and any(i.vector is not None for i in steer.interventions):
+            steer = self._vectors.claim(steer)
+        view = self.table.acquire() if self.table is not None else None
+        return Hold(view, steer, self._release)
+
+    def view(self) -> ConceptView | None:
+        return self.table.view if self.table is not None else None
+
+    def _release(self, hold: Hold) -> None:
+        if self._vectors is not None and any(i.vector is not None for i in hold.steer.interventions):
+            self._vectors.release(hold.steer)
+        if hold.view is not None and self.table is not None:
+            unheld = self.table.release(hold.view)
+            if unheld:
+                self._zero(unheld)
+
+    # ---- define, delete, save ----------------------------------------------------------------
+
+    def reserve(self, name: str) -> None:
+        """Claim a name and a column before a define's (long) fit; `abandon` if the define fails."""
+        self._table().reserve(name)
+
+    def abandon(self, name: str) -> None:
+        self._table().abandon(name)
+
+    async def define(self, name: str, vectors: Mapping[int, torch.Tensor], info: dict | None) -> ConceptView:
+        """Publish a reserved concept: its vectors (float32 [hidden] per read layer, used as given
+        for readouts, unit-normalised for steering) go into its column, then it is in the view."""
+        table = self._table()
+        try:
+            check_vectors(vectors, table.loaded.layers, table.loaded.hidden_size)
+            column = table.column_for(name)
+            concept = LiveConcept(
+                name=name,
+                column=column,
+                vectors={layer: v.to(torch.float32) for layer, v in vectors.items()},
+                info=info,
+            )
+            await self._write(column, concept.vectors)
+        except BaseException:
+            table.abandon(name)
+            raise
+        view = table.commit(concept)
+        log.info("live concept defined", extra={"concept": name, "column": column, "version": view.version})
+        return view
+
+    def delete(self, name: str) -> ConceptView:
+        table = self._table()
+        concept = table.delete(name)
+        unheld = table.unheld()
+        if unheld:
+            self._zero(unheld)
+        log.info(
+            "live concept deleted", extra={"concept": name, "column": concept.column, "version": table.view.version}
+        )
+        return table.view
+
+    def served_set(self) -> ConceptSet:
+        return self._table().served_set()
+
+    async def settled(self) -> None:
+        """Until every deleted column nobody holds is zeroed (tests)."""
+        while self._zeroing:
+            await asyncio.gather(*self._zeroing)
+
+    def _table(self) -> ConceptTable:
+        if self.table is None:
+            raise FailedPrecondition("live concepts need concept readouts, and this server has no concept set loaded")
+        return self.table
+
+    async def _write(self, column: int, vectors: Mapping[int, torch.Tensor] | None) -> None:
+        raw = {layer: v.contiguous().numpy().tobytes() for layer, v in vectors.items()} if vectors else None
+        await self._rpc("salience_concept_write", (column, raw))
+        if self.directions is not None:
+            await self._rpc("salience_direction_write", (self.directions.live_column(column), raw))
+
+    def _zero(self, columns: list[int]) -> None:
+        table = self._table()
+        columns = [column for column in columns if column not in self._clearing]
+        if not columns:
+            return
+        self._clearing.update(columns)
+
+        async def zero() -> None:
+            for column in columns:
+                await self._write(column, None)
+            table.free(columns)
+            self._clearing.difference_update(columns)
+
+        task = asyncio.get_running_loop().create_task(zero())
+        self._zeroing.add(task)
+        task.add_done_callback(self._zeroing.discard)
