@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from salience.auth import Tokens
 from salience.core.engine.engine import Engine
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import ServerStatus
@@ -43,7 +44,7 @@ async def frontends(
     *,
     lmtp: LmtpConfig | None = None,
     tcp: LmtpConfig | None = None,
-    grpc_token: str | None = None,
+    grpc_tokens: Tokens | None = None,
 ) -> AsyncIterator[Frontends]:
     """Serve `engine` as model `name`; LMTP over TCP only with a `tcp` config. The sessions are shared."""
     status = ServerStatus(name)
@@ -55,7 +56,7 @@ async def frontends(
     await web.TCPSite(runner, "127.0.0.1", port).start()
     tcp_port = free_port() if tcp is not None else None
     tcp_server = await start_tcp_server(status, tcp, sessions, "127.0.0.1", tcp_port) if tcp_port else None
-    grpc_server = await start_grpc_server(status, sessions, "127.0.0.1", 0, grpc_token)
+    grpc_server = await start_grpc_server(status, sessions, "127.0.0.1", 0, grpc_tokens)
     await grpc_server.serving(True)
     try:
         yield Frontends(status, port, f"127.0.0.1:{grpc_server.port}", tcp_port)

@@ -21,6 +21,7 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
+from salience.auth import Tokens
 from salience.core.probes.concepts import ConceptSet
 from salience.core.serving.sessions import SessionLimits, SessionStore
 from salience.grpc_frontend.client import AsyncSalienceClient
@@ -42,7 +43,7 @@ LIMITS = ConnectionLimits(max_message_bytes=4096, max_frame_bytes=8192)  # small
 async def server(tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Frontends]:
     engine = await start_engine(tiny_model, served_model_name="tiny", max_model_len=1024, concepts=tiny_concepts)
     lmtp, tcp = LmtpConfig(auth_token=TOKEN, limits=LIMITS), LmtpConfig(limits=LIMITS)
-    async with frontends(engine, lmtp=lmtp, tcp=tcp, grpc_token=TOKEN) as served:
+    async with frontends(engine, lmtp=lmtp, tcp=tcp, grpc_tokens=Tokens(TOKEN)) as served:
         yield served
     engine.shutdown()
 

@@ -118,7 +118,12 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
-_OPS = {Op.ADD: ext.Intervention.OP_ADD, Op.SET: ext.Intervention.OP_SET, Op.ABLATE: ext.Intervention.OP_ABLATE}
+_OPS = {
+    Op.ADD: ext.Intervention.OP_ADD,
+    Op.SET: ext.Intervention.OP_SET,
+    Op.ABLATE: ext.Intervention.OP_ABLATE,
+    Op.CAP: ext.Intervention.OP_CAP,
+}
 
 
 def _interventions(steer: Sequence[Intervention | dict]) -> list[ext.Intervention]:
@@ -129,9 +134,12 @@ def _interventions(steer: Sequence[Intervention | dict]) -> list[ext.Interventio
         out.append(
             ext.Intervention(
                 direction=i.direction,
+                vector=i.vector or b"",
                 layers=i.layers,
                 op=_OPS[i.op],
                 value=i.value,
+                lo=i.lo,
+                hi=i.hi,
                 prompt=i.prompt,
                 ranges=[pb.PositionRange(start=s, end=e) for s, e in i.ranges],
                 generated=i.generated,
@@ -334,6 +342,23 @@ class AsyncSalienceClient:
 
     async def steering_manifest(self) -> ext.SteeringManifest:
         return await self._extensions.GetSteeringManifest(ext.GetSteeringManifestRequest(), metadata=self._metadata)
+
+    async def concept_manifest(self) -> ext.ConceptManifest:
+        return await self._extensions.GetConceptManifest(ext.GetConceptManifestRequest(), metadata=self._metadata)
+
+    async def define_concept(self, name: str, **fields) -> ext.DefineConceptResponse:
+        """DefineConcept: `positive` and `negative` examples (and `method`, `layers`), or `vector` /
+        `vectors` (float32 bytes); needs the operator token on a server with auth."""
+        request = ext.DefineConceptRequest(name=name, **fields)
+        return await self._extensions.DefineConcept(request, metadata=self._metadata)
+
+    async def delete_concept(self, name: str) -> ext.DeleteConceptResponse:
+        return await self._extensions.DeleteConcept(ext.DeleteConceptRequest(name=name), metadata=self._metadata)
+
+    async def save_concepts(self) -> bytes:
+        """The server's concepts, live ones included, as a concept-set file's bytes."""
+        reply = await self._extensions.SaveConcepts(ext.SaveConceptsRequest(), metadata=self._metadata)
+        return reply.concept_set
 
     async def close(self) -> None:
         await self._channel.close()

@@ -3,8 +3,9 @@
 // Every message is one line `TYPE <json>`; the server answers with `TOKEN [...]` and
 // `MSG [...]` frames whose payloads name their `stream_id`. This client routes TOKEN
 // payloads to the stream that asked (GENERATE, SCORE) and MSG payloads to the request
-// that asked (TOKENIZE, DETOKENIZE, MODEL_INFO, DEFINE_CONCEPT, DELETE_CONCEPT), and keeps one STATUS subscription open
-// so the page always knows whether the model is loading, ready, draining or stopping.
+// that asked (TOKENIZE, DETOKENIZE, MODEL_INFO, DEFINE_CONCEPT, DELETE_CONCEPT), and keeps
+// one STATUS subscription open so the page always knows whether the model is loading, ready,
+// draining or stopping.
 //
 // Connection states, reported as `state` events: connecting, loading, ready, draining, stopping,
 // lost (will reconnect by itself), unauthorized (close code 4401: waits for a new token).
