@@ -217,3 +217,48 @@ def test_parse_monitor() -> None:
     for bad in ("code", "code 0.9 stop", "code >x stop", "code >0.9 stop twelve"):
         with pytest.raises(ValueError):
             parse_monitor(bad)
+
+
+async def test_repl_defines_lists_steers_saves_and_deletes_a_concept(lmtp_server: LmtpServer, tmp_path: Path) -> None:
+    url = lmtp_server.url.replace("http://", "ws://")
+    terminal = Terminal([SALIENCE, "repl", url])
+    saved = tmp_path / "saved.safetensors"
+    try:
+        await terminal.expect(r"connected to .*\n.*>>> ")
+        terminal.send("/define kappa\r")
+        await terminal.expect(r"positive examples of kappa, one per line; a blank line ends them:")
+        for i in range(4):
+            terminal.send(f"the cat sat on mat number {i}\r")
+        terminal.send("\r")
+        await terminal.expect(r"negative examples of kappa")
+        for i in range(4):
+            terminal.send(f"import os; x = {i} * 2\r")
+        terminal.send("\r")
+        out = await terminal.expect(r"defined kappa \(concepts version \d+\)", timeout=120)
+        assert "layer  auroc" in out and "kappa: method" in out
+        terminal.send("/concepts\r")
+        out = await terminal.expect(r"kappa\s+live\s+\S+, layer \d+, held-out AUROC \d\.\d{3}")
+        assert re.search(r"alpha\s+loaded\s+not validated", out)
+        terminal.send("/steer kappa +3 2\r")
+        await terminal.expect(
+            r'\{"direction": "kappa", "positions": "all", "op": "add", "value": 3.0, "layers": \[2\]\}'
+        )
+        terminal.send("/readout raw 2\r")
+        await terminal.expect(r"raw readouts at layer 2 of alpha, beta, gamma, delta, epsilon, kappa")
+        terminal.send("def hello max_tokens=2 ignore_eos=true\r")
+        await terminal.expect(r"pos\s+token\s+alpha\s+beta\s+gamma\s+delta\s+epsilon\s+kappa")
+        await terminal.expect(">>> ")
+        terminal.send(f"/save {saved}\r")
+        await terminal.expect(r"wrote \d+ bytes to ")
+        assert ConceptSet.load(saved).concepts == (*TINY_CONCEPTS, "kappa")
+        terminal.send("/steer off\r")
+        terminal.send("/delete kappa\r")
+        await terminal.expect(r"deleted kappa")
+        terminal.send("/define kappa\r")  # a define's errors are the server's, and the REPL goes on
+        terminal.send("only one\r\r\r")
+        await terminal.expect(r"\[error\] 1 positive examples: a concept needs 4 to 256 of each")
+        terminal.send("/quit\r")
+        await asyncio.to_thread(terminal.process.wait, 30)
+        assert terminal.process.returncode == 0
+    finally:
+        terminal.close()
