@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from salience.core.probes.steering import Intervention, Op, parse_interventions
+from salience.core.probes.steering import Intervention, Op
+from salience.core.probes.steering_json import parse_interventions
 from salience.proto.salience.ext.v1 import extensions_pb2 as ext
 from salience.proto.salience.ext.v1 import extensions_pb2_grpc
 from salience.proto.salience.v1 import salience_pb2 as pb

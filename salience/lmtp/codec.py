@@ -12,41 +12,15 @@ the core engine, once for every frontend.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
-import math
 import re
-from collections.abc import Callable, Iterable, Mapping
-from types import MappingProxyType
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
 
-from salience import request_ids
-from salience.core.engine.requests import ImageBlock
-from salience.core.probes.calibration import Monitor, parse_monitors
-from salience.core.probes.steering import Intervention, parse_interventions, parse_vector
-from salience.errors import InvalidArgument
-from salience.lmtp.messages import (
-    Cancel,
-    ClientMessage,
-    CloseSession,
-    DefineConcept,
-    DeleteConcept,
-    Detokenize,
-    DumpSession,
-    ForkSession,
-    Generate,
-    ImageInfo,
-    ModelInfo,
-    OpenSession,
-    SaveConcepts,
-    Score,
-    SessionGenerate,
-    Status,
-    Tokenize,
-)
+from salience.lmtp.fields import INT_LIMIT, TYPES, valid_request_id
+from salience.lmtp.messages import ClientMessage, ModelInfo
 
 __all__ = [
     "MAX_FRAME_BYTES",
@@ -62,7 +36,6 @@ __all__ = [
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # The hard ceiling the transports read up to (--lmtp-max-frame-bytes); past it they close.
 MAX_FRAME_BYTES = 256 * 1024 * 1024
-_INT_LIMIT = 2**63
 
 
 class LmtpError(Exception):
@@ -77,289 +50,6 @@ class LmtpError(Exception):
         self.stream_id = stream_id
         self.kind = kind
         self.request_id = request_id
-
-
-# ---- field readers: each raises a message naming the field -------------------
-
-
-def _int(value: Any, name: str, low: int | None = None, high: int | None = None) -> int:
-    if type(value) is not int:
-        raise ValueError(f"{name} must be an integer, got {_show(value)}")
-    if not -_INT_LIMIT <= value < _INT_LIMIT:
-        raise ValueError(f"{name} is out of range: {value}")
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
-    return value
-
-
-def _number(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {_show(value)}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
-def _bool(value: Any, name: str) -> bool:
-    if type(value) is not bool:
-        raise ValueError(f"{name} must be true or false, got {_show(value)}")
-    return value
-
-
-def _str(value: Any, name: str) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"{name} must be a string, got {_show(value)}")
-    return value
-
-
-def _request_id(value: Any, name: str) -> str:
-    try:
-        return request_ids.check(value, name)
-    except InvalidArgument as exc:
-        raise ValueError(str(exc)) from None
-
-
-def _valid_request_id(value: Any) -> str | None:
-    """A line's request_id if it is valid, so an error about the line's other fields can name it."""
-    try:
-        return request_ids.check(value)
-    except InvalidArgument:
-        return None
-
-
-def _tokens(value: Any, name: str) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise ValueError(f"{name} must be a list of token ids, got {_show(value)}")
-    for i, token in enumerate(value):
-        if type(token) is not int or token < 0 or token >= _INT_LIMIT:
-            raise ValueError(f"{name}[{i}] must be a non-negative integer token id, got {_show(token)}")
-    return tuple(value)
-
-
-def _bias(value: Any, name: str) -> Mapping[int, float]:
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be an object of token id -> bias, got {_show(value)}")
-    bias = {}
-    for key, amount in value.items():
-        if not (key.isascii() and key.isdigit()):
-            raise ValueError(f"{name} key {key!r} is not a non-negative token id")
-        bias[int(key)] = _number(amount, f"{name}[{key}]")
-    return MappingProxyType(bias)
-
-
-def _ranges(value: Any, name: str) -> tuple[tuple[int, int], ...]:
-    if not isinstance(value, list):
-        raise ValueError(f"{name} must be a list of [start, end] position ranges, got {_show(value)}")
-    ranges = []
-    for i, pair in enumerate(value):
-        if not (isinstance(pair, list) and len(pair) == 2 and all(type(x) is int for x in pair)):
-            raise ValueError(f"{name}[{i}] must be [start, end] with integer positions, got {_show(pair)}")
-        if not 0 <= pair[0] < pair[1] < _INT_LIMIT:
-            raise ValueError(f"{name}[{i}] must satisfy 0 <= start < end, got {_show(pair)}")
-        ranges.append((pair[0], pair[1]))
-    return tuple(ranges)
-
-
-def _base64(value: Any, name: str) -> bytes:
-    if not isinstance(value, str):
-        raise ValueError(f"{name} must be a base64 string, got {_show(value)}")
-    try:
-        return base64.b64decode(value, validate=True)
-    except binascii.Error:
-        raise ValueError(f"{name} is not valid base64") from None
-
-
-def _images(value: Any, name: str) -> tuple[ImageBlock, ...]:
-    if not isinstance(value, list):
-        raise ValueError(f"{name} must be a list of images, got {_show(value)}")
-    images = []
-    for i, item in enumerate(value):
-        where = f"{name}[{i}]"
-        if not isinstance(item, dict) or set(item) != {"data", "mime", "start", "end"}:
-            raise ValueError(f'{where} must be {{"data": base64, "mime", "start", "end"}}, got {_show(item)}')
-        images.append(
-            ImageBlock(
-                start=_int(item["start"], f"{where}.start", 0),
-                end=_int(item["end"], f"{where}.end", 0),
-                data=_base64(item["data"], f"{where}.data"),
-                mime=_str(item["mime"], f"{where}.mime"),
-            )
-        )
-    return tuple(images)
-
-
-def _steer(value: Any, name: str) -> tuple[Intervention, ...]:
-    """The shape of each intervention; names, layers and values are the engine's to check."""
-    try:
-        return parse_interventions(value)
-    except InvalidArgument as exc:
-        raise ValueError(str(exc)) from None
-
-
-def _monitors(value: Any, name: str) -> tuple[Monitor, ...]:
-    """The shape of each monitor; concepts and layers are the engine's to check."""
-    try:
-        return parse_monitors(value)
-    except InvalidArgument as exc:
-        raise ValueError(str(exc)) from None
-
-
-def _readout_format(value: Any, name: str) -> str:
-    if value not in READOUT_FORMATS:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, READOUT_FORMATS))}, got {_show(value)}")
-    return value
-
-
-def _show(value: Any) -> str:
-    text = orjson.dumps(value).decode() if isinstance(value, (dict, list, str, int, float, bool, type(None))) else "?"
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-_Reader = Callable[[Any, str], Any]
-READOUT_FORMATS = ("raw", "probability")
-_GENERATE: dict[str, _Reader] = {
-    "stream_id": _int,
-    "prompt": _tokens,
-    "model": _str,
-    "max_tokens": lambda v, n: _int(v, n, 1),
-    "temperature": _number,
-    "top_p": _number,
-    "top_k": lambda v, n: _int(v, n, -1),
-    "seed": _int,
-    "logit_bias": _bias,
-    "top_logprobs": lambda v, n: _int(v, n, 0),
-    "repetition_penalty": _number,
-    "presence_penalty": _number,
-    "frequency_penalty": _number,
-    "length_penalty": _number,
-    "stop_token_ids": _tokens,
-    "priority": lambda v, n: _int(v, n, -(2**31), 2**31 - 1),
-    "ignore_eos": _bool,
-    "text": _bool,
-    "readout": _ranges,
-    "request_id": _request_id,
-    "steer": _steer,
-    "readout_format": _readout_format,
-    "monitors": _monitors,
-}
-_SCORE: dict[str, _Reader] = {
-    "stream_id": _int,
-    "prompt": _tokens,
-    "scored": _tokens,
-    "model": _str,
-    "top_logprobs": lambda v, n: _int(v, n, 0),
-    "text": _bool,
-    "readout": _ranges,
-    "request_id": _request_id,
-    "steer": _steer,
-    "readout_format": _readout_format,
-}
-_SESSION_GENERATE: dict[str, _Reader] = {
-    "stream_id": _int,
-    "session_id": _str,
-    "offset": lambda v, n: _int(v, n, 0),
-    "truncating": _bool,
-    "append": _tokens,
-    "max_tokens": lambda v, n: _int(v, n, 0),
-    "logprobs": _ranges,
-    "top_logprobs": lambda v, n: _int(v, n, 0),
-    "readout": _ranges,
-    **{
-        name: _GENERATE[name]
-        for name in (
-            "temperature",
-            "top_p",
-            "top_k",
-            "seed",
-            "stop_token_ids",
-            "priority",
-            "text",
-            "request_id",
-            "steer",
-            "readout_format",
-            "monitors",
-        )
-    },
-    "images": _images,
-}
-
-
-def _texts(value: Any, name: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
-        raise ValueError(f"{name} must be a list of texts")
-    return tuple(value)
-
-
-def _layer_list(value: Any, name: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(type(x) is int for x in value):
-        raise ValueError(f"{name} must be a list of layer indices")
-    return tuple(value)
-
-
-def _vector(value: Any, name: str) -> bytes:
-    try:
-        return parse_vector(name, value)
-    except InvalidArgument as exc:
-        raise ValueError(str(exc)) from None
-
-
-def _vectors(value: Any, name: str) -> dict[int, bytes]:
-    """{"<layer>": vector, ...}: JSON keys are strings."""
-    if not isinstance(value, dict) or not value:
-        raise ValueError(f'{name} must be an object {{"<layer>": vector, ...}}')
-    out = {}
-    for key, vector in value.items():
-        if not (isinstance(key, str) and key.isdigit()):
-            raise ValueError(f"{name}: {key!r} is not a layer index")
-        out[int(key)] = _vector(vector, f"{name}[{key}]")
-    return out
-
-
-_DEFINE_CONCEPT: dict[str, _Reader] = {
-    "stream_id": _int,
-    "name": _str,
-    "positive": _texts,
-    "negative": _texts,
-    "method": _str,
-    "layers": _layer_list,
-    "vector": _vector,
-    "vectors": _vectors,
-}
-_SESSION_ID = {"stream_id": _int, "session_id": _str}
-_TYPES: dict[str, tuple[type, dict[str, _Reader], frozenset[str]]] = {
-    "GENERATE": (Generate, _GENERATE, frozenset({"stream_id", "prompt"})),
-    "SCORE": (Score, _SCORE, frozenset({"stream_id", "prompt", "scored"})),
-    # LMQL sends {"stream_id", "model", "data": {"model": ...}}.
-    "MODEL_INFO": (ModelInfo, {"stream_id": _int, "model": _str, "data": lambda v, n: v}, frozenset()),
-    "CANCEL": (Cancel, {"stream_id": _int}, frozenset({"stream_id"})),
-    "STATUS": (Status, {"stream_id": _int}, frozenset({"stream_id"})),
-    "TOKENIZE": (
-        Tokenize,
-        {"stream_id": _int, "text": _str, "add_special_tokens": _bool},
-        frozenset({"stream_id", "text"}),
-    ),
-    "DETOKENIZE": (Detokenize, {"stream_id": _int, "tokens": _tokens}, frozenset({"stream_id", "tokens"})),
-    "OPEN_SESSION": (OpenSession, {"stream_id": _int, "model": _str}, frozenset({"stream_id"})),
-    "CLOSE_SESSION": (CloseSession, _SESSION_ID, frozenset(_SESSION_ID)),
-    "DUMP_SESSION": (DumpSession, _SESSION_ID, frozenset(_SESSION_ID)),
-    "FORK_SESSION": (
-        ForkSession,
-        {**_SESSION_ID, "at_position": lambda v, n: _int(v, n, 0)},
-        frozenset({*_SESSION_ID, "at_position"}),
-    ),
-    "SESSION_GENERATE": (SessionGenerate, _SESSION_GENERATE, frozenset({*_SESSION_ID, "offset"})),
-    "DEFINE_CONCEPT": (DefineConcept, _DEFINE_CONCEPT, frozenset({"stream_id", "name"})),
-    "DELETE_CONCEPT": (DeleteConcept, {"stream_id": _int, "name": _str}, frozenset({"stream_id", "name"})),
-    "SAVE_CONCEPTS": (SaveConcepts, {"stream_id": _int}, frozenset({"stream_id"})),
-    "IMAGE_INFO": (
-        ImageInfo,
-        {"stream_id": _int, "data": _base64, "mime": _str},
-        frozenset({"stream_id", "data", "mime"}),
-    ),
-}
 
 
 def parse_client_line(line: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> ClientMessage:
@@ -379,18 +69,18 @@ def parse_client_line(line: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> 
         raise LmtpError("message type is not ASCII: expected 'TYPE <json>'") from None
     if not sep:
         raise LmtpError(f"expected 'TYPE <json>', got {_preview(line)}")
-    if kind not in _TYPES:
-        raise LmtpError(f"unknown message type {kind!r}; known: {', '.join(_TYPES)}")
+    if kind not in TYPES:
+        raise LmtpError(f"unknown message type {kind!r}; known: {', '.join(TYPES)}")
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         data = _slow_json(body, kind, exc)
     if not isinstance(data, dict):
         raise LmtpError(f"{kind}: body must be a JSON object", kind=kind)
-    cls, readers, required = _TYPES[kind]
+    cls, readers, required = TYPES[kind]
     stream_id = data.get("stream_id")
-    stream_id = stream_id if type(stream_id) is int and -_INT_LIMIT <= stream_id < _INT_LIMIT else None
-    request_id = _valid_request_id(data.get("request_id")) if "request_id" in readers else None
+    stream_id = stream_id if type(stream_id) is int and -INT_LIMIT <= stream_id < INT_LIMIT else None
+    request_id = valid_request_id(data.get("request_id")) if "request_id" in readers else None
     where = {"stream_id": stream_id, "kind": kind, "request_id": request_id}
     unknown = sorted(set(data) - set(readers))
     if unknown:
@@ -418,7 +108,7 @@ def _oversized(line: bytes, limit: int) -> LmtpError:
     unescaped, and a value "stream_id" has no colon after it)."""
     kind_bytes, sep, _ = line[:32].partition(b" ")
     kind = kind_bytes.decode("ascii", "replace") if sep else ""
-    if kind not in _TYPES:
+    if kind not in TYPES:
         kind = ""
     stream_id, start = None, 0
     for _ in range(_CANDIDATES if kind else 0):

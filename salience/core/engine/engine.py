@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -30,23 +29,21 @@ from salience.core.engine.checks import RequestChecks
 from salience.core.engine.generation import (
     Generation,
     PlacedImage,
-    PromptScores,
-    check_expansion,
-    guarded,
-    tokens_prompt,
+    submission,
 )
-from salience.core.engine.images import Vision, collapse
+from salience.core.engine.images import Vision
 from salience.core.engine.inflight import InFlight
-from salience.core.engine.live import Hold, LiveConcepts
-from salience.core.engine.requests import SamplingOptions, ScoredToken, covers
+from salience.core.engine.live import Hold, LiveConcepts, install_probes
+from salience.core.engine.passes import Passes, residual_key
+from salience.core.engine.requests import SamplingOptions
 from salience.core.engine.settings import EngineSettings
 from salience.core.probes.calibration import Calibration, Monitor, MonitorState
 from salience.core.probes.live import ConceptView
 from salience.core.probes.readout_worker import RESIDUAL_TAG, TAG
 from salience.core.probes.readouts import READ_TO_END, ReadoutHub, check_ranges, each_engine
-from salience.core.probes.steering import Directions, Intervention, ResolvedSteer, VectorColumns
+from salience.core.probes.steering import Directions, Intervention, ResolvedSteer
 from salience.core.probes.steering_worker import TAG as STEER_TAG
-from salience.errors import EngineError, InvalidArgument
+from salience.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -57,7 +54,7 @@ __all__ = ["Engine"]
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(Passes):
     """One loaded model. Create with `await Engine.start(settings)`."""
 
     def __init__(self, llm: AsyncLLM, settings: EngineSettings, vision: Vision | None = None) -> None:
@@ -99,25 +96,7 @@ class Engine:
         started = time.monotonic()
         cpu = launch.is_cpu()
         launch.check_executor(settings)
-        multiprocess = settings.multiprocess if settings.multiprocess is not None else not cpu
-        multiprocess = multiprocess or settings.data_parallel_size > 1  # DP engines are processes
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
-        if settings.ray_address is not None:
-            env["RAY_ADDRESS"] = settings.ray_address  # vLLM's ray.init() joins the cluster it names
-        if cpu:
-            env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
-            # vLLM 0.32's AOT artifact never loads on CPU ("'function' object has no attribute
-            # 'finalize_loading'"), so every start traced the model again: 93 s warm. Its older
-            # compile cache does load: 34 s, same tokens and readouts (README, --compile).
-            if "VLLM_USE_AOT_COMPILE" not in os.environ:
-                env["VLLM_USE_AOT_COMPILE"] = "0"
-            ranks = settings.tensor_parallel_size * settings.pipeline_parallel_size * settings.data_parallel_size
-            on_ray = settings.distributed_executor_backend == "ray"  # workers on Ray nodes: not bound
-            if ranks > 1 and not on_ray and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                # vllm-cpu binds each rank (DP x PP x TP on this node) to a NUMA node; on one node
-                # it refuses to start unless told which cores each rank gets.
-                env["VLLM_CPU_OMP_THREADS_BIND"] = launch.split_cores(ranks)
-                env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        env = launch.process_environment(settings, cpu)
         vision = await asyncio.to_thread(Vision.load, settings.model)
         compiled = launch.compiled(settings)
         args = launch.engine_args(settings, cpu, vision, compiled)
@@ -139,35 +118,8 @@ class Engine:
         try:
             if settings.pipeline_parallel_size > 1:
                 await llm.collective_rpc("salience_pipeline_setup")
-            if settings.concepts is not None:
-                engine.readouts = await ReadoutHub.install(
-                    llm,
-                    settings.concepts,
-                    settings.data_parallel_size,
-                    launch.readouts_with_output(settings, cpu),
-                    launch.spare_columns(settings),
-                )
-                log.info(
-                    "readouts on",
-                    extra={
-                        "layers": len(settings.concepts.layers),
-                        "mode": "compiled" if compiled else "eager",
-                        "transport": "step output" if engine.readouts.with_output else "fetched",
-                    },
-                )
-            if launch.steers(settings):
-                directions = Directions(
-                    settings.concepts,
-                    settings.steering_set,
-                    spare=launch.spare_columns(settings),
-                    vectors=settings.steer_vectors,
-                )
-                engine.steering = await _install_steering(llm, directions)
-            engine.live = LiveConcepts(
-                engine.readouts.table if engine.readouts else None,
-                engine.steering,
-                engine._rpc,
-                VectorColumns(engine.steering.vector_columns) if engine.steering else None,
+            engine.readouts, engine.steering, engine.live = await install_probes(
+                llm, settings, cpu, compiled, engine._rpc
             )
             await engine._warm_up()
         except BaseException:
@@ -326,7 +278,7 @@ class Engine:
             if residual_ranges:
                 params.extra_args = {**(params.extra_args or {}), RESIDUAL_TAG: [residual_key(key), residual_ranges]}
                 params.skip_reading_prefix_cache = True
-            submitted = self._submission(tokens, images)
+            submitted = submission(self.vision, self.model_name, tokens, images)
             steering = hold.steer
             if steering:
                 params.extra_args = {**(params.extra_args or {}), STEER_TAG: steering.payload()}
@@ -347,45 +299,7 @@ class Engine:
                 "steering was asked for, but this server has nothing to steer along (no concept or steering set, "
                 "or steering is off)"
             )
-        return self.steering.resolve(steer, prompt_len, self.live.view())
-
-    def _submission(self, tokens: list[int], images: Sequence[PlacedImage]):
-        """The prompt as vLLM takes it: one pad per image, the images alongside."""
-        if self.vision is None and not images:
-            return tokens_prompt(tokens)
-        vision = Vision.of(self.vision, self.model_name)
-        placed = sorted(images, key=lambda i: i.start)
-        inside = {p for i in placed for p in range(i.start, i.end)}
-        for position, token in enumerate(tokens):
-            if token in (vision.start, vision.end, vision.pad, vision.video_pad) and position not in inside:
-                raise InvalidArgument(
-                    f"position {position} holds vision token {token} outside any attached image's block: "
-                    "attach the image, or leave vision tokens out"
-                )
-        if not placed:
-            return tokens_prompt(tokens)
-        from vllm.inputs import TokensPrompt
-
-        collapsed = collapse(tokens, [(i.start, i.end) for i in placed], vision.pad)
-        return TokensPrompt(prompt_token_ids=collapsed, multi_modal_data={"image": [i.image for i in placed]})
-
-    async def _read_one(
-        self,
-        tokens: list[int],
-        position: int,
-        images: Sequence[PlacedImage],
-        hold: Hold,
-        request_id: str,
-        dp_rank: int | None = None,
-    ) -> tuple[float, ...] | None:
-        if len(tokens) >= self.max_model_len:  # no room for the pass's one decode step
-            return None
-        ranges = [(position, position + 1)]
-        # The generation's interventions in absolute form: the same positions steered, the same cache salt.
-        scores = await self.prefill(
-            tokens, readout_ranges=ranges, images=images, hold=hold, request_id=request_id, dp_rank=dp_rank
-        )
-        return scores.readouts.get(position)
+        return self.steering.resolve(steer, prompt_len, self.live.directions())
 
     def _ask_readouts(
         self,
@@ -409,140 +323,8 @@ class Engine:
             params.skip_reading_prefix_cache = True
         return checked
 
-    async def score(
-        self,
-        prompt: Sequence[int],
-        continuation: Sequence[int],
-        *,
-        top_logprobs: int = 0,
-        readout_ranges: Sequence[tuple[int, int]] = (),
-        request_id: str | None = None,
-        steer: Sequence[Intervention] = (),
-        dp_rank: int | None = None,
-        probabilities: bool = False,
-    ) -> list[ScoredToken]:
-        """Logprob of each continuation token given the prompt and the tokens before it,
-        with its readout where `readout_ranges` cover its position. `steer`'s `generated`
-        positions are the continuation's, as if the model had generated it."""
-        prompt, continuation = self.checks.scoring(prompt, continuation)
-        if not continuation:
-            return []
-        ids = prompt + continuation
-        steering = self.resolve_steer(steer, len(prompt))
-        scores = await self.prefill(
-            ids,
-            top_logprobs=top_logprobs,
-            readout_ranges=readout_ranges,
-            request_id=request_id,
-            steer=steering.interventions,
-            dp_rank=dp_rank,
-            probabilities=probabilities,
-        )
-        return [scores.at(position) for position in range(len(prompt), len(scores.tokens))]
-
-    async def readout(self, tokens: Sequence[int], ranges: Sequence[tuple[int, int]]) -> dict[int, tuple[float, ...]]:
-        """Readouts of `tokens` at the positions `ranges` cover, computing nothing else."""
-        return (await self.prefill(tokens, readout_ranges=ranges)).readouts
-
-    async def prefill(
-        self,
-        tokens: Sequence[int],
-        *,
-        top_logprobs: int | None = None,
-        readout_ranges: Sequence[tuple[int, int]] = (),
-        images: Sequence[PlacedImage] = (),
-        request_id: str | None = None,
-        steer: Sequence[Intervention] = (),
-        dp_rank: int | None = None,
-        probabilities: bool = False,
-        residual_ranges: Sequence[tuple[int, int]] = (),
-        hold: Hold | None = None,
-    ) -> PromptScores:
-        """Run `tokens` through the model once: every position's logprob (with
-        `top_logprobs` alternatives; None computes none) and the readouts `readout_ranges` cover
-        (calibrated with `probabilities`), under `steer` (all of `tokens` are its prompt positions).
-        `residual_ranges`: the raw residual rows there too, [read layers, hidden] float32 arrays.
-        `request_id` is vLLM's id for the pass (default: a new uuid4 hex). `hold`: run under a
-        running request's concepts and steering (its last token's pass) instead of its own."""
-        ids = self.checks.tokens("tokens", tokens)
-        if not ids:
-            raise InvalidArgument("tokens is empty: nothing to run through the model")
-        if top_logprobs is not None:
-            self.checks.top_k(top_logprobs)
-        # vLLM always decodes at least one token after the prompt.
-        self.checks.room(len(ids), 1, "one decode step")
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        params = SamplingParams(
-            max_tokens=1,
-            temperature=0.0,
-            prompt_logprobs=top_logprobs,
-            detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-        if residual_ranges:
-            residual_ranges = check_ranges(residual_ranges)
-            if self.readouts is None or self.settings.pipeline_parallel_size > 1:
-                raise InvalidArgument("residual rows need concept readouts on one pipeline stage")
-        own = hold is None
-        hold = self._hold(steer, len(ids)) if hold is None else hold
-        try:
-            present = self.calibration(hold.view).probabilities if probabilities else None
-            key, checked, submitted = self._prepare(
-                params, request_id, readout_ranges, ids, images, hold, dp_rank, residual_ranges
-            )
-        except BaseException:
-            if own:
-                hold.release()
-            raise
-        rank = self.inflight.rank_of(key)
-        if checked:
-            assert self.readouts is not None and hold.view is not None
-            self.readouts.register(key, len(hold.view.concepts))
-        if residual_ranges:
-            self.readouts.register(residual_key(key), self.hidden_size, raw=True)
-        try:
-            outputs = [
-                out async for out in guarded(self._llm.generate(submitted, params, key, data_parallel_rank=rank))
-            ]
-            check_expansion(outputs[-1], ids)
-            readouts = residuals = {}
-            if checked:
-                readouts = await self.readouts.take(key, [p for p in range(len(ids)) if covers(checked, p)])
-                if present is not None:
-                    readouts = {p: present(row) for p, row in readouts.items()}
-            if residual_ranges:
-                wanted = [p for p in range(len(ids)) if covers(residual_ranges, p)]
-                residuals = await self.readouts.take(residual_key(key), wanted)
-        finally:
-            self.inflight.release(key)
-            if checked:
-                self.readouts.release(key)
-            if residual_ranges:
-                self.readouts.release(residual_key(key))
-            if own:
-                hold.release()
-        # FINAL_ONLY: exactly one output
-        return PromptScores(ids, outputs[-1].prompt_logprobs, top_logprobs or 0, readouts, residuals)
-
-
-async def _install_steering(llm: AsyncLLM, directions: Directions) -> Directions:
-    # Every worker that holds a steerable layer writes coefficients (each pipeline stage its own layers).
-    shapes = [shape for shape in await llm.collective_rpc("salience_steering_setup") if shape is not None]
-    expected = [len(directions.layers), directions.width]
-    if not shapes or any(shape[1:] != expected for shape in shapes):
-        raise EngineError(f"the workers' steering buffers are {shapes}, not [rows, {expected[0]}, {expected[1]}]")
-    log.info("steering on", extra={"directions": len(directions.names), "layers": len(directions.layers)})
-    return directions
-
 
 @functools.cache
 def _finalized(cls: type) -> type:
     """`cls` without its finalizer, for an engine already shut down."""
     return type(f"Finalized{cls.__name__}", (cls,), {"__del__": lambda self: None})
-
-
-def residual_key(key: str) -> str:
-    """The hub key of a request's residual rows, beside its readouts' `key`."""
-    return f"{key}#residual"

@@ -26,6 +26,7 @@ __all__ = [
     "environment",
     "executor_backend",
     "is_cpu",
+    "process_environment",
     "progress",
     "spare_columns",
     "split_cores",
@@ -74,6 +75,30 @@ async def progress(what: str, every: float = 15.0) -> AsyncIterator[None]:
         yield
     finally:
         ticker.cancel()
+
+
+def process_environment(settings: EngineSettings, cpu: bool) -> dict[str, str]:
+    """What vLLM's processes read from the environment at start, for these settings."""
+    multiprocess = settings.multiprocess if settings.multiprocess is not None else not cpu
+    multiprocess = multiprocess or settings.data_parallel_size > 1  # DP engines are processes
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
+    if settings.ray_address is not None:
+        env["RAY_ADDRESS"] = settings.ray_address  # vLLM's ray.init() joins the cluster it names
+    if cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
+        # vLLM 0.32's AOT artifact never loads on CPU ("'function' object has no attribute
+        # 'finalize_loading'"), so every start traced the model again: 93 s warm. Its older
+        # compile cache does load: 34 s, same tokens and readouts (README, --compile).
+        if "VLLM_USE_AOT_COMPILE" not in os.environ:
+            env["VLLM_USE_AOT_COMPILE"] = "0"
+        ranks = settings.tensor_parallel_size * settings.pipeline_parallel_size * settings.data_parallel_size
+        on_ray = settings.distributed_executor_backend == "ray"  # workers on Ray nodes: not bound
+        if ranks > 1 and not on_ray and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vllm-cpu binds each rank (DP x PP x TP on this node) to a NUMA node; on one node
+            # it refuses to start unless told which cores each rank gets.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = split_cores(ranks)
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    return env
 
 
 def is_cpu() -> bool:

@@ -13,15 +13,22 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from salience.core.engine import launch
+from salience.core.engine.settings import EngineSettings
 from salience.core.probes.concepts import ConceptSet
-from salience.core.probes.live import ConceptTable, ConceptView, LiveConcept, check_vectors
-from salience.core.probes.steering import Directions, ResolvedSteer, VectorColumns
-from salience.errors import FailedPrecondition
+from salience.core.probes.live import ConceptTable, ConceptView, LiveConcept, VectorColumns, check_vectors
+from salience.core.probes.readouts import ReadoutHub
+from salience.core.probes.steering import Directions, ResolvedSteer
+from salience.errors import EngineError, FailedPrecondition
 
-__all__ = ["Hold", "LiveConcepts"]
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+__all__ = ["Hold", "LiveConcepts", "install_probes"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +72,10 @@ class LiveConcepts:
 
     def view(self) -> ConceptView | None:
         return self.table.view if self.table is not None else None
+
+    def directions(self) -> dict[str, tuple[int, str]]:
+        """The live concepts a request starting now may steer along (steering.Directions.resolve)."""
+        return self.table.view.directions if self.table is not None else {}
 
     def _release(self, hold: Hold) -> None:
         if self._vectors is not None and any(i.vector is not None for i in hold.steer.interventions):
@@ -150,3 +161,52 @@ class LiveConcepts:
         task = asyncio.get_running_loop().create_task(zero())
         self._zeroing.add(task)
         task.add_done_callback(self._zeroing.discard)
+
+
+async def install_probes(
+    llm: AsyncLLM, settings: EngineSettings, cpu: bool, compiled: bool, rpc: Rpc
+) -> tuple[ReadoutHub | None, Directions | None, LiveConcepts]:
+    """Set the workers' taps up: readouts with a concept set, steering unless it is off, and the
+    live concepts' bookkeeping over both."""
+    readouts = steering = None
+    if settings.concepts is not None:
+        readouts = await ReadoutHub.install(
+            llm,
+            settings.concepts,
+            settings.data_parallel_size,
+            launch.readouts_with_output(settings, cpu),
+            launch.spare_columns(settings),
+        )
+        log.info(
+            "readouts on",
+            extra={
+                "layers": len(settings.concepts.layers),
+                "mode": "compiled" if compiled else "eager",
+                "transport": "step output" if readouts.with_output else "fetched",
+            },
+        )
+    if launch.steers(settings):
+        directions = Directions(
+            settings.concepts,
+            settings.steering_set,
+            spare=launch.spare_columns(settings),
+            vectors=settings.steer_vectors,
+        )
+        steering = await _install_steering(llm, directions)
+    live = LiveConcepts(
+        readouts.table if readouts else None,
+        steering,
+        rpc,
+        VectorColumns(steering.vector_columns) if steering else None,
+    )
+    return readouts, steering, live
+
+
+async def _install_steering(llm: AsyncLLM, directions: Directions) -> Directions:
+    # Every worker that holds a steerable layer writes coefficients (each pipeline stage its own layers).
+    shapes = [shape for shape in await llm.collective_rpc("salience_steering_setup") if shape is not None]
+    expected = [len(directions.layers), directions.width]
+    if not shapes or any(shape[1:] != expected for shape in shapes):
+        raise EngineError(f"the workers' steering buffers are {shapes}, not [rows, {expected[0]}, {expected[1]}]")
+    log.info("steering on", extra={"directions": len(directions.names), "layers": len(directions.layers)})
+    return directions

@@ -31,9 +31,10 @@ import torch
 
 from salience.core.probes.calibration import Calibration
 from salience.core.probes.concepts import ConceptSet, ReadoutManifest
+from salience.core.probes.steering import ResolvedSteer
 from salience.errors import InvalidArgument, ResourceExhausted
 
-__all__ = ["MAX_NAME", "ConceptTable", "ConceptView", "LiveConcept", "check_vectors"]
+__all__ = ["MAX_NAME", "ConceptTable", "ConceptView", "LiveConcept", "VectorColumns", "check_vectors"]
 
 MAX_NAME = 64  # characters in a concept's name
 
@@ -82,11 +83,10 @@ class ConceptView:
     def calibration(self) -> Calibration:
         return Calibration.of(self.concepts, self.layers, self.info)
 
-    def column_of(self, name: str) -> int | None:
-        try:
-            return self.columns[self.concepts.index(name)]
-        except ValueError:
-            return None
+    @functools.cached_property
+    def directions(self) -> dict[str, tuple[int, str]]:
+        """Each live concept's column and identity: what steering.Directions.resolve takes."""
+        return {name: (self.columns[self.concepts.index(name)], self.identities[name]) for name in self.live}
 
 
 class ConceptTable:
@@ -245,3 +245,42 @@ def check_vectors(vectors: Mapping[int, torch.Tensor], layers: tuple[int, ...], 
             raise InvalidArgument(f"the vector at layer {layer} holds NaN or inf")
         if not vector.abs().max() > 0:
             raise InvalidArgument(f"the vector at layer {layer} is zero: it has no direction")
+
+
+class VectorColumns:
+    """The taps' columns for requests' own vectors: one per distinct vector among running requests."""
+
+    def __init__(self, columns: range) -> None:
+        self._free = list(columns)
+        self._held: dict[str, tuple[int, int]] = {}  # identity -> (column, requests holding it)
+
+    def claim(self, steer: ResolvedSteer) -> ResolvedSteer:
+        """`steer` with its vectors' columns filled in; ResourceExhausted if too few are free.
+        Release it when the request is over."""
+        wanted = {i.identity for i in steer.interventions if i.vector is not None}
+        new = [identity for identity in wanted if identity not in self._held]
+        if len(new) > len(self._free):
+            raise ResourceExhausted(
+                f"{len(new)} new steering vectors, {len(self._free)} vector columns free: this server steers along "
+                f"at most {len(self._free) + len(self._held)} distinct request vectors at once (--steer-vectors)"
+            )
+        for identity in wanted:
+            column, users = self._held.get(identity) or (self._free.pop(0), 0)
+            self._held[identity] = (column, users + 1)
+        columns = tuple(
+            self._held[i.identity][0] if i.vector is not None else column
+            for i, column in zip(steer.interventions, steer.columns, strict=True)
+        )
+        return dataclasses.replace(steer, columns=columns)
+
+    def release(self, steer: ResolvedSteer) -> None:
+        for identity in {i.identity for i in steer.interventions if i.vector is not None}:
+            column, users = self._held[identity]
+            if users > 1:
+                self._held[identity] = (column, users - 1)
+            else:
+                del self._held[identity]
+                self._free.append(column)
+
+    def in_use(self) -> int:
+        return len(self._held)

@@ -46,13 +46,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from salience.errors import InvalidArgument, ModelError, ResourceExhausted
+from salience.errors import InvalidArgument, ModelError
 
 if TYPE_CHECKING:  # clients parse interventions without the server's libraries
     import torch
 
     from salience.core.probes.concepts import ConceptSet
-    from salience.core.probes.live import ConceptView
 
 __all__ = [
     "MAX_INTERVENTIONS",
@@ -62,8 +61,6 @@ __all__ = [
     "Intervention",
     "Op",
     "ResolvedSteer",
-    "VectorColumns",
-    "parse_interventions",
     "unit",
 ]
 
@@ -73,6 +70,7 @@ MAX_MAGNITUDE = 1e4  # |value|: residual projections of real models are in the t
 END = 2**62  # "to the end" in absolute ranges (the readout ranges' bound)
 
 Range = tuple[int, int]
+LiveDirection = tuple[int, str]  # a live concept's readout column and identity (live.ConceptView.directions)
 
 
 class Op(enum.Enum):
@@ -184,11 +182,11 @@ class Directions:
                 if zero:
                     raise ModelError(f"{zero[0]!r} is the zero vector at layer {layer}: it cannot be steered along")
 
-    def manifest(self, view: ConceptView | None = None) -> dict:
+    def manifest(self, live: Mapping[str, LiveDirection] | None = None) -> dict:
         """What clients are told (LMTP MODEL_INFO, gRPC GetSteeringManifest): each direction's
         layers (live ones included), and the limits."""
         directions = {name: sorted(self.defined_at[name]) for name in self.names}
-        for name in sorted(view.live) if view is not None else ():
+        for name in sorted(live or ()):
             directions[name] = list(self.layers)
         return {
             "directions": directions,
@@ -220,9 +218,9 @@ class Directions:
     # ---- checks ------------------------------------------------------------------
 
     def resolve(
-        self, interventions: Sequence[Intervention], prompt_len: int, view: ConceptView | None = None
+        self, interventions: Sequence[Intervention], prompt_len: int, live: Mapping[str, LiveDirection] | None = None
     ) -> ResolvedSteer:
-        """Check a request's interventions (named directions against `view`, the concepts the
+        """Check a request's interventions (named directions also against `live`, the live concepts the
         request sees) and make their positions absolute: `prompt` is [0, prompt_len), `generated`
         is [prompt_len, end). A request vector's column is -1 until VectorColumns.claim."""
         if not isinstance(interventions, Sequence) or isinstance(interventions, (str, bytes)):
@@ -235,7 +233,7 @@ class Directions:
         for n, intervention in enumerate(interventions):
             if not isinstance(intervention, Intervention):
                 raise InvalidArgument(f"steer[{n}] is not an intervention")
-            column, identity = self._check(n, intervention, view)
+            column, identity = self._check(n, intervention, live or {})
             ranges = list(intervention.ranges)
             if intervention.prompt:
                 ranges.append((0, prompt_len))
@@ -257,7 +255,9 @@ class Directions:
             columns.append(column)
         return ResolvedSteer(tuple(resolved), tuple(columns))
 
-    def _direction(self, where: str, i: Intervention, view: ConceptView | None) -> tuple[int, str, frozenset[int]]:
+    def _direction(
+        self, where: str, i: Intervention, live: Mapping[str, LiveDirection]
+    ) -> tuple[int, str, frozenset[int]]:
         """The direction's column, identity (for the cache salt) and the layers it is defined at."""
         if i.vector is not None:
             if i.direction:
@@ -279,18 +279,17 @@ class Directions:
             return -1, "vector:" + hashlib.sha256(i.vector).hexdigest(), frozenset(self.layers)
         if i.direction in self._column:
             return self._column[i.direction], i.direction, self.defined_at[i.direction]
-        readout_column = view.column_of(i.direction) if view is not None and i.direction in view.live else None
-        if readout_column is not None:
-            assert view is not None
-            return self.live_column(readout_column), view.identities[i.direction], frozenset(self.layers)
-        known = [*self.names, *(sorted(view.live) if view is not None else ())]
+        if i.direction in live:
+            readout_column, identity = live[i.direction]
+            return self.live_column(readout_column), identity, frozenset(self.layers)
+        known = [*self.names, *sorted(live)]
         raise InvalidArgument(f"{where}: unknown direction {i.direction!r}; this server has {known}")
 
-    def _check(self, n: int, i: Intervention, view: ConceptView | None) -> tuple[int, str]:
+    def _check(self, n: int, i: Intervention, live: Mapping[str, LiveDirection]) -> tuple[int, str]:
         where = f"steer[{n}]"
         if not isinstance(i.op, Op):
             raise InvalidArgument(f"{where}: op must be one of {[op.value for op in Op]}, got {i.op!r}")
-        column, identity, defined_at = self._direction(where, i, view)
+        column, identity, defined_at = self._direction(where, i, live)
         if not i.layers:
             raise InvalidArgument(f"{where}: names no layer")
         for layer in i.layers:
@@ -349,45 +348,6 @@ def unit(vectors: torch.Tensor) -> torch.Tensor:
     return rows / rows.norm(dim=-1, keepdim=True)
 
 
-class VectorColumns:
-    """The taps' columns for requests' own vectors: one per distinct vector among running requests."""
-
-    def __init__(self, columns: range) -> None:
-        self._free = list(columns)
-        self._held: dict[str, tuple[int, int]] = {}  # identity -> (column, requests holding it)
-
-    def claim(self, steer: ResolvedSteer) -> ResolvedSteer:
-        """`steer` with its vectors' columns filled in; ResourceExhausted if too few are free.
-        Release it when the request is over."""
-        wanted = {i.identity for i in steer.interventions if i.vector is not None}
-        new = [identity for identity in wanted if identity not in self._held]
-        if len(new) > len(self._free):
-            raise ResourceExhausted(
-                f"{len(new)} new steering vectors, {len(self._free)} vector columns free: this server steers along "
-                f"at most {len(self._free) + len(self._held)} distinct request vectors at once (--steer-vectors)"
-            )
-        for identity in wanted:
-            column, users = self._held.get(identity) or (self._free.pop(0), 0)
-            self._held[identity] = (column, users + 1)
-        columns = tuple(
-            self._held[i.identity][0] if i.vector is not None else column
-            for i, column in zip(steer.interventions, steer.columns, strict=True)
-        )
-        return dataclasses.replace(steer, columns=columns)
-
-    def release(self, steer: ResolvedSteer) -> None:
-        for identity in {i.identity for i in steer.interventions if i.vector is not None}:
-            column, users = self._held[identity]
-            if users > 1:
-                self._held[identity] = (column, users - 1)
-            else:
-                del self._held[identity]
-                self._free.append(column)
-
-    def in_use(self) -> int:
-        return len(self._held)
-
-
 def _merge(ranges: list[Range]) -> tuple[Range, ...]:
     """Sorted, overlapping and touching ranges joined: one canonical form per position set."""
     merged: list[list[int]] = []
@@ -397,135 +357,3 @@ def _merge(ranges: list[Range]) -> tuple[Range, ...]:
         else:
             merged.append([start, end])
     return tuple((s, e) for s, e in merged)
-
-
-# ---- the JSON form (LMTP, the REPL) ----------------------------------------------------
-
-_FIELDS = {"direction", "vector", "layers", "layer", "op", "value", "lo", "hi", "positions"}
-
-
-def parse_interventions(data: object) -> tuple[Intervention, ...]:
-    """Interventions from their JSON form:
-
-        {"direction": "french", "layers": [12] | 12 | "10-14", "op": "add", "value": 8,
-         "positions": "generated" | "prompt" | "all" | [[start, end], ...] | {"ranges": [...], "generated": true}}
-
-    Shape errors raise InvalidArgument; names, layers and values are checked by Directions.resolve.
-    """
-    if not isinstance(data, list):
-        raise InvalidArgument("steer must be a list of interventions")
-    if len(data) > MAX_INTERVENTIONS:
-        raise InvalidArgument(
-            f"steer has {len(data)} interventions; at most {MAX_INTERVENTIONS} are allowed per request"
-        )
-    return tuple(_parse_one(n, item) for n, item in enumerate(data))
-
-
-def _parse_one(n: int, item: object) -> Intervention:
-    where = f"steer[{n}]"
-    if not isinstance(item, Mapping):
-        raise InvalidArgument(f"{where} must be an object")
-    unknown = sorted(set(item) - _FIELDS)
-    if unknown:
-        raise InvalidArgument(f"{where}: unknown field {unknown[0]!r}")
-    direction = item.get("direction", "")
-    vector = parse_vector(f"{where}: vector", item["vector"]) if "vector" in item else None
-    if not isinstance(direction, str) or (not direction and vector is None):
-        raise InvalidArgument(f"{where}: direction must be a name (or give a vector)")
-    try:
-        op = Op(item.get("op", "add"))
-    except ValueError:
-        raise InvalidArgument(f"{where}: op must be one of {[op.value for op in Op]}, got {item.get('op')!r}") from None
-    if "layer" in item and "layers" in item:
-        raise InvalidArgument(f"{where}: give layer or layers, not both")
-    layers = parse_layers(where, item.get("layers", item.get("layer")))
-    value = item.get("value", 0.0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgument(f"{where}: value must be a number, got {value!r}")
-    bounds = {}
-    for name in ("lo", "hi"):
-        bound = item.get(name)
-        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))):
-            raise InvalidArgument(f"{where}: {name} must be a number, got {bound!r}")
-        bounds[name] = bound
-    prompt, ranges, generated = _parse_positions(where, item.get("positions", "generated"))
-    return Intervention(
-        direction=direction,
-        vector=vector,
-        layers=layers,
-        op=op,
-        value=value,
-        prompt=prompt,
-        ranges=ranges,
-        generated=generated,
-        **bounds,
-    )
-
-
-def parse_vector(where: str, data: object) -> bytes:
-    """A float32 vector from JSON: base64 of its little-endian bytes, or a list of numbers. Its
-    size and values are checked where the model's shape is known."""
-    if isinstance(data, str):
-        import base64
-        import binascii
-
-        try:
-            raw = base64.b64decode(data, validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidArgument(f"{where} is not valid base64") from None
-        if len(raw) % 4:
-            raise InvalidArgument(f"{where} holds {len(raw)} bytes, not a whole number of float32 values")
-        return raw
-    if isinstance(data, list) and data and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in data):
-        import struct
-
-        try:
-            return struct.pack(f"<{len(data)}f", *data)
-        except OverflowError:
-            raise InvalidArgument(f"{where} holds a value too large for float32") from None
-    raise InvalidArgument(f"{where} must be base64 float32 bytes or a non-empty list of numbers")
-
-
-def parse_layers(where: str, layers: object) -> tuple[int, ...]:
-    """An int, a list of ints, or "A-B" (inclusive)."""
-    if type(layers) is int:
-        return (layers,)
-    if isinstance(layers, str):
-        first, dash, last = layers.partition("-")
-        if dash and first.strip().isdigit() and last.strip().isdigit() and int(first) <= int(last):
-            return tuple(range(int(first), int(last) + 1))
-        raise InvalidArgument(f'{where}: layers {layers!r} is not a layer range like "10-14"')
-    if isinstance(layers, list) and layers and all(type(x) is int for x in layers):
-        return tuple(layers)
-    raise InvalidArgument(f'{where}: layers must be a layer, a non-empty list of layers or "A-B", got {layers!r}')
-
-
-def _parse_positions(where: str, positions: object) -> tuple[bool, tuple[Range, ...], bool]:
-    named = {"generated": (False, True), "prompt": (True, False), "all": (True, True)}
-    if isinstance(positions, str):
-        if positions not in named:
-            raise InvalidArgument(f"{where}: positions must be one of {list(named)} or ranges, got {positions!r}")
-        prompt, generated = named[positions]
-        return prompt, (), generated
-    if isinstance(positions, Mapping):
-        extra = sorted(set(positions) - {"ranges", "generated", "prompt"})
-        if extra:
-            raise InvalidArgument(f"{where}: unknown positions field {extra[0]!r}")
-        prompt, generated = positions.get("prompt", False), positions.get("generated", False)
-        if type(prompt) is not bool or type(generated) is not bool:
-            raise InvalidArgument(f"{where}: positions.prompt and positions.generated must be true or false")
-        return prompt, _parse_ranges(where, positions.get("ranges", [])), generated
-    return False, _parse_ranges(where, positions), False
-
-
-def _parse_ranges(where: str, ranges: object) -> tuple[Range, ...]:
-    if not isinstance(ranges, list):
-        raise InvalidArgument(f"{where}: ranges must be a list of [start, end]")
-    if len(ranges) > MAX_RANGES:
-        raise InvalidArgument(f"{where}: {len(ranges)} ranges; at most {MAX_RANGES} are allowed")
-    out = []
-    for r, pair in enumerate(ranges):
-        if not (isinstance(pair, list) and len(pair) == 2 and all(type(x) is int for x in pair)):
-            raise InvalidArgument(f"{where}: range {r} must be [start, end], got {pair!r}")
-        out.append((pair[0], pair[1]))
-    return tuple(out)
