@@ -125,8 +125,7 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
         steering = engine.steering
         manifest = ext.SteeringManifest(max_interventions=MAX_INTERVENTIONS, max_magnitude=MAX_MAGNITUDE)
         if steering is not None:
-            view = engine.live.view()
-            described = steering.manifest(view.directions if view is not None else None)
+            described = steering.manifest(engine.live.directions())
             manifest.vector_columns = described["vector_columns"]
             manifest.directions.extend(
                 ext.SteeringManifest.Direction(name=name, layers=layers)

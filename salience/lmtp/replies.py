@@ -42,15 +42,8 @@ def model_info(status: ServerStatus) -> dict | str:
         "max_logprobs": engine.max_logprobs,
         "eos_token_id": engine.tokenizer.eos_token_id,
         "readout_manifest": dataclasses.asdict(engine.readouts.manifest) if engine.readouts else None,
-        "steering": engine.steering.manifest(engine.live.view().directions if engine.readouts else None)
-        if engine.steering
-        else None,
+        "steering": engine.steering.manifest(engine.live.directions()) if engine.steering else None,
     }
-
-
-def live_directions(engine) -> dict | None:
-    view = engine.live.view()
-    return view.directions if view is not None else None
 
 
 async def tokenizer(status: ServerStatus, request: Tokenize | Detokenize) -> dict:
