@@ -56,7 +56,7 @@ class LiveConcepts:
         self, table: ConceptTable | None, directions: Directions | None, rpc: Rpc, vector_columns: VectorColumns | None
     ) -> None:
         self.table = table
-        self.directions = directions
+        self._steering = directions
         self._rpc = rpc
         self._vectors = vector_columns
         self._zeroing: set[asyncio.Task] = set()
@@ -142,8 +142,8 @@ class LiveConcepts:
     async def _write(self, column: int, vectors: Mapping[int, torch.Tensor] | None) -> None:
         raw = {layer: v.contiguous().numpy().tobytes() for layer, v in vectors.items()} if vectors else None
         await self._rpc("salience_concept_write", (column, raw))
-        if self.directions is not None:
-            await self._rpc("salience_direction_write", (self.directions.live_column(column), raw))
+        if self._steering is not None:
+            await self._rpc("salience_direction_write", (self._steering.live_column(column), raw))
 
     def _zero(self, columns: list[int]) -> None:
         table = self._table()
