@@ -146,6 +146,20 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--no-steering", dest="steer", action="store_false", help="no steering: the concept set is read, never written"
     )
+    serve.add_argument(
+        "--spare-concepts",
+        type=int,
+        default=16,
+        metavar="N",
+        help="readout and steering columns for live concepts, defined while the server runs (docs/live-concepts.md)",
+    )
+    serve.add_argument(
+        "--steer-vectors",
+        type=int,
+        default=16,
+        metavar="N",
+        help="steering columns for requests' own vectors: distinct vectors that can steer at once",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     concepts = commands.add_parser("concepts", help="build or inspect concept sets").add_subparsers(
@@ -182,6 +196,9 @@ def _serve(args: argparse.Namespace) -> int:
     from salience.server import ServeOptions, serve
 
     # Checked first: a bad limit must not wait for the model.
+    for flag, value in (("--spare-concepts", args.spare_concepts), ("--steer-vectors", args.steer_vectors)):
+        if value < 0:
+            raise InvalidArgument(f"{flag} must be 0 or more, got {value}")
     lmtp_limits = ConnectionLimits(
         max_message_bytes=args.lmtp_max_message_bytes, max_frame_bytes=args.lmtp_max_frame_bytes
     )
@@ -229,6 +246,8 @@ def _serve(args: argparse.Namespace) -> int:
         concepts=concept_set,
         steering_set=steering_set,
         steering=args.steer,
+        spare_concepts=args.spare_concepts,
+        steer_vectors=args.steer_vectors,
     )
     options = ServeOptions(
         host=args.host,

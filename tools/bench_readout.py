@@ -5,7 +5,9 @@ Three servers on the default model, started once, driven over LMTP in one run:
 - `--no-readouts`: the fastest configuration a user could pick without readouts (compiled);
 - the default: compiled, readout taps on every layer of the built-in concept set, and every
   generated token asks for its readout;
-- `--eager`: readouts in eager mode (the path before readouts were compiled).
+- `--eager`: readouts in eager mode (the path before readouts were compiled);
+- `--spare-concepts 0`: readouts without the spare columns live concepts take (what those
+  16 zero columns cost).
 
 The default server is driven three ways: raw readouts, readouts as calibrated probabilities,
 and raw readouts with one `flag` monitor per concept (p > 0.5 at its recommended layer). For
@@ -14,7 +16,9 @@ go to each of the five in rotating order, repeated; the medians give tokens/s an
 against `--no-readouts`, and monitors against plain readouts. Servers are started one after
 another (a first start compiles, which is reported) and then idle while another is measured.
 
-    .venv/bin/python tools/bench_readout.py [--streams 1,8,16] [--tokens 64] [--repeats 3]
+    .venv/bin/python tools/bench_readout.py [--streams 1,8,16] [--tokens 64] [--repeats 3] [--warm]
+
+`--warm` skips the start with empty compile caches (the first start's cost).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ CONFIGS = {
     "compiled, no readouts": ["--no-readouts"],
     "default: compiled + readouts": [],
     "eager + readouts": ["--eager"],
+    "readouts, no spare columns": ["--spare-concepts", "0"],
 }
 
 
@@ -101,7 +106,7 @@ class Way:
 
 
 def ways(running: list[Server], concepts: list[str]) -> list[Way]:
-    fastest, default, eager = running
+    fastest, default, eager, unspared = running
     monitors = [{"concept": name, "above": 0.5, "action": "flag"} for name in concepts]
     return [
         Way("compiled, no readouts", fastest, False),
@@ -109,21 +114,24 @@ def ways(running: list[Server], concepts: list[str]) -> list[Way]:
         Way("probabilities", default, True, {"readout_format": "probability"}),
         Way(f"readouts + {len(monitors)} monitors", default, True, {"monitors": monitors}),
         Way("eager + readouts", eager, True),
+        Way("readouts, no spare columns", unspared, True),
     ]
 
 
 @contextlib.asynccontextmanager
-async def servers(model_name: str, cache: str) -> AsyncIterator[tuple[list[Server], float]]:
-    """The three servers, ready; and how long the default one took to start with empty
-    compile caches (its measured start then reuses what that start compiled)."""
+async def servers(model_name: str, cache: str, warm: bool) -> AsyncIterator[tuple[list[Server], float]]:
+    """The servers, ready; and how long the default one took to start with empty compile caches
+    (its measured start then reuses what that start compiled), unless `warm`."""
     base = 19000 + os.getpid() % 500 * 4
     running = [Server(name, flags, base + i) for i, (name, flags) in enumerate(CONFIGS.items())]
     fresh = {"TORCHINDUCTOR_CACHE_DIR": f"{cache}/torchinductor", "VLLM_CACHE_ROOT": f"{cache}/vllm"}
-    cold = Server("default, empty compile cache", [], base + 3, env=fresh)
-    running[1].env = fresh
+    cold = Server("default, empty compile cache", [], base + len(running), env=fresh)
+    if not warm:
+        running[1].env = fresh
     try:
-        await start(cold, model_name)
-        stop(cold)
+        if not warm:
+            await start(cold, model_name)
+            stop(cold)
         for server in running:
             await start(server, model_name)
         yield running, cold.start_seconds
@@ -162,6 +170,7 @@ async def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warm", action="store_true", help="no start with empty compile caches")
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
 
@@ -170,9 +179,9 @@ async def main() -> None:
 
     configure_environment()
     eos = _eos(ensure_default_model())
-    print("starting three servers on the default model, one after another", file=sys.stderr)
+    print(f"starting {len(CONFIGS)} servers on the default model, one after another", file=sys.stderr)
     with tempfile.TemporaryDirectory() as cache:
-        async with servers(DEFAULT_MODEL_NAME, cache) as (running, cold):
+        async with servers(DEFAULT_MODEL_NAME, cache, args.warm) as (running, cold):
             client = await LmtpClient.connect(running[1].url)
             concepts = (await client.request("MODEL_INFO"))["model_info"]["readout_manifest"]["concepts"]
             await client.close()
@@ -209,14 +218,15 @@ def report(running: list[Server], driven: list[Way], counts: list[int], args: ar
     )
     names = " | ".join(f"{w.name} tok/s" for w in driven)
     ratios = " | ".join(f"{w.name} / fastest" for w in driven[1:])
-    print(f"\n| streams | {names} | {ratios} | monitors / readouts |")
-    print("|---:" * (2 * len(driven) + 1) + "|")
+    print(f"\n| streams | {names} | {ratios} | monitors / readouts | readouts / no spare columns |")
+    print("|---:" * (2 * len(driven) + 2) + "|")
     for n in counts:
         rates = [statistics.median(w.rates[n]) for w in driven]
         cells = " | ".join(f"{r:.1f}" for r in rates) + " | " + " | ".join(f"{r / rates[0]:.2f}" for r in rates[1:])
-        print(f"| {n} | {cells} | {rates[3] / rates[1]:.2f} |")
+        print(f"| {n} | {cells} | {rates[3] / rates[1]:.2f} | {rates[1] / rates[5]:.2f} |")
     starts = ", ".join(f"{s.name} {s.start_seconds:.0f} s" for s in running)
-    print(f"\nstart to ready: default with empty compile caches {cold:.0f} s; then {starts}")
+    first = f"default with empty compile caches {cold:.0f} s; then " if cold else ""
+    print(f"\nstart to ready: {first}{starts}")
 
 
 def _eos(model) -> int:
