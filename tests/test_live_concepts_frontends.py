@@ -3,6 +3,7 @@ extension RPCs, the operator token, and request vectors over both."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -217,3 +218,23 @@ def test_who_may_change_the_concepts() -> None:
     assert tokens.admits(bearer(ACCESS)) and tokens.admits(bearer(OPERATOR)) and not tokens.admits(bearer("x"))
     assert tokens.is_operator(bearer(OPERATOR)) and not tokens.is_operator(bearer(ACCESS))
     assert Tokens(None, OPERATOR).admits() and not Tokens(None, OPERATOR).is_operator()
+
+
+async def test_salience_concepts_save_writes_the_served_set_from_a_running_server(
+    engine: Engine, served: Frontends, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from salience import cli
+
+    operator = await connect(served, OPERATOR)
+    try:
+        await operator.request("DEFINE_CONCEPT", name="lambda", vector=vector(8).tolist())
+    finally:
+        await operator.close()
+    path = tmp_path / "served.safetensors"
+    command = ["concepts", "save", str(path), "--server", served.ws, "--token", OPERATOR]
+    assert await asyncio.to_thread(cli.main, command) == 0
+    assert ConceptSet.load(path).concepts == (*TINY_CONCEPTS, "lambda")
+    assert "concepts: alpha, beta, gamma, delta, epsilon, lambda" in capsys.readouterr().out
+    refused = ["concepts", "save", str(tmp_path / "no.safetensors"), "--server", served.ws, "--token", ACCESS]
+    assert await asyncio.to_thread(cli.main, refused) == 2
+    assert "operator token" in capsys.readouterr().err

@@ -26,16 +26,12 @@ from typing import TYPE_CHECKING
 
 from salience.core.engine import launch
 from salience.core.engine.checks import RequestChecks
-from salience.core.engine.generation import (
-    Generation,
-    PlacedImage,
-    submission,
-)
+from salience.core.engine.generation import Generation, PlacedImage, residual_key, submission
 from salience.core.engine.images import Vision
 from salience.core.engine.inflight import InFlight
 from salience.core.engine.live import Hold, LiveConcepts, install_probes
-from salience.core.engine.passes import Passes, residual_key
-from salience.core.engine.requests import SamplingOptions
+from salience.core.engine.passes import Capture, Passes
+from salience.core.engine.requests import ResidualRequest, SamplingOptions
 from salience.core.engine.settings import EngineSettings
 from salience.core.probes.calibration import Calibration, Monitor, MonitorState
 from salience.core.probes.live import ConceptView
@@ -178,6 +174,7 @@ class Engine(Passes):
         dp_rank: int | None = None,
         monitors: Sequence[Monitor] = (),
         probabilities: bool = False,
+        residual: ResidualRequest | None = None,
     ) -> Generation:
         """Start decoding after `prompt`; iterate the result for TokenEvents.
 
@@ -193,7 +190,9 @@ class Engine(Passes):
 
         `monitors` watch calibrated concept probabilities on every generated token
         (calibration.py); they read those tokens' readouts whether or not `readout_ranges`
-        shows them. With `probabilities`, readouts come as calibrated probabilities.
+        shows them. With `probabilities`, readouts come as calibrated probabilities. `residual`
+        asks for raw residual rows: each covered event carries them (TokenEvent.residual), the
+        prompt's in `Generation.prompt_residuals`.
 
         The request reads the concepts served when it starts (live.ConceptView), whatever is
         defined or deleted while it runs; `Generation.concepts` names them.
@@ -218,7 +217,10 @@ class Engine(Passes):
             present = self.calibration(hold.view).probabilities if probabilities else None
             shown = check_ranges(readout_ranges)
             read = [*shown, [len(prompt), READ_TO_END]] if watch else shown
-            request_id, ranges, submitted = self._prepare(params, request_id, read, prompt, images, hold, dp_rank)
+            capture = self.residual_plan(residual, len(prompt) + options.max_tokens)
+            request_id, ranges, submitted = self._prepare(
+                params, request_id, read, prompt, images, hold, dp_rank, capture
+            )
         except BaseException:
             hold.release()
             raise
@@ -226,7 +228,13 @@ class Engine(Passes):
         # The last token's pass runs where the generation ran (its prefix is cached there), under
         # the generation's concepts and steering.
         read_last = functools.partial(
-            self._read_one, images=images, hold=hold, request_id=f"{request_id}-last", dp_rank=rank
+            self._read_one,
+            images=images,
+            hold=hold,
+            request_id=f"{request_id}-last",
+            dp_rank=rank,
+            readout=bool(ranges),
+            residual_layers=residual.layers if residual is not None else (),
         )
         generation = Generation(
             self._llm,
@@ -243,6 +251,7 @@ class Engine(Passes):
             monitors=watch,
             readout_concepts=len(hold.view.concepts) if hold.view is not None else 0,
             present=present,
+            residual=(capture.ranges, len(capture.slots), self.hidden_size) if capture is not None else None,
         )
         generation.concepts = hold.view
         self.inflight.running(request_id, generation)
@@ -267,7 +276,7 @@ class Engine(Passes):
         images: Sequence[PlacedImage],
         hold: Hold,
         dp_rank: int | None = None,
-        residual_ranges: Sequence[tuple[int, int]] = (),
+        capture: Capture | None = None,
     ) -> tuple[str, list[list[int]], object]:
         """Claim the request id, route it to a DP rank, tag the readouts and the steering and build
         vLLM's prompt; the id is released if any fails."""
@@ -275,9 +284,11 @@ class Engine(Passes):
         try:
             self.inflight.route(key, dp_rank)
             ranges = self._ask_readouts(params, key, readout_ranges, len(tokens), hold.view)
-            if residual_ranges:
-                params.extra_args = {**(params.extra_args or {}), RESIDUAL_TAG: [residual_key(key), residual_ranges]}
-                params.skip_reading_prefix_cache = True
+            if capture is not None:
+                tag = [residual_key(key), capture.ranges, capture.slots]
+                params.extra_args = {**(params.extra_args or {}), RESIDUAL_TAG: tag}
+                if any(start < len(tokens) - 1 for start, _ in capture.ranges):  # as _ask_readouts
+                    params.skip_reading_prefix_cache = True
             submitted = submission(self.vision, self.model_name, tokens, images)
             steering = hold.steer
             if steering:

@@ -24,7 +24,16 @@ if TYPE_CHECKING:
 
     from salience.core.probes.readouts import ReadoutHub
 
-__all__ = ["Generation", "PlacedImage", "PromptScores", "check_expansion", "guarded", "submission", "tokens_prompt"]
+__all__ = [
+    "Generation",
+    "PlacedImage",
+    "PromptScores",
+    "check_expansion",
+    "guarded",
+    "residual_key",
+    "submission",
+    "tokens_prompt",
+]
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.CANCELLED}
 
@@ -50,6 +59,7 @@ class PromptScores:
             logprob=entry[token].logprob if entry else None,
             top_logprobs=_top(entry, self.top_k) if entry else (),
             readout=self.readouts.get(position),
+            residual=self.residuals.get(position),
         )
 
 
@@ -96,6 +106,11 @@ def submission(vision: Vision | None, model_name: str, tokens: list[int], images
     return TokensPrompt(prompt_token_ids=collapsed, multi_modal_data={"image": [i.image for i in placed]})
 
 
+def residual_key(key: str) -> str:
+    """The hub key of a request's residual rows, beside its readouts' `key`."""
+    return f"{key}#residual"
+
+
 def tokens_prompt(ids: list[int]):
     from vllm.inputs import TokensPrompt
 
@@ -134,14 +149,15 @@ async def guarded(outputs: AsyncGenerator[RequestOutput, None]) -> AsyncIterator
 
 
 async def _releasing(
-    outputs: AsyncGenerator[RequestOutput, None], hub: ReadoutHub, key: str
+    outputs: AsyncGenerator[RequestOutput, None], hub: ReadoutHub, keys: list[str]
 ) -> AsyncGenerator[RequestOutput, None]:
-    """Free the request's readout state however it ends (finished, failed, aborted)."""
+    """Free the request's readout and residual state however it ends (finished, failed, aborted)."""
     try:
         async for out in outputs:
             yield out
     finally:
-        hub.release(key)
+        for key in keys:
+            hub.release(key)
         await outputs.aclose()
 
 
@@ -174,14 +190,16 @@ class Generation:
         priority: int,
         hub: ReadoutHub | None = None,
         ranges: list[list[int]] | None = None,
-        read_last: Callable[[list[int], int], Awaitable[tuple[float, ...] | None]] | None = None,
+        read_last: Callable[[list[int], int], Awaitable[PromptScores | None]] | None = None,
         *,
         dp_rank: int | None = None,
         shown: list[list[int]] | None = None,
         monitors: MonitorState | None = None,
         readout_concepts: int = 0,
         present: Callable[[tuple[float, ...]], tuple] | None = None,
+        residual: tuple[list[list[int]], int, int] | None = None,
     ):
+        """`residual`: the residual rows' ranges, layer count and hidden size (Engine.residual_plan)."""
         self.request_id = request_id
         self.dp_rank = dp_rank  # the data-parallel engine it runs on (None: no data parallelism)
         self.on_end: Callable[[], None] | None = None  # called once, when the request is over
@@ -190,6 +208,7 @@ class Generation:
         self.cached_tokens: int | None = None
         self.finish_reason: FinishReason | None = None
         self.prompt_readouts: dict[int, tuple[float, ...]] = {}
+        self.prompt_residuals: dict[int, object] = {}  # position -> float32 [layers, hidden]
         self._llm = llm
         self._tokens = list(prompt)  # prompt + completion so far
         self._prompt_entries: list | None = None
@@ -199,8 +218,10 @@ class Generation:
         self._next_position = len(prompt)
         self._pending: deque[TokenEvent] = deque()
         self._held: list[TokenEvent] = []
-        self._hub = hub if ranges else None
+        self._hub = hub if ranges or residual else None
         self._ranges = ranges or []
+        self._residual_ranges = residual[0] if residual else []
+        self._residual_key = residual_key(request_id)
         self._shown = self._ranges if shown is None else shown
         self._monitors = monitors if monitors else None
         self._present = present  # how shown rows go out (calibrated probabilities); None: as read
@@ -218,8 +239,15 @@ class Generation:
         self._engine_finished = False  # vLLM sent the last output; its generator has yet to return
         outputs = guarded(llm.generate(submitted, params, request_id, priority=priority, data_parallel_rank=dp_rank))
         if self._hub is not None:
-            self._hub.register(request_id, readout_concepts)
-            outputs = _releasing(outputs, self._hub, request_id)
+            keys = []
+            if self._ranges:
+                self._hub.register(request_id, readout_concepts)
+                keys.append(request_id)
+            if residual:
+                self._hub.register(self._residual_key, residual[2], raw_layers=residual[1])
+                keys.append(self._residual_key)
+            self._keys = keys
+            outputs = _releasing(outputs, self._hub, keys)
         self._outputs = outputs
 
     def __aiter__(self) -> Generation:
@@ -258,13 +286,27 @@ class Generation:
         return self._pending.popleft()
 
     def _covered(self, position: int) -> bool:
-        return covers(self._ranges, position)
+        """Whether the position's readout or residual rows were asked for."""
+        return covers(self._ranges, position) or covers(self._residual_ranges, position)
 
     def prompt_scores(self) -> PromptScores:
-        """The prompt positions' logprobs (if asked for) and readouts."""
+        """The prompt positions' logprobs (if asked for), readouts and residual rows."""
         return PromptScores(
-            self._tokens[: self.prompt_tokens], self._prompt_entries, self._prompt_top_k, self.prompt_readouts
+            self._tokens[: self.prompt_tokens],
+            self._prompt_entries,
+            self._prompt_top_k,
+            self.prompt_readouts,
+            self.prompt_residuals,
         )
+
+    async def _take(self, positions: list[int]) -> tuple[dict, dict]:
+        """The readouts and the residual rows captured at `positions`, each where it was asked for."""
+        assert self._hub is not None
+        readouts = [p for p in positions if covers(self._ranges, p)]
+        residuals = [p for p in positions if covers(self._residual_ranges, p)]
+        got = await self._hub.take(self.request_id, readouts) if readouts else {}
+        rows = await self._hub.take(self._residual_key, residuals) if residuals else {}
+        return got, rows
 
     async def _with_readouts(self, events: list[TokenEvent], first: bool) -> None:
         assert self._hub is not None
@@ -277,23 +319,26 @@ class Generation:
         fed = candidates if self._looked_ahead else candidates[:-1]
         wanted = [e.position for e in fed if self._covered(e.position)]
         prompt = [p for p in range(self.prompt_tokens) if self._covered(p)] if first else []
-        got = await self._hub.take(self.request_id, prompt + wanted) if prompt or wanted else {}
+        got, rows = await self._take(prompt + wanted)
         present = self._present or _as_read
         self.prompt_readouts.update((p, present(got[p])) for p in prompt if p in got)
+        self.prompt_residuals.update((p, rows[p]) for p in prompt if p in rows)
         if finished and ready and self._read_last is not None and self.finish_reason is not FinishReason.CANCELLED:
             last = ready[-1].position
-            if self._covered(last) and last not in got:
-                readout = await self._read_last(self._tokens[: last + 1], last)
-                if readout is not None:
-                    got[last] = readout
+            if self._covered(last) and last not in got and last not in rows:
+                scores = await self._read_last(self._tokens[: last + 1], last)
+                if scores is not None:
+                    got.update(scores.readouts)
+                    rows.update(scores.residuals)
         if finished and ready and self._looked_ahead:  # the output that finished held only the dropped token
             ready[-1] = dataclasses.replace(ready[-1], finish_reason=self.finish_reason)
         for event in ready:
             row = got.get(event.position)
             fired = self._monitors.step(event.position, row) if self._monitors and row is not None else ()
             shown = present(row) if row is not None and covers(self._shown, event.position) else None
-            if shown is not None or fired:
-                event = dataclasses.replace(event, readout=shown, monitors=fired)
+            residual = rows.get(event.position)
+            if shown is not None or fired or residual is not None:
+                event = dataclasses.replace(event, readout=shown, monitors=fired, residual=residual)
             if event.stopped_by is not None:
                 self._pending.append(dataclasses.replace(event, finish_reason=FinishReason.MONITOR))
                 await self._stop_by_monitor()
@@ -317,7 +362,8 @@ class Generation:
         if not self._submitted:
             self.finish_reason = FinishReason.CANCELLED
             if self._hub is not None:
-                self._hub.release(self.request_id)  # registered for it; _releasing never started
+                for key in self._keys:  # registered for them; _releasing never started
+                    self._hub.release(key)
             return
         await self._llm.abort(self.request_id)
 

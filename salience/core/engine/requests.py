@@ -6,10 +6,11 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from salience.core.probes.calibration import Action, MonitorEvent
 
-__all__ = ["FinishReason", "ImageBlock", "SamplingOptions", "ScoredToken", "TokenEvent", "covers"]
+__all__ = ["FinishReason", "ImageBlock", "ResidualRequest", "SamplingOptions", "ScoredToken", "TokenEvent", "covers"]
 
 
 class FinishReason(enum.Enum):
@@ -55,6 +56,16 @@ class ImageBlock:
     mime: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class ResidualRequest:
+    """Raw residual rows a request asks for: the residual stream after each of `layers` (read
+    layers), at the absolute positions `ranges` cover ([start, end)). The same point readouts
+    read: after the decoder layer, before the final norm, after any steering."""
+
+    layers: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TokenEvent:
     """One decoded token at absolute `position` in prompt + completion.
@@ -71,6 +82,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     readout: tuple[float, ...] | None = None  # [n_layers * n_concepts], row-major, if asked for
     monitors: tuple[MonitorEvent, ...] = ()  # the request's monitors that fired at this token
+    residual: Any = None  # float32 numpy [layers asked, hidden], if asked for (ResidualRequest)
 
     @property
     def stopped_by(self) -> MonitorEvent | None:
@@ -88,6 +100,7 @@ class ScoredToken:
     logprob: float | None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     readout: tuple[float, ...] | None = None
+    residual: Any = None  # float32 numpy [layers asked, hidden], if asked for
 
 
 def covers(ranges: Sequence[Sequence[int]], position: int) -> bool:

@@ -16,10 +16,11 @@ during the forward pass, compiled or eager. Theory of operation:
   (padding) are never read. Requests batched together never mix: rows are
   selected per request.
 - A request asks for its raw residual rows through `extra_args[RESIDUAL_TAG] = [key,
-  ranges]`: before the forward (the runner's `_model_forward`, wrapped) the worker names the
-  step's rows to copy (taps.Capture), the taps' readout op copies them out at each read layer,
-  and after the step they are filed as [rows, layers, hidden] blocks under that key, like
-  readouts. A step nobody asked for residuals copies nothing.
+  ranges, slots]` (slots: the readout slots of the layers it wants): before the forward (the
+  runner's `_model_forward`, wrapped) the worker names the step's rows and slots to copy
+  (taps.Capture), the taps' readout op copies them out at those layers, and after the step
+  they are filed as [rows, its layers, hidden] blocks under that key, like readouts. A step
+  nobody asked for residuals copies nothing.
 - The blocks leave the worker one of two ways (docs/readouts.md, "Transport"):
   - **with the step's output** (one filing worker, synchronous scheduling: CPU
     with PP=1, any TP and DP): the runner's `sample_tokens` (or `execute_model`,
@@ -170,21 +171,25 @@ class ReadoutWorker:
         return run
 
     def _ro_plan_capture(self) -> None:
-        picks = [(request_id, extra[RESIDUAL_TAG][0], rows) for request_id, extra, rows in self._ro_rows(RESIDUAL_TAG)]
+        picks = [(request_id, extra[RESIDUAL_TAG], rows) for request_id, extra, rows in self._ro_rows(RESIDUAL_TAG)]
         self._ro_capture = picks
         if picks:
             rows = np.concatenate([rows for _, _, rows in picks])
             Capture.taken = {}
+            Capture.slots = frozenset(slot for _, (_, _, slots), _ in picks for slot in slots)
             Capture.rows = torch.from_numpy(rows).to(self._ro_buffer.device)
 
     def _ro_file_capture(self) -> None:
         taken, Capture.rows, Capture.taken = Capture.taken, None, {}
-        values = torch.stack([taken[slot] for slot in sorted(taken)], dim=1).numpy()  # [rows, layers, hidden]
+        held = sorted(taken)
+        values = torch.stack([taken[slot] for slot in held], dim=1).numpy()  # [rows, slots held, hidden]
         positions = self.model_runner.positions[: self._ro_step_tokens].cpu().numpy()
         first = 0
-        for request_id, key, rows in self._ro_capture:
-            blocks = self._ro_store.setdefault(request_id, {}).setdefault(key, [])
-            blocks.append((positions[rows], values[first : first + len(rows)]))
+        for request_id, (key, _, slots), rows in self._ro_capture:
+            mine = values[first : first + len(rows)]
+            if list(slots) != held:
+                mine = mine[:, [held.index(slot) for slot in slots]]
+            self._ro_store.setdefault(request_id, {}).setdefault(key, []).append((positions[rows], mine))
             first += len(rows)
         self._ro_capture = []
 

@@ -95,7 +95,7 @@ class ReadoutHub:
             mask[list(slots)] = True
             self._masks[worker] = mask
         self._widths: dict[str, int] = {}  # per request: the concepts in its rows (its view's)
-        self._raw: set[str] = set()  # keys whose rows stay arrays
+        self._raw: dict[str, int] = {}  # keys whose rows stay arrays: their layer count
         self._buffers: dict[str, dict[int, Readout]] = {}
         # Positions some stages have sent and others not yet: [row so far, workers that sent it].
         self._partial: dict[str, dict[int, tuple[np.ndarray, set[int]]]] = {}
@@ -141,19 +141,20 @@ class ReadoutHub:
             llm.output_processor.process_outputs = hub._receiving(llm.output_processor.process_outputs)
         return hub
 
-    def register(self, key: str, concepts: int, raw: bool = False) -> None:
-        """Expect readouts for `key`, rows of `concepts` values per read layer; `raw`: handed out
-        as float32 arrays [layers, concepts] (residual rows), not tuples."""
+    def register(self, key: str, concepts: int, raw_layers: int | None = None) -> None:
+        """Expect readouts for `key`, rows of `concepts` values per read layer; with `raw_layers`,
+        rows of `concepts` values per each of that many layers, handed out as float32 arrays
+        [layers, concepts] (residual rows), not tuples."""
         self._widths[key] = concepts
-        if raw:
-            self._raw.add(key)
+        if raw_layers is not None:
+            self._raw[key] = raw_layers
         self._buffers[key] = {}
         self._partial[key] = {}
 
     def release(self, key: str) -> None:
         """The request is over (finished, failed or aborted): forget its blocks here and in the worker."""
         self._widths.pop(key, None)
-        self._raw.discard(key)
+        self._raw.pop(key, None)
         self._buffers.pop(key, None)
         self._partial.pop(key, None)
         if not self.with_output:  # with the output, the worker keeps nothing past a step
@@ -229,12 +230,13 @@ class ReadoutHub:
             if len(self.origin) > 4096:  # the most recent requests only
                 del self.origin[next(iter(self.origin))]
         concepts = self._widths[key]
-        width = self._layers * concepts
+        layers = self._raw.get(key, self._layers)
+        width = layers * concepts
         rows = np.frombuffer(values, dtype=np.float32).reshape(-1, width)
         positions = np.frombuffer(positions, dtype=np.int64).tolist()
         if key in self._raw:  # residual rows: one stage (the engine checks), kept as arrays
             for position, row in zip(positions, rows, strict=True):
-                buffer[position] = row.reshape(self._layers, concepts).copy()
+                buffer[position] = row.reshape(layers, concepts).copy()
             return
         if len(self._masks) == 1:
             for position, row in zip(positions, rows, strict=True):

@@ -61,6 +61,7 @@ __all__ = [
     "Intervention",
     "Op",
     "ResolvedSteer",
+    "merge_ranges",
     "unit",
 ]
 
@@ -248,7 +249,7 @@ class Directions:
                     hi=None if intervention.hi is None else float(intervention.hi),
                     prompt=False,
                     generated=False,
-                    ranges=_merge(ranges),
+                    ranges=merge_ranges(ranges),
                     identity=identity,
                 )
             )
@@ -348,7 +349,7 @@ def unit(vectors: torch.Tensor) -> torch.Tensor:
     return rows / rows.norm(dim=-1, keepdim=True)
 
 
-def _merge(ranges: list[Range]) -> tuple[Range, ...]:
+def merge_ranges(ranges: list[Range]) -> tuple[Range, ...]:
     """Sorted, overlapping and touching ranges joined: one canonical form per position set."""
     merged: list[list[int]] = []
     for start, end in sorted(ranges):

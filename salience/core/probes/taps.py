@@ -78,6 +78,7 @@ class Capture:
     before the forward, taken after it. Empty, the taps copy nothing."""
 
     rows: ClassVar[torch.Tensor | None] = None  # the step's token rows to copy, ascending
+    slots: ClassVar[frozenset[int]] = frozenset()  # the readout slots (layers) to copy them at
     taken: ClassVar[dict[int, torch.Tensor]] = {}  # readout slot -> [len(rows), hidden] float32
 
 
@@ -87,7 +88,7 @@ def readout_store(values: torch.Tensor, buffer: torch.Tensor, slot: int, state: 
     the worker asked for residual rows (Capture), `state`'s rows are copied out as well: an opaque
     op runs as Python at every step, so this costs one check when nothing is asked."""
     buffer[: values.shape[0], slot].copy_(values)
-    if Capture.rows is not None:
+    if Capture.rows is not None and slot in Capture.slots:
         Capture.taken[slot] = state.index_select(0, Capture.rows).cpu()
 
 

@@ -2,7 +2,7 @@
 
 A define from examples runs the concept builder's own fit (concept_builder.fit_concept) on
 residuals the serving engine captures while it serves: each example text is one prefill-only
-request asking for its raw residual rows (Engine.prefill `residual_ranges`), batched with live
+request asking for its raw residual rows (Engine.prefill `residual`), batched with live
 traffic like any other request; the fit then runs in a thread, so streams keep streaming. The
 engine publishes the concept only once its column is written (engine/live.py).
 
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from salience.core.engine.requests import ResidualRequest
 from salience.core.probes import fitting
 from salience.core.probes.live import check_name
 from salience.core.serving.concept_builder import MIN_EXAMPLES, READ_BATCH, SIDES, describe_concept, fit_concept
@@ -125,7 +126,7 @@ async def _fitted(engine, definition: ConceptDefinition) -> tuple[dict[int, torc
 
     async def read(text: str) -> None:
         ids = encoded[text]
-        scores = await engine.prefill(ids, residual_ranges=[(1, len(ids))])
+        scores = await engine.prefill(ids, residual=ResidualRequest(layers=tuple(layers), ranges=((1, len(ids)),)))
         residuals[text] = torch.from_numpy(np.stack([scores.residuals[p] for p in range(1, len(ids))]))
 
     for start in range(0, len(texts), READ_BATCH):  # prefills batched in the engine, beside live traffic

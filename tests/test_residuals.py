@@ -1,0 +1,120 @@
+"""Raw residual rows with a request, on the tiny model: prompt and decoded positions, beside other
+requests, across a prefix-cache hit, against transformers float32 (the layer's output, before the
+final norm)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from salience.core.engine import passes
+from salience.core.engine.engine import Engine
+from salience.core.engine.passes import MAX_RESIDUAL_ROWS
+from salience.core.engine.requests import ResidualRequest, SamplingOptions
+from salience.core.probes.concepts import ConceptSet
+from salience.errors import InvalidArgument
+from tests.conftest import start_engine
+from tests.reference import Reference
+
+PROMPTS = [[0, *range(60 + 13 * i, 84 + 13 * i)] for i in range(6)]
+GREEDY = SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest_asyncio.fixture(scope="module", params=["eager", "compiled"])
+async def engine(request: pytest.FixtureRequest, tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Engine]:
+    engine = await start_engine(
+        tiny_model, max_model_len=1024, concepts=tiny_concepts, compile=request.param == "compiled"
+    )
+    yield engine
+    engine.shutdown()
+
+
+def assert_rows(rows: dict[int, np.ndarray], reference: Reference, ids: list[int], layers: tuple[int, ...]) -> None:
+    want = reference.residuals(ids, layers)
+    for position, row in rows.items():
+        assert row.shape == (len(layers), 128) and row.dtype == np.float32
+        for i, layer in enumerate(layers):
+            expected = want[layer][position].numpy()
+            error = np.abs(row[i] - expected).max() / np.abs(expected).max()
+            assert error < 1e-4, (position, layer, error)
+
+
+async def generate(engine: Engine, prompt: list[int], residual: ResidualRequest | None, **kwargs):
+    generation = engine.generate(prompt, GREEDY, residual=residual, **kwargs)
+    events = [e async for e in generation]
+    return generation, events
+
+
+async def test_prompt_and_decoded_rows_equal_the_reference(engine: Engine, tiny_reference: Reference) -> None:
+    prompt = PROMPTS[0]
+    residual = ResidualRequest(layers=(3, 0), ranges=((2, 6), (len(prompt) - 1, 1000)))
+    generation, events = await generate(engine, prompt, residual)
+    ids = prompt + [e.token_id for e in events]
+    assert sorted(generation.prompt_residuals) == [2, 3, 4, 5, len(prompt) - 1]
+    assert all(e.residual is not None and e.readout is None for e in events)  # the last one's too
+    rows = {**generation.prompt_residuals, **{e.position: e.residual for e in events}}
+    assert_rows(rows, tiny_reference, ids, (3, 0))
+    # Readouts beside them are unchanged.
+    _, again = await generate(engine, prompt, residual, readout_ranges=[(0, 1000)])
+    assert [e.token_id for e in again] == [e.token_id for e in events]
+    assert all(e.readout is not None and e.residual is not None for e in again)
+
+
+async def test_concurrent_requests_get_exactly_their_rows(engine: Engine, tiny_reference: Reference) -> None:
+    asks = [
+        ResidualRequest(layers=(0,), ranges=((0, 5),)),
+        None,
+        ResidualRequest(layers=(2, 3), ranges=((len(PROMPTS[2]), 1000),)),
+        ResidualRequest(layers=(3,), ranges=((10, 12), (len(PROMPTS[3]) + 2, len(PROMPTS[3]) + 4))),
+        None,
+        ResidualRequest(layers=(0, 2, 3), ranges=((0, 1000),)),
+    ]
+    results = await asyncio.gather(*(generate(engine, p, r) for p, r in zip(PROMPTS, asks, strict=True)))
+    for prompt, ask, (generation, events) in zip(PROMPTS, asks, results, strict=True):
+        rows = {**generation.prompt_residuals, **{e.position: e.residual for e in events if e.residual is not None}}
+        if ask is None:
+            assert rows == {}
+            continue
+        total = len(prompt) + len(events)
+        assert sorted(rows) == [p for p in range(total) if any(s <= p < e for s, e in ask.ranges)]
+        assert_rows(rows, tiny_reference, prompt + [e.token_id for e in events], ask.layers)
+    assert engine.readouts.tracked() == 0
+
+
+async def test_a_prefix_cache_hit_still_computes_the_rows(engine: Engine, tiny_reference: Reference) -> None:
+    prompt = PROMPTS[4]
+    await generate(engine, prompt, None)  # fills the prefix cache
+    residual = ResidualRequest(layers=(2,), ranges=((0, len(prompt)),))
+    scores = await engine.prefill(prompt, residual=residual)
+    assert sorted(scores.residuals) == list(range(len(prompt)))
+    assert_rows(scores.residuals, tiny_reference, prompt, (2,))
+    scored = await engine.score(prompt[:10], prompt[10:], residual=residual)
+    assert all(token.residual is not None for token in scored)
+    assert_rows({t.position: t.residual for t in scored}, tiny_reference, prompt, (2,))
+
+
+async def test_bad_residual_requests_are_refused_before_anything_runs(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompt = PROMPTS[5]
+    cases = [
+        (ResidualRequest(layers=(1,), ranges=((0, 4),)), "residual layer 1 is not read"),
+        (ResidualRequest(layers=(), ranges=((0, 4),)), "one or more distinct layers"),
+        (ResidualRequest(layers=(2, 2), ranges=((0, 4),)), "one or more distinct layers"),
+        (ResidualRequest(layers=(2,), ranges=()), "names no positions"),
+        (ResidualRequest(layers=(2,), ranges=((5, 3),)), "0 <= start < end"),
+    ]
+    for residual, words in cases:
+        with pytest.raises(InvalidArgument, match=words):
+            engine.generate(prompt, GREEDY, residual=residual)
+    monkeypatch.setattr(passes, "MAX_RESIDUAL_ROWS", 100)  # the real limit is beyond the tiny model's context
+    many = ResidualRequest(layers=(0, 2, 3), ranges=((0, 1000),))
+    with pytest.raises(InvalidArgument, match=r"asks for 35 positions x 3 layers; at most 100 rows"):
+        engine.generate(prompt, SamplingOptions(max_tokens=10), residual=many)
+    assert MAX_RESIDUAL_ROWS == 16384
+    assert engine.num_unfinished_requests() == 0
