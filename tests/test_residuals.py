@@ -5,6 +5,7 @@ final norm)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,7 +19,9 @@ from salience.core.engine.passes import MAX_RESIDUAL_ROWS
 from salience.core.engine.requests import ResidualRequest, SamplingOptions
 from salience.core.probes.concepts import ConceptSet
 from salience.errors import InvalidArgument
+from salience.lmtp.client import LmtpClient, LmtpStreamError
 from tests.conftest import start_engine
+from tests.inprocess import frontends
 from tests.reference import Reference
 
 PROMPTS = [[0, *range(60 + 13 * i, 84 + 13 * i)] for i in range(6)]
@@ -118,3 +121,28 @@ async def test_bad_residual_requests_are_refused_before_anything_runs(
         engine.generate(prompt, SamplingOptions(max_tokens=10), residual=many)
     assert MAX_RESIDUAL_ROWS == 16384
     assert engine.num_unfinished_requests() == 0
+
+
+async def test_lmtp_carries_the_rows_as_base64_float32(engine: Engine, tiny_reference: Reference) -> None:
+    if engine.compiled:
+        pytest.skip("the wire is the same for both graphs")
+    prompt = PROMPTS[1]
+    fields = {"prompt": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    async with frontends(engine) as served:
+        client = await LmtpClient.connect(served.ws)
+        try:
+            residual = {"layers": [2], "ranges": [[len(prompt) - 2, 1000]]}
+            payloads = [p async for p in client.stream("GENERATE", **fields, residual=residual)]
+            scored = [p async for p in client.stream("SCORE", prompt=prompt[:5], scored=prompt[5:], residual=residual)]
+            with pytest.raises(LmtpStreamError, match="residual layer 1 is not read"):
+                _ = [p async for p in client.stream("GENERATE", **fields, residual={"layers": [1], "ranges": [[0, 3]]})]
+            with pytest.raises(LmtpStreamError, match="residual must be"):
+                _ = [p async for p in client.stream("GENERATE", **fields, residual=[2])]
+        finally:
+            await client.close()
+    rows = {
+        p["position"]: np.frombuffer(base64.b64decode(p["residual"]), dtype="<f4").reshape(1, 128) for p in payloads
+    }
+    assert sorted(rows) == list(range(len(prompt) - 2, len(prompt) + 4))
+    assert_rows(rows, tiny_reference, prompt + [p["token"] for p in payloads if not p.get("prompt")], (2,))
+    assert [p["position"] for p in scored if "residual" in p] == list(range(len(prompt) - 2, len(prompt)))

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from salience import request_ids
-from salience.core.engine.requests import ImageBlock
+from salience.core.engine.requests import ImageBlock, ResidualRequest
 from salience.core.probes.calibration import Monitor, parse_monitors
 from salience.core.probes.steering import Intervention
 from salience.core.probes.steering_json import parse_interventions, parse_vector
@@ -185,6 +185,16 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _residual(value: Any, name: str) -> ResidualRequest:
+    """{"layers": [...], "ranges": [[start, end], ...]}; the engine checks them against the model."""
+    if not isinstance(value, dict) or set(value) - {"layers", "ranges"} or "layers" not in value:
+        raise ValueError(f'{name} must be {{"layers": [...], "ranges": [[start, end], ...]}}')
+    layers = value["layers"]
+    if not isinstance(layers, list) or not all(type(x) is int for x in layers):
+        raise ValueError(f"{name}.layers must be a list of layer indices")
+    return ResidualRequest(layers=tuple(layers), ranges=_ranges(value.get("ranges", []), f"{name}.ranges"))
+
+
 _Reader = Callable[[Any, str], Any]
 READOUT_FORMATS = ("raw", "probability")
 _GENERATE: dict[str, _Reader] = {
@@ -211,6 +221,7 @@ _GENERATE: dict[str, _Reader] = {
     "steer": _steer,
     "readout_format": _readout_format,
     "monitors": _monitors,
+    "residual": _residual,
 }
 _SCORE: dict[str, _Reader] = {
     "stream_id": _int,
@@ -223,6 +234,7 @@ _SCORE: dict[str, _Reader] = {
     "request_id": _request_id,
     "steer": _steer,
     "readout_format": _readout_format,
+    "residual": _residual,
 }
 _SESSION_GENERATE: dict[str, _Reader] = {
     "stream_id": _int,

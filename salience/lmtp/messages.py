@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from salience.core.engine.requests import ImageBlock
+from salience.core.engine.requests import ImageBlock, ResidualRequest
 from salience.core.probes.calibration import Monitor
 from salience.core.probes.steering import Intervention
 
@@ -65,6 +65,7 @@ class Generate:
     steer: tuple[Intervention, ...] = ()  # interventions on the residual stream (docs/steering.md)
     readout_format: str = "raw"  # or "probability": each value through its calibration (docs/readouts.md)
     monitors: tuple[Monitor, ...] = ()  # watched on every generated token (docs/readouts.md#monitors)
+    residual: ResidualRequest | None = None  # raw residual rows at these layers and positions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +80,7 @@ class Score:
     request_id: str | None = None
     steer: tuple[Intervention, ...] = ()
     readout_format: str = "raw"
+    residual: ResidualRequest | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,6 +3,7 @@ kept apart from the connection that sequences it (session.py)."""
 
 from __future__ import annotations
 
+import base64
 import math
 
 from salience.core.engine.detokenizer import TextStream
@@ -96,25 +97,38 @@ def token_payload(
         payload["position"] = token.position
         if token.readout is not None:
             payload["readout"] = token.readout
+    if token.residual is not None:
+        payload["position"] = token.position
+        payload["residual"] = residual_field(token.residual)
     if isinstance(token, TokenEvent) and token.monitors:
         payload["position"] = token.position
         payload["monitors"] = [event.as_dict() for event in token.monitors]
     return payload
 
 
-def prompt_payloads(stream_id: int, prompt: tuple[int, ...], readouts: dict) -> list[dict]:
-    """Prompt positions' readouts, which go before any other payload, marked "prompt": true."""
-    return [
-        {
+def prompt_payloads(stream_id: int, prompt: tuple[int, ...], readouts: dict, residuals: dict) -> list[dict]:
+    """Prompt positions' readouts and residual rows, which go before any other payload, marked
+    "prompt": true."""
+    out = []
+    for position in sorted(readouts.keys() | residuals.keys()):
+        payload = {
             "stream_id": stream_id,
             "token": prompt[position],
             "position": position,
             "prompt": True,
             "finish_reason": None,
-            "readout": readouts[position],
         }
-        for position in sorted(readouts)
-    ]
+        if position in readouts:
+            payload["readout"] = readouts[position]
+        if position in residuals:
+            payload["residual"] = residual_field(residuals[position])
+        out.append(payload)
+    return out
+
+
+def residual_field(rows) -> str:
+    """Residual rows on the wire: base64 of float32 [layers asked, hidden], little-endian."""
+    return base64.b64encode(rows.astype("<f4", copy=False).tobytes()).decode("ascii")
 
 
 def session_payload(stream_id: int, token: SessionToken, text: TextStream | None) -> dict:

@@ -59,6 +59,7 @@ async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit
         steer=request.steer,
         monitors=request.monitors,
         probabilities=request.readout_format == "probability",
+        residual=request.residual,
     )
     await stream.attach(generation)
     text = TextStream(engine.tokenizer, request.prompt) if request.text else None
@@ -66,7 +67,9 @@ async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit
     async with generation:
         async for event in generation:
             if event.position == len(request.prompt):  # first event: prompt readouts are in
-                prompt = payloads.prompt_payloads(stream_id, request.prompt, generation.prompt_readouts)
+                prompt = payloads.prompt_payloads(
+                    stream_id, request.prompt, generation.prompt_readouts, generation.prompt_residuals
+                )
                 emit_all(emit, prompt)
             ended = event.finish_reason is not None
             finish = payloads.finish_reason(event.finish_reason, event.stopped_by)
@@ -89,7 +92,9 @@ async def score(stream: Stream, engine: Engine, request: Score, emit: Emit) -> N
     if stream.cancelled:
         emit(cancelled)
         return
-    if continuation or request.readout:  # one pass: the prompt's readouts and the continuation's scores
+    if (
+        continuation or request.readout or request.residual
+    ):  # one pass: the prompt's readouts and the continuation's scores
         ids = prompt + continuation
         scores = await engine.prefill(
             ids,
@@ -98,12 +103,14 @@ async def score(stream: Stream, engine: Engine, request: Score, emit: Emit) -> N
             request_id=stream.request_id,
             steer=steer,
             probabilities=request.readout_format == "probability",
+            residual=request.residual,
         )
         if stream.cancelled:
             emit(cancelled)
             return
         readouts = {p: r for p, r in scores.readouts.items() if p < len(prompt)}
-        emit_all(emit, payloads.prompt_payloads(request.stream_id, request.prompt, readouts))
+        residuals = {p: r for p, r in scores.residuals.items() if p < len(prompt)}
+        emit_all(emit, payloads.prompt_payloads(request.stream_id, request.prompt, readouts, residuals))
         scored = [scores.at(p) for p in range(len(prompt), len(ids))]
     text = TextStream(engine.tokenizer, request.prompt) if request.text else None
     scored_payloads = [
