@@ -9,6 +9,7 @@ import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -20,6 +21,10 @@ from salience.core.engine.requests import ResidualRequest, SamplingOptions
 from salience.core.probes.concepts import ConceptSet
 from salience.errors import InvalidArgument
 from salience.lmtp.client import LmtpClient, LmtpStreamError
+from salience.proto.salience.ext.v1 import extensions_pb2 as ext
+from salience.proto.salience.ext.v1 import extensions_pb2_grpc
+from salience.proto.salience.v1 import salience_pb2 as pb
+from salience.proto.salience.v1 import salience_pb2_grpc
 from tests.conftest import start_engine
 from tests.inprocess import frontends
 from tests.reference import Reference
@@ -146,3 +151,47 @@ async def test_lmtp_carries_the_rows_as_base64_float32(engine: Engine, tiny_refe
     assert sorted(rows) == list(range(len(prompt) - 2, len(prompt) + 4))
     assert_rows(rows, tiny_reference, prompt + [p["token"] for p in payloads if not p.get("prompt")], (2,))
     assert [p["position"] for p in scored if "residual" in p] == list(range(len(prompt) - 2, len(prompt)))
+
+
+async def test_session_turns_carry_rows_over_lmtp_and_grpc(engine: Engine, tiny_reference: Reference) -> None:
+    if engine.compiled:
+        pytest.skip("the wire is the same for both graphs")
+    prompt = PROMPTS[2]
+    end = len(prompt) + 3
+    async with frontends(engine) as served:
+        client = await LmtpClient.connect(served.ws)
+        try:
+            session = (await client.request("OPEN_SESSION"))["session_id"]
+            fields = {"session_id": session, "offset": 0, "append": prompt, "max_tokens": 3, "top_k": 1}
+            residual = {"layers": [0, 3], "ranges": [[len(prompt) - 3, end]]}
+            payloads = [p async for p in client.stream("SESSION_GENERATE", **fields, residual=residual)]
+        finally:
+            await client.close()
+        lmtp_rows = {
+            p["position"]: np.frombuffer(base64.b64decode(p["residual"]), dtype="<f4").reshape(2, 128)
+            for p in payloads
+            if "residual" in p
+        }
+        ids = prompt + [p["token"] for p in payloads if "token" in p and not p.get("prompt")]
+        assert sorted(lmtp_rows) == list(range(len(prompt) - 3, end))
+        assert_rows(lmtp_rows, tiny_reference, ids, (0, 3))
+
+        channel = grpc.aio.insecure_channel(served.grpc_target)
+        try:
+            seed = salience_pb2_grpc.SalienceStub(channel)
+            extensions = extensions_pb2_grpc.SalienceExtensionsStub(channel)
+            opened = await seed.OpenSession(pb.OpenSessionRequest(model="tiny"))
+            request = ext.ExtendedGenerateRequest(
+                generate=pb.GenerateRequest(session_id=opened.session_id, append_tokens=prompt, max_tokens=3, top_k=1),
+                residual=ext.Residual(layers=[2], ranges=[pb.PositionRange(start=0, end=end)]),
+            )
+            events = [e async for e in extensions.ExtendedGenerate(request)]
+        finally:
+            await channel.close()
+    grpc_rows = {
+        e.event.token.position: np.frombuffer(e.residual, dtype="<f4").reshape(1, 128)
+        for e in events
+        if e.event.HasField("token")
+    }
+    assert sorted(grpc_rows) == list(range(end))
+    assert_rows(grpc_rows, tiny_reference, ids, (2,))

@@ -10,6 +10,7 @@ import grpc
 
 from salience.auth import Tokens
 from salience.core.engine.images import Vision
+from salience.core.engine.requests import ResidualRequest
 from salience.core.probes.calibration import Action, Monitor, MonitorEvent, parse_monitors
 from salience.core.probes.steering import MAX_INTERVENTIONS, MAX_MAGNITUDE, Intervention, Op
 from salience.core.serving import live_concepts
@@ -64,7 +65,12 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
     ) -> AsyncIterator[ext.ExtendedGenerateEvent]:
         probabilities = request.readout_format == ext.ExtendedGenerateRequest.READOUT_FORMAT_PROBABILITY
         steer, watch = interventions(request.interventions), monitors(request.monitors)
-        turn = turn_from(request.generate, REQUEST_ID.get(), steer, watch, probabilities)
+        residual = None
+        if request.HasField("residual"):
+            residual = ResidualRequest(
+                layers=tuple(request.residual.layers), ranges=tuple((r.start, r.end) for r in request.residual.ranges)
+            )
+        turn = turn_from(request.generate, REQUEST_ID.get(), steer, watch, probabilities, residual)
         async with contextlib.aclosing(
             run_turn(self._status, self._sessions, request.generate.session_id, turn)
         ) as items:
@@ -72,6 +78,8 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
                 event = ext.ExtendedGenerateEvent(event=seed_event(item))
                 if isinstance(item, SessionToken):
                     event.monitors.extend(_monitor_event(m) for m in item.monitors)
+                    if item.residual is not None:
+                        event.residual = item.residual.astype("<f4", copy=False).tobytes()
                 elif item.stopped_by is not None:
                     event.stopped_by.CopyFrom(_monitor_event(item.stopped_by))
                 yield event

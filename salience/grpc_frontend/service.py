@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from salience import metrics
-from salience.core.engine.requests import FinishReason, ImageBlock, SamplingOptions
+from salience.core.engine.requests import FinishReason, ImageBlock, ResidualRequest, SamplingOptions
 from salience.core.probes.calibration import Monitor
 from salience.core.probes.steering import Intervention
 from salience.core.serving.sessions import SessionStore
@@ -103,6 +103,7 @@ def turn_from(
     steer: Sequence[Intervention] = (),
     monitors: Sequence[Monitor] = (),
     probabilities: bool = False,
+    residual: ResidualRequest | None = None,
 ) -> Turn:
     """The core Turn a seed GenerateRequest asks for (and, from the extensions, its interventions
     and monitors)."""
@@ -110,6 +111,7 @@ def turn_from(
         steer=steer,
         monitors=monitors,
         probabilities=probabilities,
+        residual=residual,
         request_id=request_id,
         offset=request.offset,
         truncating=request.truncating,

@@ -260,6 +260,7 @@ _SESSION_GENERATE: dict[str, _Reader] = {
             "steer",
             "readout_format",
             "monitors",
+            "residual",
         )
     },
     "images": _images,

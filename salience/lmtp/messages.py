@@ -196,6 +196,7 @@ class SessionGenerate:
     steer: tuple[Intervention, ...] = ()
     readout_format: str = "raw"
     monitors: tuple[Monitor, ...] = ()
+    residual: ResidualRequest | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

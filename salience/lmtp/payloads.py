@@ -70,6 +70,7 @@ def turn(request: SessionGenerate, request_id: str) -> Turn:
         steer=request.steer,
         monitors=request.monitors,
         probabilities=request.readout_format == "probability",
+        residual=request.residual,
     )
 
 
@@ -144,6 +145,8 @@ def session_payload(stream_id: int, token: SessionToken, text: TextStream | None
         payload["readout"] = token.readout
     if token.monitors:
         payload["monitors"] = [event.as_dict() for event in token.monitors]
+    if token.residual is not None:
+        payload["residual"] = residual_field(token.residual)
     if text is not None and not token.is_prefill:
         payload["text"] = text.push(token.token_id)
     payload["finish_reason"] = None

@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING
 
 from salience.core.engine import launch
 from salience.core.engine.checks import RequestChecks
-from salience.core.engine.generation import Generation, PlacedImage, residual_key, submission
+from salience.core.engine.generation import Generation, residual_key
 from salience.core.engine.images import Vision
 from salience.core.engine.inflight import InFlight
 from salience.core.engine.live import Hold, LiveConcepts, install_probes
 from salience.core.engine.passes import Capture, Passes
+from salience.core.engine.prompts import PlacedImage, submission
 from salience.core.engine.requests import ResidualRequest, SamplingOptions
 from salience.core.engine.settings import EngineSettings
 from salience.core.probes.calibration import Calibration, Monitor, MonitorState

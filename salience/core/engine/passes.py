@@ -10,15 +10,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from salience.core.engine.generation import PromptScores, check_expansion, guarded, residual_key
+from salience.core.engine.generation import PromptScores, guarded, residual_key
+from salience.core.engine.prompts import check_expansion
 from salience.core.engine.requests import ResidualRequest, ScoredToken, covers
 from salience.core.probes.readouts import check_ranges
 from salience.core.probes.steering import merge_ranges
 from salience.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from salience.core.engine.generation import PlacedImage
     from salience.core.engine.live import Hold
+    from salience.core.engine.prompts import PlacedImage
     from salience.core.probes.steering import Intervention
 
 __all__ = ["MAX_RESIDUAL_ROWS", "Capture", "Passes"]

@@ -30,8 +30,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from salience.core.engine.engine import Engine
-from salience.core.engine.generation import Generation, PlacedImage, PromptScores
+from salience.core.engine.generation import Generation, PromptScores
 from salience.core.engine.images import ImageFacts, Vision
+from salience.core.engine.prompts import PlacedImage
 from salience.core.serving.observers import OBSERVERS
 from salience.core.serving.turns import Range, Turn, TurnRun
 from salience.errors import (
@@ -201,7 +202,8 @@ class SessionStore:
         work: Generation | None = None
         scoring: Callable[[], Awaitable[PromptScores]] | None = None
         # From the ranges, not by scanning positions: sessions run to 100K+ tokens.
-        prompt_ranges = [range(s, min(e, len(tokens))) for s, e in logprob_ranges + readout_ranges]
+        residual_ranges = [tuple(r) for r in turn.residual.ranges] if turn.residual is not None else []
+        prompt_ranges = [range(s, min(e, len(tokens))) for s, e in logprob_ranges + readout_ranges + residual_ranges]
         prefill_wanted = sorted(set().union(*prompt_ranges))
         scored = any(max(s, 1) < min(e, len(tokens)) for s, e in logprob_ranges)  # position 0 has no logprob
         if budget:
@@ -220,6 +222,7 @@ class SessionStore:
                 dp_rank=session.dp_rank,
                 monitors=turn.monitors,
                 probabilities=turn.probabilities,
+                residual=turn.residual,
             )
         elif prefill_wanted:
             top_k = turn.logprob_top_k if scored else None
@@ -235,6 +238,7 @@ class SessionStore:
                     steer=steer,
                     dp_rank=session.dp_rank,
                     probabilities=turn.probabilities,
+                    residual=turn.residual,
                 )
 
         # Committed: the append is the client's content whatever happens to the turn.

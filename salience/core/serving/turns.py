@@ -11,9 +11,10 @@ from __future__ import annotations
 from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from salience.core.engine.generation import Generation, PromptScores
-from salience.core.engine.requests import FinishReason, ImageBlock, SamplingOptions, covers
+from salience.core.engine.requests import FinishReason, ImageBlock, ResidualRequest, SamplingOptions, covers
 from salience.core.probes.calibration import Monitor, MonitorEvent
 from salience.core.probes.steering import Intervention
 
@@ -39,6 +40,7 @@ class Turn:
     steer: Sequence[Intervention] = ()
     monitors: Sequence[Monitor] = ()  # watched on every decoded token (calibration.py)
     probabilities: bool = False  # readouts as calibrated probabilities
+    residual: ResidualRequest | None = None  # raw residual rows (absolute positions)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,6 +58,7 @@ class SessionToken:
     top_logprobs: tuple[tuple[int, float], ...]
     readout: tuple[float, ...] | None
     monitors: tuple[MonitorEvent, ...] = ()  # the turn's monitors that fired at this (decoded) token
+    residual: Any = None  # float32 [layers asked, hidden] where the turn's residual ranges cover it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +134,7 @@ class TurnRun:
                             top_logprobs=event.top_logprobs if covered else (),
                             readout=event.readout,
                             monitors=event.monitors,
+                            residual=event.residual,
                         )
                         stopped_by = event.stopped_by or stopped_by
                 reason = generation.finish_reason or FinishReason.CANCELLED
@@ -160,6 +164,7 @@ class TurnRun:
                     logprob=scored.logprob if covered else None,
                     top_logprobs=scored.top_logprobs if covered else (),
                     readout=scored.readout,
+                    residual=scored.residual,
                 )
             )
         return tokens

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from salience.proto.salience.v1 import salience_pb2 as salience_dot_proto_dot_salience_dot_v1_dot_salience__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/salience/proto/salience/ext/v1/extensions.proto\x12\x0fsalience.ext.v1\x1a)salience/proto/salience/v1/salience.proto\"\xed\x01\n\x14\x44\x65\x66ineConceptRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08positive\x18\x02 \x03(\t\x12\x10\n\x08negative\x18\x03 \x03(\t\x12\x0e\n\x06method\x18\x04 \x01(\t\x12\x0e\n\x06layers\x18\x05 \x03(\r\x12\x0e\n\x06vector\x18\x06 \x01(\x0c\x12\x43\n\x07vectors\x18\x07 \x03(\x0b\x32\x32.salience.ext.v1.DefineConceptRequest.VectorsEntry\x1a.\n\x0cVectorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"z\n\x15\x44\x65\x66ineConceptResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10manifest_version\x18\x02 \x01(\x04\x12*\n\x04info\x18\x03 \x01(\x0b\x32\x1c.salience.ext.v1.ConceptInfo\x12\r\n\x05table\x18\x04 \x01(\t\"$\n\x14\x44\x65leteConceptRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"1\n\x15\x44\x65leteConceptResponse\x12\x18\n\x10manifest_version\x18\x01 \x01(\x04\"\x15\n\x13SaveConceptsRequest\"=\n\x14SaveConceptsResponse\x12\x13\n\x0b\x63oncept_set\x18\x01 \x01(\x0c\x12\x10\n\x08\x63oncepts\x18\x02 \x03(\t\"\xc4\x02\n\x17\x45xtendedGenerateRequest\x12.\n\x08generate\x18\x01 \x01(\x0b\x32\x1c.salience.v1.GenerateRequest\x12\x34\n\rinterventions\x18\x02 \x03(\x0b\x32\x1d.salience.ext.v1.Intervention\x12N\n\x0ereadout_format\x18\x03 \x01(\x0e\x32\x36.salience.ext.v1.ExtendedGenerateRequest.ReadoutFormat\x12*\n\x08monitors\x18\x04 \x03(\x0b\x32\x18.salience.ext.v1.Monitor\"G\n\rReadoutFormat\x12\x16\n\x12READOUT_FORMAT_RAW\x10\x00\x12\x1e\n\x1aREADOUT_FORMAT_PROBABILITY\x10\x01\"\xe9\x01\n\x07Monitor\x12\x0f\n\x07\x63oncept\x18\x01 \x01(\t\x12\x12\n\x05layer\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x12\n\x05\x61\x62ove\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05\x62\x65low\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12/\n\x06\x61\x63tion\x18\x05 \x01(\x0e\x32\x1f.salience.ext.v1.Monitor.Action\"B\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x41\x43TION_FLAG\x10\x01\x12\x0f\n\x0b\x41\x43TION_STOP\x10\x02\x42\x08\n\x06_layerB\x08\n\x06_aboveB\x08\n\x06_below\"\x97\x01\n\x0cMonitorEvent\x12\x0f\n\x07monitor\x18\x01 \x01(\r\x12\x0f\n\x07\x63oncept\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x10\n\x08position\x18\x04 \x01(\r\x12\x13\n\x0bprobability\x18\x05 \x01(\x01\x12/\n\x06\x61\x63tion\x18\x06 \x01(\x0e\x32\x1f.salience.ext.v1.Monitor.Action\"\xa6\x01\n\x15\x45xtendedGenerateEvent\x12)\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1a.salience.v1.GenerateEvent\x12/\n\x08monitors\x18\x02 \x03(\x0b\x32\x1d.salience.ext.v1.MonitorEvent\x12\x31\n\nstopped_by\x18\x03 \x01(\x0b\x32\x1d.salience.ext.v1.MonitorEvent\"\x1b\n\x19GetConceptManifestRequest\"N\n\x0f\x43onceptManifest\x12*\n\x08\x63oncepts\x18\x01 \x03(\x0b\x32\x18.salience.ext.v1.Concept\x12\x0f\n\x07version\x18\x02 \x01(\x04\"Q\n\x07\x43oncept\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x04info\x18\x02 \x01(\x0b\x32\x1c.salience.ext.v1.ConceptInfo\x12\x0c\n\x04live\x18\x03 \x01(\x08\"\xdd\x01\n\x0b\x43onceptInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x19\n\x11recommended_layer\x18\x02 \x01(\r\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\r\n\x05n_fit\x18\x04 \x01(\r\x12\x11\n\tn_heldout\x18\x05 \x01(\r\x12)\n\x06layers\x18\x06 \x03(\x0b\x32\x19.salience.ext.v1.LayerFit\x12\x12\n\nvalidation\x18\x07 \x01(\t\x12\x14\n\x0cwrites_layer\x18\x08 \x01(\r\x12\x0e\n\x06raises\x18\t \x03(\t\x12\x0e\n\x06lowers\x18\n \x03(\t\"\xa2\x01\n\x08LayerFit\x12\r\n\x05layer\x18\x01 \x01(\r\x12\r\n\x05scale\x18\x02 \x01(\x01\x12\x0e\n\x06offset\x18\x03 \x01(\x01\x12\r\n\x05\x61uroc\x18\x04 \x01(\x01\x12\x10\n\x08\x61\x63\x63uracy\x18\x05 \x01(\x01\x12\x13\n\x0btoken_auroc\x18\x06 \x01(\x01\x12\x16\n\x0etoken_accuracy\x18\x07 \x01(\x01\x12\r\n\x05\x62rier\x18\x08 \x01(\x01\x12\x0b\n\x03\x65\x63\x65\x18\t \x01(\x01\"~\n\x16SteeredGenerateRequest\x12.\n\x08generate\x18\x01 \x01(\x0b\x32\x1c.salience.v1.GenerateRequest\x12\x34\n\rinterventions\x18\x02 \x03(\x0b\x32\x1d.salience.ext.v1.Intervention\"\xca\x02\n\x0cIntervention\x12\x11\n\tdirection\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\r\x12,\n\x02op\x18\x03 \x01(\x0e\x32 .salience.ext.v1.Intervention.Op\x12\r\n\x05value\x18\x04 \x01(\x01\x12\x0e\n\x06prompt\x18\x05 \x01(\x08\x12*\n\x06ranges\x18\x06 \x03(\x0b\x32\x1a.salience.v1.PositionRange\x12\x11\n\tgenerated\x18\x07 \x01(\x08\x12\x0f\n\x02lo\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x02hi\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x0e\n\x06vector\x18\n \x01(\x0c\"K\n\x02Op\x12\x12\n\x0eOP_UNSPECIFIED\x10\x00\x12\n\n\x06OP_ADD\x10\x01\x12\n\n\x06OP_SET\x10\x02\x12\r\n\tOP_ABLATE\x10\x03\x12\n\n\x06OP_CAP\x10\x04\x42\x05\n\x03_loB\x05\n\x03_hi\"\x1c\n\x1aGetSteeringManifestRequest\"\xc8\x01\n\x10SteeringManifest\x12?\n\ndirections\x18\x01 \x03(\x0b\x32+.salience.ext.v1.SteeringManifest.Direction\x12\x19\n\x11max_interventions\x18\x02 \x01(\r\x12\x15\n\rmax_magnitude\x18\x03 \x01(\x01\x12\x16\n\x0evector_columns\x18\x04 \x01(\r\x1a)\n\tDirection\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\r\"/\n\x10ImageInfoRequest\x12\r\n\x05\x62ytes\x18\x01 \x01(\x0c\x12\x0c\n\x04mime\x18\x02 \x01(\t\"\xe4\x01\n\x11ImageInfoResponse\x12\x12\n\npad_tokens\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x02 \x01(\r\x12\x0e\n\x06grid_t\x18\x03 \x01(\r\x12\x0e\n\x06grid_h\x18\x04 \x01(\r\x12\x0e\n\x06grid_w\x18\x05 \x01(\r\x12\x1d\n\x15vision_start_token_id\x18\x06 \x01(\r\x12\x1a\n\x12image_pad_token_id\x18\x07 \x01(\r\x12\x1b\n\x13vision_end_token_id\x18\x08 \x01(\r\x12\r\n\x05width\x18\t \x01(\r\x12\x0e\n\x06height\x18\n \x01(\r2\x92\x06\n\x12SalienceExtensions\x12R\n\tImageInfo\x12!.salience.ext.v1.ImageInfoRequest\x1a\".salience.ext.v1.ImageInfoResponse\x12X\n\x0fSteeredGenerate\x12\'.salience.ext.v1.SteeredGenerateRequest\x1a\x1a.salience.v1.GenerateEvent0\x01\x12\x65\n\x13GetSteeringManifest\x12+.salience.ext.v1.GetSteeringManifestRequest\x1a!.salience.ext.v1.SteeringManifest\x12\x66\n\x10\x45xtendedGenerate\x12(.salience.ext.v1.ExtendedGenerateRequest\x1a&.salience.ext.v1.ExtendedGenerateEvent0\x01\x12\x62\n\x12GetConceptManifest\x12*.salience.ext.v1.GetConceptManifestRequest\x1a .salience.ext.v1.ConceptManifest\x12^\n\rDefineConcept\x12%.salience.ext.v1.DefineConceptRequest\x1a&.salience.ext.v1.DefineConceptResponse\x12^\n\rDeleteConcept\x12%.salience.ext.v1.DeleteConceptRequest\x1a&.salience.ext.v1.DeleteConceptResponse\x12[\n\x0cSaveConcepts\x12$.salience.ext.v1.SaveConceptsRequest\x1a%.salience.ext.v1.SaveConceptsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/salience/proto/salience/ext/v1/extensions.proto\x12\x0fsalience.ext.v1\x1a)salience/proto/salience/v1/salience.proto\"\xed\x01\n\x14\x44\x65\x66ineConceptRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08positive\x18\x02 \x03(\t\x12\x10\n\x08negative\x18\x03 \x03(\t\x12\x0e\n\x06method\x18\x04 \x01(\t\x12\x0e\n\x06layers\x18\x05 \x03(\r\x12\x0e\n\x06vector\x18\x06 \x01(\x0c\x12\x43\n\x07vectors\x18\x07 \x03(\x0b\x32\x32.salience.ext.v1.DefineConceptRequest.VectorsEntry\x1a.\n\x0cVectorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"z\n\x15\x44\x65\x66ineConceptResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10manifest_version\x18\x02 \x01(\x04\x12*\n\x04info\x18\x03 \x01(\x0b\x32\x1c.salience.ext.v1.ConceptInfo\x12\r\n\x05table\x18\x04 \x01(\t\"$\n\x14\x44\x65leteConceptRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"1\n\x15\x44\x65leteConceptResponse\x12\x18\n\x10manifest_version\x18\x01 \x01(\x04\"\x15\n\x13SaveConceptsRequest\"=\n\x14SaveConceptsResponse\x12\x13\n\x0b\x63oncept_set\x18\x01 \x01(\x0c\x12\x10\n\x08\x63oncepts\x18\x02 \x03(\t\"\xf1\x02\n\x17\x45xtendedGenerateRequest\x12.\n\x08generate\x18\x01 \x01(\x0b\x32\x1c.salience.v1.GenerateRequest\x12\x34\n\rinterventions\x18\x02 \x03(\x0b\x32\x1d.salience.ext.v1.Intervention\x12N\n\x0ereadout_format\x18\x03 \x01(\x0e\x32\x36.salience.ext.v1.ExtendedGenerateRequest.ReadoutFormat\x12*\n\x08monitors\x18\x04 \x03(\x0b\x32\x18.salience.ext.v1.Monitor\x12+\n\x08residual\x18\x05 \x01(\x0b\x32\x19.salience.ext.v1.Residual\"G\n\rReadoutFormat\x12\x16\n\x12READOUT_FORMAT_RAW\x10\x00\x12\x1e\n\x1aREADOUT_FORMAT_PROBABILITY\x10\x01\"F\n\x08Residual\x12\x0e\n\x06layers\x18\x01 \x03(\r\x12*\n\x06ranges\x18\x02 \x03(\x0b\x32\x1a.salience.v1.PositionRange\"\xe9\x01\n\x07Monitor\x12\x0f\n\x07\x63oncept\x18\x01 \x01(\t\x12\x12\n\x05layer\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x12\n\x05\x61\x62ove\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05\x62\x65low\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12/\n\x06\x61\x63tion\x18\x05 \x01(\x0e\x32\x1f.salience.ext.v1.Monitor.Action\"B\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x41\x43TION_FLAG\x10\x01\x12\x0f\n\x0b\x41\x43TION_STOP\x10\x02\x42\x08\n\x06_layerB\x08\n\x06_aboveB\x08\n\x06_below\"\x97\x01\n\x0cMonitorEvent\x12\x0f\n\x07monitor\x18\x01 \x01(\r\x12\x0f\n\x07\x63oncept\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x10\n\x08position\x18\x04 \x01(\r\x12\x13\n\x0bprobability\x18\x05 \x01(\x01\x12/\n\x06\x61\x63tion\x18\x06 \x01(\x0e\x32\x1f.salience.ext.v1.Monitor.Action\"\xb8\x01\n\x15\x45xtendedGenerateEvent\x12)\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1a.salience.v1.GenerateEvent\x12/\n\x08monitors\x18\x02 \x03(\x0b\x32\x1d.salience.ext.v1.MonitorEvent\x12\x31\n\nstopped_by\x18\x03 \x01(\x0b\x32\x1d.salience.ext.v1.MonitorEvent\x12\x10\n\x08residual\x18\x04 \x01(\x0c\"\x1b\n\x19GetConceptManifestRequest\"N\n\x0f\x43onceptManifest\x12*\n\x08\x63oncepts\x18\x01 \x03(\x0b\x32\x18.salience.ext.v1.Concept\x12\x0f\n\x07version\x18\x02 \x01(\x04\"Q\n\x07\x43oncept\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x04info\x18\x02 \x01(\x0b\x32\x1c.salience.ext.v1.ConceptInfo\x12\x0c\n\x04live\x18\x03 \x01(\x08\"\xdd\x01\n\x0b\x43onceptInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x19\n\x11recommended_layer\x18\x02 \x01(\r\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\r\n\x05n_fit\x18\x04 \x01(\r\x12\x11\n\tn_heldout\x18\x05 \x01(\r\x12)\n\x06layers\x18\x06 \x03(\x0b\x32\x19.salience.ext.v1.LayerFit\x12\x12\n\nvalidation\x18\x07 \x01(\t\x12\x14\n\x0cwrites_layer\x18\x08 \x01(\r\x12\x0e\n\x06raises\x18\t \x03(\t\x12\x0e\n\x06lowers\x18\n \x03(\t\"\xa2\x01\n\x08LayerFit\x12\r\n\x05layer\x18\x01 \x01(\r\x12\r\n\x05scale\x18\x02 \x01(\x01\x12\x0e\n\x06offset\x18\x03 \x01(\x01\x12\r\n\x05\x61uroc\x18\x04 \x01(\x01\x12\x10\n\x08\x61\x63\x63uracy\x18\x05 \x01(\x01\x12\x13\n\x0btoken_auroc\x18\x06 \x01(\x01\x12\x16\n\x0etoken_accuracy\x18\x07 \x01(\x01\x12\r\n\x05\x62rier\x18\x08 \x01(\x01\x12\x0b\n\x03\x65\x63\x65\x18\t \x01(\x01\"~\n\x16SteeredGenerateRequest\x12.\n\x08generate\x18\x01 \x01(\x0b\x32\x1c.salience.v1.GenerateRequest\x12\x34\n\rinterventions\x18\x02 \x03(\x0b\x32\x1d.salience.ext.v1.Intervention\"\xca\x02\n\x0cIntervention\x12\x11\n\tdirection\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\r\x12,\n\x02op\x18\x03 \x01(\x0e\x32 .salience.ext.v1.Intervention.Op\x12\r\n\x05value\x18\x04 \x01(\x01\x12\x0e\n\x06prompt\x18\x05 \x01(\x08\x12*\n\x06ranges\x18\x06 \x03(\x0b\x32\x1a.salience.v1.PositionRange\x12\x11\n\tgenerated\x18\x07 \x01(\x08\x12\x0f\n\x02lo\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x02hi\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x0e\n\x06vector\x18\n \x01(\x0c\"K\n\x02Op\x12\x12\n\x0eOP_UNSPECIFIED\x10\x00\x12\n\n\x06OP_ADD\x10\x01\x12\n\n\x06OP_SET\x10\x02\x12\r\n\tOP_ABLATE\x10\x03\x12\n\n\x06OP_CAP\x10\x04\x42\x05\n\x03_loB\x05\n\x03_hi\"\x1c\n\x1aGetSteeringManifestRequest\"\xc8\x01\n\x10SteeringManifest\x12?\n\ndirections\x18\x01 \x03(\x0b\x32+.salience.ext.v1.SteeringManifest.Direction\x12\x19\n\x11max_interventions\x18\x02 \x01(\r\x12\x15\n\rmax_magnitude\x18\x03 \x01(\x01\x12\x16\n\x0evector_columns\x18\x04 \x01(\r\x1a)\n\tDirection\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\r\"/\n\x10ImageInfoRequest\x12\r\n\x05\x62ytes\x18\x01 \x01(\x0c\x12\x0c\n\x04mime\x18\x02 \x01(\t\"\xe4\x01\n\x11ImageInfoResponse\x12\x12\n\npad_tokens\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x02 \x01(\r\x12\x0e\n\x06grid_t\x18\x03 \x01(\r\x12\x0e\n\x06grid_h\x18\x04 \x01(\r\x12\x0e\n\x06grid_w\x18\x05 \x01(\r\x12\x1d\n\x15vision_start_token_id\x18\x06 \x01(\r\x12\x1a\n\x12image_pad_token_id\x18\x07 \x01(\r\x12\x1b\n\x13vision_end_token_id\x18\x08 \x01(\r\x12\r\n\x05width\x18\t \x01(\r\x12\x0e\n\x06height\x18\n \x01(\r2\x92\x06\n\x12SalienceExtensions\x12R\n\tImageInfo\x12!.salience.ext.v1.ImageInfoRequest\x1a\".salience.ext.v1.ImageInfoResponse\x12X\n\x0fSteeredGenerate\x12\'.salience.ext.v1.SteeredGenerateRequest\x1a\x1a.salience.v1.GenerateEvent0\x01\x12\x65\n\x13GetSteeringManifest\x12+.salience.ext.v1.GetSteeringManifestRequest\x1a!.salience.ext.v1.SteeringManifest\x12\x66\n\x10\x45xtendedGenerate\x12(.salience.ext.v1.ExtendedGenerateRequest\x1a&.salience.ext.v1.ExtendedGenerateEvent0\x01\x12\x62\n\x12GetConceptManifest\x12*.salience.ext.v1.GetConceptManifestRequest\x1a .salience.ext.v1.ConceptManifest\x12^\n\rDefineConcept\x12%.salience.ext.v1.DefineConceptRequest\x1a&.salience.ext.v1.DefineConceptResponse\x12^\n\rDeleteConcept\x12%.salience.ext.v1.DeleteConceptRequest\x1a&.salience.ext.v1.DeleteConceptResponse\x12[\n\x0cSaveConcepts\x12$.salience.ext.v1.SaveConceptsRequest\x1a%.salience.ext.v1.SaveConceptsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,43 +49,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAVECONCEPTSRESPONSE']._serialized_start=587
   _globals['_SAVECONCEPTSRESPONSE']._serialized_end=648
   _globals['_EXTENDEDGENERATEREQUEST']._serialized_start=651
-  _globals['_EXTENDEDGENERATEREQUEST']._serialized_end=975
-  _globals['_EXTENDEDGENERATEREQUEST_READOUTFORMAT']._serialized_start=904
-  _globals['_EXTENDEDGENERATEREQUEST_READOUTFORMAT']._serialized_end=975
-  _globals['_MONITOR']._serialized_start=978
-  _globals['_MONITOR']._serialized_end=1211
-  _globals['_MONITOR_ACTION']._serialized_start=1115
-  _globals['_MONITOR_ACTION']._serialized_end=1181
-  _globals['_MONITOREVENT']._serialized_start=1214
-  _globals['_MONITOREVENT']._serialized_end=1365
-  _globals['_EXTENDEDGENERATEEVENT']._serialized_start=1368
-  _globals['_EXTENDEDGENERATEEVENT']._serialized_end=1534
-  _globals['_GETCONCEPTMANIFESTREQUEST']._serialized_start=1536
-  _globals['_GETCONCEPTMANIFESTREQUEST']._serialized_end=1563
-  _globals['_CONCEPTMANIFEST']._serialized_start=1565
-  _globals['_CONCEPTMANIFEST']._serialized_end=1643
-  _globals['_CONCEPT']._serialized_start=1645
-  _globals['_CONCEPT']._serialized_end=1726
-  _globals['_CONCEPTINFO']._serialized_start=1729
-  _globals['_CONCEPTINFO']._serialized_end=1950
-  _globals['_LAYERFIT']._serialized_start=1953
-  _globals['_LAYERFIT']._serialized_end=2115
-  _globals['_STEEREDGENERATEREQUEST']._serialized_start=2117
-  _globals['_STEEREDGENERATEREQUEST']._serialized_end=2243
-  _globals['_INTERVENTION']._serialized_start=2246
-  _globals['_INTERVENTION']._serialized_end=2576
-  _globals['_INTERVENTION_OP']._serialized_start=2487
-  _globals['_INTERVENTION_OP']._serialized_end=2562
-  _globals['_GETSTEERINGMANIFESTREQUEST']._serialized_start=2578
-  _globals['_GETSTEERINGMANIFESTREQUEST']._serialized_end=2606
-  _globals['_STEERINGMANIFEST']._serialized_start=2609
-  _globals['_STEERINGMANIFEST']._serialized_end=2809
-  _globals['_STEERINGMANIFEST_DIRECTION']._serialized_start=2768
-  _globals['_STEERINGMANIFEST_DIRECTION']._serialized_end=2809
-  _globals['_IMAGEINFOREQUEST']._serialized_start=2811
-  _globals['_IMAGEINFOREQUEST']._serialized_end=2858
-  _globals['_IMAGEINFORESPONSE']._serialized_start=2861
-  _globals['_IMAGEINFORESPONSE']._serialized_end=3089
-  _globals['_SALIENCEEXTENSIONS']._serialized_start=3092
-  _globals['_SALIENCEEXTENSIONS']._serialized_end=3878
+  _globals['_EXTENDEDGENERATEREQUEST']._serialized_end=1020
+  _globals['_EXTENDEDGENERATEREQUEST_READOUTFORMAT']._serialized_start=949
+  _globals['_EXTENDEDGENERATEREQUEST_READOUTFORMAT']._serialized_end=1020
+  _globals['_RESIDUAL']._serialized_start=1022
+  _globals['_RESIDUAL']._serialized_end=1092
+  _globals['_MONITOR']._serialized_start=1095
+  _globals['_MONITOR']._serialized_end=1328
+  _globals['_MONITOR_ACTION']._serialized_start=1232
+  _globals['_MONITOR_ACTION']._serialized_end=1298
+  _globals['_MONITOREVENT']._serialized_start=1331
+  _globals['_MONITOREVENT']._serialized_end=1482
+  _globals['_EXTENDEDGENERATEEVENT']._serialized_start=1485
+  _globals['_EXTENDEDGENERATEEVENT']._serialized_end=1669
+  _globals['_GETCONCEPTMANIFESTREQUEST']._serialized_start=1671
+  _globals['_GETCONCEPTMANIFESTREQUEST']._serialized_end=1698
+  _globals['_CONCEPTMANIFEST']._serialized_start=1700
+  _globals['_CONCEPTMANIFEST']._serialized_end=1778
+  _globals['_CONCEPT']._serialized_start=1780
+  _globals['_CONCEPT']._serialized_end=1861
+  _globals['_CONCEPTINFO']._serialized_start=1864
+  _globals['_CONCEPTINFO']._serialized_end=2085
+  _globals['_LAYERFIT']._serialized_start=2088
+  _globals['_LAYERFIT']._serialized_end=2250
+  _globals['_STEEREDGENERATEREQUEST']._serialized_start=2252
+  _globals['_STEEREDGENERATEREQUEST']._serialized_end=2378
+  _globals['_INTERVENTION']._serialized_start=2381
+  _globals['_INTERVENTION']._serialized_end=2711
+  _globals['_INTERVENTION_OP']._serialized_start=2622
+  _globals['_INTERVENTION_OP']._serialized_end=2697
+  _globals['_GETSTEERINGMANIFESTREQUEST']._serialized_start=2713
+  _globals['_GETSTEERINGMANIFESTREQUEST']._serialized_end=2741
+  _globals['_STEERINGMANIFEST']._serialized_start=2744
+  _globals['_STEERINGMANIFEST']._serialized_end=2944
+  _globals['_STEERINGMANIFEST_DIRECTION']._serialized_start=2903
+  _globals['_STEERINGMANIFEST_DIRECTION']._serialized_end=2944
+  _globals['_IMAGEINFOREQUEST']._serialized_start=2946
+  _globals['_IMAGEINFOREQUEST']._serialized_end=2993
+  _globals['_IMAGEINFORESPONSE']._serialized_start=2996
+  _globals['_IMAGEINFORESPONSE']._serialized_end=3224
+  _globals['_SALIENCEEXTENSIONS']._serialized_start=3227
+  _globals['_SALIENCEEXTENSIONS']._serialized_end=4013
 # @@protoc_insertion_point(module_scope)

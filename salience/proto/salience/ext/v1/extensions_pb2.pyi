@@ -70,7 +70,7 @@ class SaveConceptsResponse(_message.Message):
     def __init__(self, concept_set: _Optional[bytes] = ..., concepts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ExtendedGenerateRequest(_message.Message):
-    __slots__ = ("generate", "interventions", "readout_format", "monitors")
+    __slots__ = ("generate", "interventions", "readout_format", "monitors", "residual")
     class ReadoutFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         READOUT_FORMAT_RAW: _ClassVar[ExtendedGenerateRequest.ReadoutFormat]
@@ -81,11 +81,21 @@ class ExtendedGenerateRequest(_message.Message):
     INTERVENTIONS_FIELD_NUMBER: _ClassVar[int]
     READOUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     MONITORS_FIELD_NUMBER: _ClassVar[int]
+    RESIDUAL_FIELD_NUMBER: _ClassVar[int]
     generate: _salience_pb2.GenerateRequest
     interventions: _containers.RepeatedCompositeFieldContainer[Intervention]
     readout_format: ExtendedGenerateRequest.ReadoutFormat
     monitors: _containers.RepeatedCompositeFieldContainer[Monitor]
-    def __init__(self, generate: _Optional[_Union[_salience_pb2.GenerateRequest, _Mapping]] = ..., interventions: _Optional[_Iterable[_Union[Intervention, _Mapping]]] = ..., readout_format: _Optional[_Union[ExtendedGenerateRequest.ReadoutFormat, str]] = ..., monitors: _Optional[_Iterable[_Union[Monitor, _Mapping]]] = ...) -> None: ...
+    residual: Residual
+    def __init__(self, generate: _Optional[_Union[_salience_pb2.GenerateRequest, _Mapping]] = ..., interventions: _Optional[_Iterable[_Union[Intervention, _Mapping]]] = ..., readout_format: _Optional[_Union[ExtendedGenerateRequest.ReadoutFormat, str]] = ..., monitors: _Optional[_Iterable[_Union[Monitor, _Mapping]]] = ..., residual: _Optional[_Union[Residual, _Mapping]] = ...) -> None: ...
+
+class Residual(_message.Message):
+    __slots__ = ("layers", "ranges")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    ranges: _containers.RepeatedCompositeFieldContainer[_salience_pb2.PositionRange]
+    def __init__(self, layers: _Optional[_Iterable[int]] = ..., ranges: _Optional[_Iterable[_Union[_salience_pb2.PositionRange, _Mapping]]] = ...) -> None: ...
 
 class Monitor(_message.Message):
     __slots__ = ("concept", "layer", "above", "below", "action")
@@ -126,14 +136,16 @@ class MonitorEvent(_message.Message):
     def __init__(self, monitor: _Optional[int] = ..., concept: _Optional[str] = ..., layer: _Optional[int] = ..., position: _Optional[int] = ..., probability: _Optional[float] = ..., action: _Optional[_Union[Monitor.Action, str]] = ...) -> None: ...
 
 class ExtendedGenerateEvent(_message.Message):
-    __slots__ = ("event", "monitors", "stopped_by")
+    __slots__ = ("event", "monitors", "stopped_by", "residual")
     EVENT_FIELD_NUMBER: _ClassVar[int]
     MONITORS_FIELD_NUMBER: _ClassVar[int]
     STOPPED_BY_FIELD_NUMBER: _ClassVar[int]
+    RESIDUAL_FIELD_NUMBER: _ClassVar[int]
     event: _salience_pb2.GenerateEvent
     monitors: _containers.RepeatedCompositeFieldContainer[MonitorEvent]
     stopped_by: MonitorEvent
-    def __init__(self, event: _Optional[_Union[_salience_pb2.GenerateEvent, _Mapping]] = ..., monitors: _Optional[_Iterable[_Union[MonitorEvent, _Mapping]]] = ..., stopped_by: _Optional[_Union[MonitorEvent, _Mapping]] = ...) -> None: ...
+    residual: bytes
+    def __init__(self, event: _Optional[_Union[_salience_pb2.GenerateEvent, _Mapping]] = ..., monitors: _Optional[_Iterable[_Union[MonitorEvent, _Mapping]]] = ..., stopped_by: _Optional[_Union[MonitorEvent, _Mapping]] = ..., residual: _Optional[bytes] = ...) -> None: ...
 
 class GetConceptManifestRequest(_message.Message):
     __slots__ = ()
