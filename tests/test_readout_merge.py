@@ -19,7 +19,7 @@ from salience.core.probes.readouts import ReadoutHub
 from salience.errors import EngineError
 
 LAYERS, CONCEPTS = (0, 2, 3), ("a", "b")
-SET = SimpleNamespace(layers=LAYERS, concepts=CONCEPTS, manifest={})
+SET = SimpleNamespace(layers=LAYERS, concepts=CONCEPTS, info=(), hidden_size=4)
 
 
 def block(rows: dict[int, list[float]]) -> list[bytes]:
@@ -66,7 +66,7 @@ async def test_a_position_waits_for_every_stage() -> None:
         [{}, {}, {"k": block({6: row({1: 5.0, 2: 6.0})})}, {}],
     ]
     hub = await ReadoutHub.install(ScriptedLLM(takes, SETUP), SET)
-    hub.register("k")
+    hub.register("k", len(CONCEPTS))
     first = await hub.take("k", [5])
     assert first == {5: pytest.approx(tuple(row({0: 1.0, 1: 3.0, 2: 4.0})))}
     assert hub._buffers["k"] == {} and list(hub._partial["k"]) == [6]  # 6 is half there: not handed out
@@ -98,8 +98,8 @@ async def test_each_dp_engine_is_read() -> None:
 
     llm = SimpleNamespace(engine_core=SimpleNamespace(call_utility_all_async=call_utility_all_async))
     hub = await ReadoutHub.install(llm, SET, engines=2)
-    hub.register("on0")
-    hub.register("on1")
+    hub.register("on0", len(CONCEPTS))
+    hub.register("on1", len(CONCEPTS))
     assert await hub.take("on1", [7]) == {7: pytest.approx(tuple(full))}
     assert await hub.take("on0", [1]) == {1: pytest.approx(tuple(full))}
     assert hub.origin == {"on0": 0, "on1": 1}
@@ -126,7 +126,7 @@ async def test_rows_that_come_with_the_step_outputs_are_filed_before_vllm_sees_t
 
     llm.engine_core = SimpleNamespace(call_utility_all_async=call_utility_all_async)
     hub = await ReadoutHub.install(llm, SET, engines=2, with_output=True)
-    hub.register("k")
+    hub.register("k", len(CONCEPTS))
 
     def payload(engine: int, key: str, rows: dict) -> dict:
         return {PAYLOAD: {"engine": engine, "blocks": [[key, *block(rows)]]}}

@@ -175,7 +175,7 @@ async def test_grpc_an_unspecified_op_is_refused(engine: Engine, served: Fronten
         with pytest.raises(grpc.aio.AioRpcError) as info:
             [e async for e in extensions_pb2_grpc.SalienceExtensionsStub(channel).SteeredGenerate(request)]
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert info.value.details().startswith("steer[0]: op must be OP_ADD, OP_SET or OP_ABLATE (request_id=")
+        assert info.value.details().startswith("steer[0]: op must be OP_ADD, OP_SET, OP_ABLATE or OP_CAP (request_id=")
         dumped = await seed.DumpSession(pb.DumpSessionRequest(session_id=session_id))
         assert list(dumped.tokens) == []
     assert engine.num_unfinished_requests() == 0

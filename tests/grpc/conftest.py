@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest_asyncio
 
+from salience.auth import Tokens
 from salience.core.engine.engine import Engine
 from salience.core.probes.concepts import ConceptSet
 from salience.core.serving.sessions import SessionLimits, SessionStore
@@ -51,7 +52,7 @@ async def serve_grpc(grpc_engine: Engine) -> ServerFactory:
         status = ServerStatus(MODEL, {"tiny-alias"})
         status.ready(grpc_engine)
         sessions = SessionStore(status.serving_engine, limits)
-        server = await start_grpc_server(status, sessions, "127.0.0.1", 0, token)
+        server = await start_grpc_server(status, sessions, "127.0.0.1", 0, Tokens(token))
         await server.serving(True)
         try:
             yield Served(grpc_engine, status, sessions, server)
