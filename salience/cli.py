@@ -182,6 +182,23 @@ def _parser() -> argparse.ArgumentParser:
         help=f"the server's operator token (default: ${ADMIN_TOKEN_ENV})",
     )
 
+    capture = commands.add_parser(
+        "capture", help="run a corpus through the engine and write residual activations to shards"
+    )
+    capture.add_argument("corpus", type=Path, help="text lines, or JSONL with a text (and id) per line")
+    capture.add_argument("--layers", required=True, help="layers to capture: 15, 10,20 or 8-12")
+    capture.add_argument("-o", "--output", type=Path, required=True, help="folder for the shards (resumed if present)")
+    capture.add_argument("--model", type=Path, help="model folder (default: the embedded model)")
+    capture.add_argument("--server", help="capture through a running server's gRPC (HOST:PORT) instead")
+    capture.add_argument("--token", default=token_from_environment(), help=f"the server's token (${AUTH_TOKEN_ENV})")
+    capture.add_argument("--drop-first", action="store_true", help="leave each document's first position out")
+    capture.add_argument("--max-tokens-per-doc", type=int, help="cut documents there (always cut to the context)")
+    capture.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    capture.add_argument("--shard-tokens", type=int, default=65536)
+    capture.add_argument("--batch", type=int, default=16, help="documents at a time")
+    capture.add_argument("--max-model-len", type=int, default=4096)
+    capture.add_argument("--eager", dest="compile", action="store_false", help="no compiled graph (starts sooner)")
+
     repl = commands.add_parser("repl", help="interactive prompt against a running server")
     repl.add_argument("url", nargs="?", default="ws://127.0.0.1:8080/", help="LMTP WebSocket URL")
     return parser
@@ -308,6 +325,34 @@ def _concepts(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _capture(args: argparse.Namespace) -> int:
+    from salience.capture.run import CaptureOptions, capture, parse_layers
+    from salience.capture.sources import EngineSource, GrpcSource
+    from salience.core.models.default_model import ensure_default_model
+    from salience.core.models.folders import inspect_model_folder
+
+    options = CaptureOptions(
+        layers=parse_layers(args.layers),
+        drop_first=args.drop_first,
+        max_tokens_per_document=args.max_tokens_per_doc,
+        dtype=args.dtype,
+        shard_tokens=args.shard_tokens,
+        batch=args.batch,
+    )
+    model = inspect_model_folder(args.model or ensure_default_model()).path
+    if args.server:
+        source = await GrpcSource.connect(args.server, args.token, model)
+    else:
+        source = await EngineSource.start(model, options.layers, args.max_model_len, compile=args.compile)
+    try:
+        writer = await capture(args.corpus, args.output, source, model.name, options)
+    finally:
+        await source.close()
+    shards = len(writer.shards)
+    print(f"{writer.tokens_done} tokens of {writer.documents_done} documents in {shards} shards: {args.output}")
+    return 0
+
+
 async def _save_from(url: str, token: str | None) -> bytes:
     import base64
 
@@ -337,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_repl(args.url)
     try:
+        if args.command == "capture":
+            return asyncio.run(_capture(args))
         return _concepts(args) if args.command == "concepts" else _serve(args)
     except SalienceError as exc:
         print(f"salience: error: {exc}", file=sys.stderr)

@@ -39,7 +39,7 @@ class SalienceService(salience_pb2_grpc.SalienceServicer):
     @translating
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext):
         engine = self._status.serving_engine()
-        self._status.check_model(request.model)
+        self._status.check_model(request.model or None)  # proto3: unset is "", the served model
         return pb.OpenSessionResponse(session_id=self._sessions.open(), max_model_len=engine.max_model_len)
 
     @translating
