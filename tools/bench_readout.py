@@ -9,8 +9,10 @@ Three servers on the default model, started once, driven over LMTP in one run:
 - `--spare-concepts 0`: readouts without the spare columns live concepts take (what those
   16 zero columns cost).
 
-The default server is driven three ways: raw readouts, readouts as calibrated probabilities,
-and raw readouts with one `flag` monitor per concept (p > 0.5 at its recommended layer). For
+The default server is driven four ways: raw readouts, readouts as calibrated probabilities,
+raw readouts with one `flag` monitor per concept (p > 0.5 at its recommended layer), and raw
+readouts plus the residual rows of one middle layer on every generated token
+(docs/residuals.md). For
 each stream count N, N concurrent streams (greedy, P-token prompts, M tokens each, EOS masked)
 go to each of the five in rotating order, repeated; the medians give tokens/s and the ratios
 against `--no-readouts`, and monitors against plain readouts. Servers are started one after
@@ -105,9 +107,11 @@ class Way:
     rates: dict[int, list[float]] = field(default_factory=dict)
 
 
-def ways(running: list[Server], concepts: list[str]) -> list[Way]:
+def ways(running: list[Server], concepts: list[str], layers: list[int]) -> list[Way]:
     fastest, default, eager, unspared = running
     monitors = [{"concept": name, "above": 0.5, "action": "flag"} for name in concepts]
+    middle = layers[len(layers) // 2]
+    residual = {"residual": {"layers": [middle]}}  # ranges: each stream's generated tokens (run)
     return [
         Way("compiled, no readouts", fastest, False),
         Way("readouts", default, True),
@@ -115,6 +119,7 @@ def ways(running: list[Server], concepts: list[str]) -> list[Way]:
         Way(f"readouts + {len(monitors)} monitors", default, True, {"monitors": monitors}),
         Way("eager + readouts", eager, True),
         Way("readouts, no spare columns", unspared, True),
+        Way(f"readouts + residual rows (layer {middle})", default, True, residual),
     ]
 
 
@@ -151,10 +156,15 @@ async def run(way: Way, model: str, batch: list[list[int]], tokens: int, eos: in
 
         async def one(prompt: list[int]) -> tuple[int, int]:
             fields = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, **way.fields}
+            generated_range = [[len(prompt), len(prompt) + tokens]]
             if way.reads:
-                fields["readout"] = [[len(prompt), len(prompt) + tokens]]
+                fields["readout"] = generated_range
+            if "residual" in fields:
+                fields["residual"] = {**fields["residual"], "ranges": generated_range}
             payloads = [p async for p in client.stream("GENERATE", logit_bias={str(eos): -100.0}, **fields)]
             generated = [p for p in payloads if "token" in p and not p.get("prompt")]
+            if "residual" in fields:
+                assert all("residual" in p for p in generated), f"{way.name}: a token without its residual rows"
             return len(generated), sum(p.get("readout") is not None for p in generated)
 
         started = time.perf_counter()
@@ -183,9 +193,9 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as cache:
         async with servers(DEFAULT_MODEL_NAME, cache, args.warm) as (running, cold):
             client = await LmtpClient.connect(running[1].url)
-            concepts = (await client.request("MODEL_INFO"))["model_info"]["readout_manifest"]["concepts"]
+            manifest = (await client.request("MODEL_INFO"))["model_info"]["readout_manifest"]
             await client.close()
-            driven = ways(running, concepts)
+            driven = ways(running, manifest["concepts"], manifest["layers"])
             await measure(driven, counts, args, eos)
     report(running, driven, counts, args, cold)
 
@@ -218,12 +228,13 @@ def report(running: list[Server], driven: list[Way], counts: list[int], args: ar
     )
     names = " | ".join(f"{w.name} tok/s" for w in driven)
     ratios = " | ".join(f"{w.name} / fastest" for w in driven[1:])
-    print(f"\n| streams | {names} | {ratios} | monitors / readouts | readouts / no spare columns |")
-    print("|---:" * (2 * len(driven) + 2) + "|")
+    extra = "monitors / readouts | readouts / no spare columns | with residual rows / readouts"
+    print(f"\n| streams | {names} | {ratios} | {extra} |")
+    print("|---:" * (2 * len(driven) + 3) + "|")
     for n in counts:
         rates = [statistics.median(w.rates[n]) for w in driven]
         cells = " | ".join(f"{r:.1f}" for r in rates) + " | " + " | ".join(f"{r / rates[0]:.2f}" for r in rates[1:])
-        print(f"| {n} | {cells} | {rates[3] / rates[1]:.2f} | {rates[1] / rates[5]:.2f} |")
+        print(f"| {n} | {cells} | {rates[3] / rates[1]:.2f} | {rates[1] / rates[5]:.2f} | {rates[6] / rates[1]:.2f} |")
     starts = ", ".join(f"{s.name} {s.start_seconds:.0f} s" for s in running)
     first = f"default with empty compile caches {cold:.0f} s; then " if cold else ""
     print(f"\nstart to ready: {first}{starts}")
