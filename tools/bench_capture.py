@@ -26,7 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from salience.core.models.home import configure_environment
+from salience.logs import setup_logging
+
+configure_environment()  # before torch and vLLM are imported: their caches live under $SALIENCE_HOME
+setup_logging()  # and vLLM's processes log quietly
+
+import torch  # noqa: E402
 
 
 def stdlib_documents(count: int, max_chars: int = 2000) -> list[str]:
@@ -75,9 +81,7 @@ async def main() -> None:
     from salience.capture.run import CaptureOptions, capture, parse_layers
     from salience.capture.sources import EngineSource
     from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-    from salience.core.models.home import configure_environment
 
-    configure_environment()
     model_dir = ensure_default_model()
     layers = parse_layers(args.layers)
     texts = stdlib_documents(args.documents)
