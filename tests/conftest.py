@@ -105,6 +105,13 @@ def tiny_reference(tiny_model: Path) -> Reference:
     return Reference(tiny_model)
 
 
+async def drop_live_concepts(engine: Engine) -> None:
+    """Delete every live concept and wait until their columns are zeroed: the next test starts clean."""
+    for concept in engine.live.table.live():
+        engine.live.delete(concept.name)
+    await engine.live.settled()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -23,7 +23,7 @@ from salience.core.serving.concept_builder import fit_concept
 from salience.core.serving.live_concepts import VALIDATION, ConceptDefinition
 from salience.core.serving.status import ServerStatus
 from salience.errors import ContextOverflow, InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
-from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
+from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, drop_live_concepts, start_engine
 from tests.reference import Reference, assert_readouts_close, reference_readouts
 from tests.test_steering import check_against_reference, in_one_step, run
 
@@ -56,9 +56,7 @@ def status(engine: Engine) -> ServerStatus:
 @pytest_asyncio.fixture(autouse=True)
 async def no_live_concepts_left(engine: Engine) -> AsyncIterator[None]:
     yield
-    for concept in engine.live.table.live():
-        engine.live.delete(concept.name)
-    await engine.live.settled()
+    await drop_live_concepts(engine)
 
 
 def vectors(seed: int, scale: float = 3.0) -> dict[int, torch.Tensor]:

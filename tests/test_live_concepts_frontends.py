@@ -21,7 +21,7 @@ from salience.core.probes.steering import Intervention, Op
 from salience.grpc_frontend.client import AsyncSalienceClient
 from salience.lmtp.client import LmtpClient, LmtpStreamError
 from salience.lmtp.session import LmtpConfig
-from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
+from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, drop_live_concepts, start_engine
 from tests.inprocess import Frontends, frontends
 
 PROMPT = [0, *range(100, 130)]
@@ -45,9 +45,7 @@ async def served(engine: Engine) -> AsyncIterator[Frontends]:
 @pytest_asyncio.fixture(autouse=True)
 async def no_live_concepts_left(engine: Engine) -> AsyncIterator[None]:
     yield
-    for concept in engine.live.table.live():
-        engine.live.delete(concept.name)
-    await engine.live.settled()
+    await drop_live_concepts(engine)
 
 
 async def connect(served: Frontends, token: str) -> LmtpClient:

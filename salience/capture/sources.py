@@ -54,6 +54,11 @@ def capture_concepts(model: Path, layers: Sequence[int]):
     )
 
 
+def no_rows(layers: int, hidden: int) -> Rows:
+    """A document too short to have a position at or after the first one captured."""
+    return np.zeros(0, np.int64), np.zeros((0, layers, hidden), np.float32)
+
+
 class EngineSource:
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -84,7 +89,7 @@ class EngineSource:
     async def rows(self, documents: Sequence[list[int]], layers: Sequence[int], start: int) -> list[Rows]:
         async def one(ids: list[int]) -> Rows:
             if len(ids) <= start:
-                return np.zeros(0, np.int64), np.zeros((0, len(layers), self.hidden_size), np.float32)
+                return no_rows(len(layers), self.hidden_size)
             residual = ResidualRequest(layers=tuple(layers), ranges=((start, len(ids)),))
             scores = await self.engine.prefill(ids, residual=residual)
             positions = sorted(scores.residuals)
@@ -134,7 +139,7 @@ class GrpcSource:
 
         async def one(ids: list[int]) -> Rows:
             if len(ids) <= start:
-                return np.zeros(0, np.int64), np.zeros((0, len(layers), self.hidden_size), np.float32)
+                return no_rows(len(layers), self.hidden_size)
             opened = await client._stub.OpenSession(
                 pb.OpenSessionRequest(model=self._model_name), metadata=client._metadata
             )

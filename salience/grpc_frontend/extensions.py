@@ -11,7 +11,7 @@ import grpc
 from salience.auth import Tokens
 from salience.core.engine.images import Vision
 from salience.core.engine.requests import ResidualRequest
-from salience.core.probes.calibration import Action, Monitor, MonitorEvent, parse_monitors
+from salience.core.probes.calibration import Action, Monitor, MonitorEvent, calibrated, parse_monitors
 from salience.core.probes.steering import MAX_INTERVENTIONS, MAX_MAGNITUDE, Intervention, Op
 from salience.core.serving import live_concepts
 from salience.core.serving.live_concepts import ConceptDefinition
@@ -92,7 +92,7 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
             manifest.version = view.version
             for name, info in zip(view.concepts, view.info, strict=True):
                 concept = manifest.concepts.add(name=name, live=name in view.live)
-                if info and info.get("layers"):
+                if calibrated(info):
                     concept.info.CopyFrom(_concept_info(info))
         return manifest
 
@@ -112,7 +112,7 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
             name=reply["concept"], manifest_version=reply["version"], table=reply["table"]
         )
         info = reply["concept_info"]
-        if info and info.get("layers"):
+        if calibrated(info):
             response.info.CopyFrom(_concept_info(info))
         return response
 

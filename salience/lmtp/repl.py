@@ -23,6 +23,7 @@ import sys
 from typing import Any
 
 from salience.core.models.home import salience_home
+from salience.core.probes.calibration import calibrated
 from salience.lmtp.client import LmtpClient, LmtpStreamError
 from salience.lmtp.repl_parsing import parse_line, parse_monitor, parse_steer
 
@@ -153,7 +154,7 @@ class Repl:
         )
         for name, info in zip(manifest["concepts"], manifest["concept_info"], strict=True):
             kind = "live" if name in manifest["live"] else "loaded"
-            if info and info.get("layers"):
+            if calibrated(info):
                 best = next(fit for fit in info["layers"] if fit["layer"] == info["recommended_layer"])
                 facts = f"{info['method']}, layer {info['recommended_layer']}, held-out AUROC {best['auroc']:.3f}"
             else:

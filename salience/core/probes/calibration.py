@@ -28,10 +28,17 @@ __all__ = [
     "Monitor",
     "MonitorEvent",
     "MonitorState",
+    "calibrated",
     "parse_monitors",
 ]
 
 MAX_MONITORS = 16  # per request
+
+
+def calibrated(info: Mapping | None) -> bool:
+    """Whether a concept_info entry carries a calibration (a built concept; not one made by hand
+    or given as raw vectors)."""
+    return bool(info and info.get("layers"))
 
 
 def _logistic(x: float) -> float:
@@ -52,17 +59,13 @@ class Calibration:
     def of(concepts: Sequence[str], layers: Sequence[int], concept_info: Sequence[dict | None]) -> Calibration:
         """From a manifest's concept_info. A concept without calibration (a live concept given as raw
         vectors) reads None as a probability; InvalidArgument if no concept has one."""
-        calibrated = [bool(info and info.get("layers")) for info in concept_info]
-        if len(concept_info) != len(concepts) or not any(calibrated):
+        if len(concept_info) != len(concepts) or not any(map(calibrated, concept_info)):
             raise InvalidArgument(
                 f"the concept set has no calibration for {', '.join(concepts)}: probabilities and "
                 "monitors need a set built by `salience concepts build` (raw readouts still work)"
             )
         scale, offset = [], []
-        fits = [
-            {fit["layer"]: fit for fit in info["layers"]} if ok else None
-            for info, ok in zip(concept_info, calibrated, strict=True)
-        ]
+        fits = [{fit["layer"]: fit for fit in info["layers"]} if calibrated(info) else None for info in concept_info]
         for layer in layers:
             for name, by_layer in zip(concepts, fits, strict=True):
                 if by_layer is None:
@@ -75,8 +78,8 @@ class Calibration:
                 offset.append(float(by_layer[layer]["offset"]))
         recommended = {
             name: int(info["recommended_layer"])
-            for name, info, ok in zip(concepts, concept_info, calibrated, strict=True)
-            if ok
+            for name, info in zip(concepts, concept_info, strict=True)
+            if calibrated(info)
         }
         return Calibration(tuple(concepts), tuple(layers), tuple(scale), tuple(offset), recommended)
 

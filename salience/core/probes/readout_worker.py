@@ -82,6 +82,7 @@ class ReadoutWorker:
         if buffer is None:  # a pipeline stage that holds no readout layer
             return {"shape": None, "slots": []}
         self._ro_buffer = buffer
+        self._ro_every_column = list(range(buffer.shape[2]))  # a view of every column needs no selection
         runner.execute_model = self._ro_after(runner.execute_model, file=True, send=with_output)
         runner._model_forward = self._ro_capturing(runner._model_forward)
         if with_output:
@@ -171,35 +172,37 @@ class ReadoutWorker:
         return run
 
     def _ro_plan_capture(self) -> None:
-        picks = [(request_id, extra[RESIDUAL_TAG], rows) for request_id, extra, rows in self._ro_rows(RESIDUAL_TAG)]
+        picks = [
+            (request_id, extra[RESIDUAL_TAG], rows, at) for request_id, extra, rows, at in self._ro_rows(RESIDUAL_TAG)
+        ]
         self._ro_capture = picks
         if picks:
-            rows = np.concatenate([rows for _, _, rows in picks])
+            rows = np.concatenate([rows for _, _, rows, _ in picks])
             Capture.taken = {}
-            Capture.slots = frozenset(slot for _, (_, _, slots), _ in picks for slot in slots)
+            Capture.slots = frozenset(slot for _, (_, _, slots), _, _ in picks for slot in slots)
             Capture.rows = torch.from_numpy(rows).to(self._ro_buffer.device)
 
     def _ro_file_capture(self) -> None:
         taken, Capture.rows, Capture.taken = Capture.taken, None, {}
         held = sorted(taken)
         values = torch.stack([taken[slot] for slot in held], dim=1).numpy()  # [rows, slots held, hidden]
-        positions = self.model_runner.positions[: self._ro_step_tokens].cpu().numpy()
         first = 0
-        for request_id, (key, _, slots), rows in self._ro_capture:
+        for request_id, (key, _, slots), rows, at in self._ro_capture:
             mine = values[first : first + len(rows)]
             if list(slots) != held:
                 mine = mine[:, [held.index(slot) for slot in slots]]
-            self._ro_store.setdefault(request_id, {}).setdefault(key, []).append((positions[rows], mine))
+            self._ro_store.setdefault(request_id, {}).setdefault(key, []).append((at, mine))
             first += len(rows)
         self._ro_capture = []
 
-    def _ro_rows(self, tag: str) -> list[tuple[str, dict, np.ndarray]]:
+    def _ro_rows(self, tag: str) -> list[tuple[str, dict, np.ndarray, np.ndarray]]:
         """This step's requests tagged `tag` ([key, ranges, ...]), each with the step rows (indices)
-        whose absolute positions its ranges cover; requests with no such row are left out."""
+        whose absolute positions its ranges cover, and those positions; requests with no such row
+        are left out."""
         runner = self.model_runner
         batch = runner.input_batch
         n = batch.num_reqs
-        out: list[tuple[str, dict, np.ndarray]] = []
+        out: list[tuple[str, dict, np.ndarray, np.ndarray]] = []
         if n == 0:
             return out
         starts = None
@@ -211,7 +214,6 @@ class ReadoutWorker:
                 continue
             if starts is None:
                 starts = runner.query_start_loc.cpu[: n + 1].tolist()
-                self._ro_step_tokens = starts[n]
                 positions = runner.positions[: starts[n]].cpu().numpy()
             s, e = starts[i], starts[i + 1]
             if e <= s:
@@ -221,25 +223,22 @@ class ReadoutWorker:
             for start, end in extra[tag][1]:
                 wanted |= (pos >= start) & (pos < end)
             if wanted.any():
-                out.append((request_id, extra, np.nonzero(wanted)[0] + s))
+                out.append((request_id, extra, np.nonzero(wanted)[0] + s, pos[wanted]))
         return out
 
     def _ro_file(self) -> None:
         picks = self._ro_rows(TAG)
         if not picks:
             return
-        positions = self.model_runner.positions[: self._ro_step_tokens].cpu().numpy()
-        rows = np.concatenate([idx for _, _, idx in picks])
+        rows = np.concatenate([idx for _, _, idx, _ in picks])
         block = self._ro_buffer[torch.from_numpy(rows).to(self._ro_buffer.device)].cpu().numpy()
-        width = block.shape[2]
         first = 0
-        for request_id, extra, idx in picks:
+        for request_id, extra, idx, at in picks:
             key, _, columns = extra[TAG]
-            blocks = self._ro_store.setdefault(request_id, {}).setdefault(key, [])
             mine = block[first : first + len(idx)]
-            if len(columns) != width or columns != list(range(width)):
+            if columns != self._ro_every_column:
                 mine = mine[:, :, columns]
-            blocks.append((positions[idx], mine))
+            self._ro_store.setdefault(request_id, {}).setdefault(key, []).append((at, mine))
             first += len(idx)
 
 

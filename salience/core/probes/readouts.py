@@ -235,8 +235,9 @@ class ReadoutHub:
         rows = np.frombuffer(values, dtype=np.float32).reshape(-1, width)
         positions = np.frombuffer(positions, dtype=np.int64).tolist()
         if key in self._raw:  # residual rows: one stage (the engine checks), kept as arrays
-            for position, row in zip(positions, rows, strict=True):
-                buffer[position] = row.reshape(layers, concepts).copy()
+            block = rows.reshape(-1, layers, concepts).copy()  # one copy out of the read-only message
+            for position, row in zip(positions, block, strict=True):
+                buffer[position] = row
             return
         if len(self._masks) == 1:
             for position, row in zip(positions, rows, strict=True):

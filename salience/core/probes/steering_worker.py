@@ -64,13 +64,16 @@ class SteeringWorker:
     def salience_direction_write(self, column: int, vectors: dict[int, bytes] | None) -> None:
         """Column `column` of every steering tap's D: the unit vector of `vectors[layer]`
         (float32 bytes), or zero (None, or a layer not given)."""
+        units: dict[int, torch.Tensor] = {}  # one normalisation per distinct vector (a request's: one for all)
         for index, tap in self._st_taps.items():
             vector = vectors.get(index) if vectors else None
             if vector is None:
                 tap.directions[:, column] = 0.0
-            else:
+                continue
+            if id(vector) not in units:
                 values = torch.from_numpy(np.frombuffer(vector, dtype=np.float32).copy())
-                tap.directions[:, column] = unit(values).to(torch.float32).to(tap.directions.device)
+                units[id(vector)] = unit(values).to(torch.float32)
+            tap.directions[:, column] = units[id(vector)].to(tap.directions.device)
 
     def salience_steering_plans(self) -> int:
         """Requests whose parsed interventions this worker holds (tests: nothing stays behind)."""

@@ -36,6 +36,7 @@ from salience.core.engine.settings import EngineSettings
 from salience.core.models import folders
 from salience.core.models.folders import model_fingerprint, model_shape
 from salience.core.probes import fitting
+from salience.core.probes.calibration import calibrated
 from salience.core.probes.concepts import ConceptSet
 from salience.errors import InvalidArgument
 
@@ -254,7 +255,7 @@ def describe(concept_set: ConceptSet) -> str:
 
 def describe_concept(name: str, info: dict | None) -> list[str]:
     """One concept's method, logit lens and held-out figures layer by layer, as the builder prints them."""
-    if info is None or not info.get("layers"):
+    if not calibrated(info):
         return [f"{name}: not validated (no concept_info: a set built by hand, or a live concept given as vectors)"]
     lines = [
         f"{name}: method {info['method']}, recommended layer {info['recommended_layer']}, "
