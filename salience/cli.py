@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from salience.auth import ADMIN_TOKEN_ENV, AUTH_TOKEN_ENV, token_from_environment
+from salience.capture.commands import add_capture_parsers, run_capture, run_features
 from salience.core.models.home import configure_environment
 from salience.errors import FailedPrecondition, InvalidArgument, SalienceError, Unavailable
 
@@ -160,6 +161,16 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="steering columns for requests' own vectors: distinct vectors that can steer at once",
     )
+    serve.add_argument(
+        "--sae",
+        action="append",
+        default=[],
+        metavar="[NAME=]DIR",
+        help="a sparse autoencoder in SAELens's format to read features of and steer along (docs/features.md)",
+    )
+    serve.add_argument(
+        "--sae-top", type=int, default=32, metavar="N", help="features per token the graph keeps of each SAE"
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     concepts = commands.add_parser("concepts", help="build or inspect concept sets").add_subparsers(
@@ -182,23 +193,7 @@ def _parser() -> argparse.ArgumentParser:
         help=f"the server's operator token (default: ${ADMIN_TOKEN_ENV})",
     )
 
-    capture = commands.add_parser(
-        "capture", help="run a corpus through the engine and write residual activations to shards"
-    )
-    capture.add_argument("corpus", type=Path, help="text lines, or JSONL with a text (and id) per line")
-    capture.add_argument("--layers", required=True, help="layers to capture: 15, 10,20 or 8-12")
-    capture.add_argument("-o", "--output", type=Path, required=True, help="folder for the shards (resumed if present)")
-    capture.add_argument("--model", type=Path, help="model folder (default: the embedded model)")
-    capture.add_argument("--server", help="capture through a running server's gRPC (HOST:PORT) instead")
-    capture.add_argument("--token", default=token_from_environment(), help=f"the server's token (${AUTH_TOKEN_ENV})")
-    capture.add_argument("--drop-first", action="store_true", help="leave each document's first position out")
-    capture.add_argument("--max-tokens-per-doc", type=int, help="cut documents there (always cut to the context)")
-    capture.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    capture.add_argument("--shard-tokens", type=int, default=65536)
-    capture.add_argument("--batch", type=int, default=16, help="documents at a time")
-    capture.add_argument("--max-model-len", type=int, default=4096)
-    capture.add_argument("--eager", dest="compile", action="store_false", help="no compiled graph (starts sooner)")
-
+    add_capture_parsers(commands)
     repl = commands.add_parser("repl", help="interactive prompt against a running server")
     repl.add_argument("url", nargs="?", default="ws://127.0.0.1:8080/", help="LMTP WebSocket URL")
     return parser
@@ -216,6 +211,9 @@ def _serve(args: argparse.Namespace) -> int:
     for flag, value in (("--spare-concepts", args.spare_concepts), ("--steer-vectors", args.steer_vectors)):
         if value < 0:
             raise InvalidArgument(f"{flag} must be 0 or more, got {value}")
+    if args.sae_top < 1:
+        raise InvalidArgument(f"--sae-top must be 1 or more, got {args.sae_top}")
+    saes = _load_saes(args.sae)
     lmtp_limits = ConnectionLimits(
         max_message_bytes=args.lmtp_max_message_bytes, max_frame_bytes=args.lmtp_max_frame_bytes
     )
@@ -265,6 +263,8 @@ def _serve(args: argparse.Namespace) -> int:
         steering=args.steer,
         spare_concepts=args.spare_concepts,
         steer_vectors=args.steer_vectors,
+        saes=saes,
+        sae_top=args.sae_top,
     )
     options = ServeOptions(
         host=args.host,
@@ -283,6 +283,17 @@ def _serve(args: argparse.Namespace) -> int:
     )
     asyncio.run(serve(settings, options))
     return 0
+
+
+def _load_saes(specs: list[str]) -> tuple:
+    """Each `--sae [NAME=]DIR`, loaded and checked now: a bad folder must not wait for the model."""
+    from salience.core.features.sae import load_sae
+
+    saes = []
+    for spec in specs:
+        name, sep, folder = spec.partition("=")
+        saes.append(load_sae(Path(folder), name=name) if sep else load_sae(Path(spec)))
+    return tuple(saes)
 
 
 def _default_concepts(model: Path) -> Path:
@@ -325,34 +336,6 @@ def _concepts(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _capture(args: argparse.Namespace) -> int:
-    from salience.capture.run import CaptureOptions, capture, parse_layers
-    from salience.capture.sources import EngineSource, GrpcSource
-    from salience.core.models.default_model import ensure_default_model
-    from salience.core.models.folders import inspect_model_folder
-
-    options = CaptureOptions(
-        layers=parse_layers(args.layers),
-        drop_first=args.drop_first,
-        max_tokens_per_document=args.max_tokens_per_doc,
-        dtype=args.dtype,
-        shard_tokens=args.shard_tokens,
-        batch=args.batch,
-    )
-    model = inspect_model_folder(args.model or ensure_default_model()).path
-    if args.server:
-        source = await GrpcSource.connect(args.server, args.token, model)
-    else:
-        source = await EngineSource.start(model, options.layers, args.max_model_len, compile=args.compile)
-    try:
-        writer = await capture(args.corpus, args.output, source, model.name, options)
-    finally:
-        await source.close()
-    shards = len(writer.shards)
-    print(f"{writer.tokens_done} tokens of {writer.documents_done} documents in {shards} shards: {args.output}")
-    return 0
-
-
 async def _save_from(url: str, token: str | None) -> bytes:
     import base64
 
@@ -383,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_repl(args.url)
     try:
         if args.command == "capture":
-            return asyncio.run(_capture(args))
+            return asyncio.run(run_capture(args))
+        if args.command == "features":
+            return run_features(args)
         return _concepts(args) if args.command == "concepts" else _serve(args)
     except SalienceError as exc:
         print(f"salience: error: {exc}", file=sys.stderr)

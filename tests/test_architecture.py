@@ -13,7 +13,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "salience"
 # core's subpackages, lowest first: each may import those before it, never one after it.
-LAYERS = ("models", "probes", "engine", "serving")
+LAYERS = ("models", "features", "probes", "engine", "serving")
 # What core may import from the rest of Salience: the one error taxonomy.
 CORE_MAY_IMPORT = {"salience.errors"}
 # Libraries that mean sockets or a wire: frontends own them.

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from salience.core.engine import passes
+from salience.core.engine import rows as row_plans
 from salience.core.engine.engine import Engine
-from salience.core.engine.passes import MAX_RESIDUAL_ROWS
 from salience.core.engine.requests import ResidualRequest, SamplingOptions
+from salience.core.engine.rows import MAX_RESIDUAL_ROWS
 from salience.core.probes.concepts import ConceptSet
 from salience.errors import InvalidArgument
 from salience.lmtp.client import LmtpClient, LmtpStreamError
@@ -120,7 +120,7 @@ async def test_bad_residual_requests_are_refused_before_anything_runs(
     for residual, words in cases:
         with pytest.raises(InvalidArgument, match=words):
             engine.generate(prompt, GREEDY, residual=residual)
-    monkeypatch.setattr(passes, "MAX_RESIDUAL_ROWS", 100)  # the real limit is beyond the tiny model's context
+    monkeypatch.setattr(row_plans, "MAX_RESIDUAL_ROWS", 100)  # the real limit is beyond the tiny model's context
     many = ResidualRequest(layers=(0, 2, 3), ranges=((0, 1000),))
     with pytest.raises(InvalidArgument, match=r"asks for 35 positions x 3 layers; at most 100 rows"):
         engine.generate(prompt, SamplingOptions(max_tokens=10), residual=many)

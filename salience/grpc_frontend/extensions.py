@@ -10,7 +10,7 @@ import grpc
 
 from salience.auth import Tokens
 from salience.core.engine.images import Vision
-from salience.core.engine.requests import ResidualRequest
+from salience.core.engine.requests import FeatureRequest, ResidualRequest
 from salience.core.probes.calibration import Action, Monitor, MonitorEvent, calibrated, parse_monitors
 from salience.core.probes.steering import MAX_INTERVENTIONS, MAX_MAGNITUDE, Intervention, Op
 from salience.core.serving import live_concepts
@@ -70,7 +70,14 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
             residual = ResidualRequest(
                 layers=tuple(request.residual.layers), ranges=tuple((r.start, r.end) for r in request.residual.ranges)
             )
-        turn = turn_from(request.generate, REQUEST_ID.get(), steer, watch, probabilities, residual)
+        features = None
+        if request.HasField("features"):
+            features = FeatureRequest(
+                sae=request.features.sae or None,
+                k=request.features.k,
+                ranges=tuple((r.start, r.end) for r in request.features.ranges),
+            )
+        turn = turn_from(request.generate, REQUEST_ID.get(), steer, watch, probabilities, residual, features)
         async with contextlib.aclosing(
             run_turn(self._status, self._sessions, request.generate.session_id, turn)
         ) as items:
@@ -80,6 +87,8 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
                     event.monitors.extend(_monitor_event(m) for m in item.monitors)
                     if item.residual is not None:
                         event.residual = item.residual.astype("<f4", copy=False).tobytes()
+                    if item.features is not None:
+                        event.features.extend(ext.FeatureActivation(id=i, activation=a) for i, a in item.features)
                 elif item.stopped_by is not None:
                     event.stopped_by.CopyFrom(_monitor_event(item.stopped_by))
                 yield event
@@ -95,6 +104,17 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
                 if calibrated(info):
                     concept.info.CopyFrom(_concept_info(info))
         return manifest
+
+    @translating
+    async def GetSAEManifest(self, request: ext.GetSAEManifestRequest, context: grpc.aio.ServicerContext):
+        fields = ext.SAEInfo.DESCRIPTOR.fields_by_name
+        saes = [
+            ext.SAEInfo(
+                **{key: value or 0 if key == "k" else value for key, value in served.info.items() if key in fields}
+            )
+            for served in self._status.serving_engine().saes
+        ]
+        return ext.SAEManifest(saes=saes)
 
     @translating
     async def DefineConcept(self, request: ext.DefineConceptRequest, context: grpc.aio.ServicerContext):
@@ -180,7 +200,8 @@ def monitors(messages) -> tuple[Monitor, ...]:
     return parse_monitors(
         [
             {
-                "concept": m.concept,
+                **({"feature": m.feature.id, "sae": m.feature.sae or None} if m.HasField("feature") else {}),
+                **({"concept": m.concept} if m.concept or not m.HasField("feature") else {}),
                 "action": _ACTIONS.get(m.action),
                 **{field: getattr(m, field) for field in ("layer", "above", "below") if m.HasField(field)},
             }
@@ -190,7 +211,7 @@ def monitors(messages) -> tuple[Monitor, ...]:
 
 
 def _monitor_event(event: MonitorEvent) -> ext.MonitorEvent:
-    return ext.MonitorEvent(
+    message = ext.MonitorEvent(
         monitor=event.monitor,
         concept=event.concept,
         layer=event.layer,
@@ -198,6 +219,9 @@ def _monitor_event(event: MonitorEvent) -> ext.MonitorEvent:
         probability=event.probability,
         action=ext.Monitor.ACTION_STOP if event.action is Action.STOP else ext.Monitor.ACTION_FLAG,
     )
+    if event.feature is not None:
+        message.feature.CopyFrom(ext.FeatureRef(sae=event.sae or "", id=event.feature))
+    return message
 
 
 def interventions(messages) -> tuple[Intervention, ...]:
@@ -214,6 +238,7 @@ def interventions(messages) -> tuple[Intervention, ...]:
             Intervention(
                 direction=m.direction,
                 vector=m.vector or None,
+                feature=(m.feature.sae, m.feature.id) if m.HasField("feature") else None,
                 layers=tuple(m.layers),
                 op=_OPS[m.op],
                 value=m.value,

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from salience import metrics
-from salience.core.engine.requests import FinishReason, ImageBlock, ResidualRequest, SamplingOptions
+from salience.core.engine.requests import FeatureRequest, FinishReason, ImageBlock, ResidualRequest, SamplingOptions
 from salience.core.probes.calibration import Monitor
 from salience.core.probes.steering import Intervention
 from salience.core.serving.sessions import SessionStore
@@ -104,6 +104,7 @@ def turn_from(
     monitors: Sequence[Monitor] = (),
     probabilities: bool = False,
     residual: ResidualRequest | None = None,
+    features: FeatureRequest | None = None,
 ) -> Turn:
     """The core Turn a seed GenerateRequest asks for (and, from the extensions, its interventions
     and monitors)."""
@@ -112,6 +113,7 @@ def turn_from(
         monitors=monitors,
         probabilities=probabilities,
         residual=residual,
+        features=features,
         request_id=request_id,
         offset=request.offset,
         truncating=request.truncating,

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from salience import request_ids
-from salience.core.engine.requests import ImageBlock, ResidualRequest
+from salience.core.engine.requests import FeatureRequest, ImageBlock, ResidualRequest
 from salience.core.probes.calibration import Monitor, parse_monitors
 from salience.core.probes.steering import Intervention
 from salience.core.probes.steering_json import parse_interventions, parse_vector
@@ -195,6 +195,18 @@ def _residual(value: Any, name: str) -> ResidualRequest:
     return ResidualRequest(layers=tuple(layers), ranges=_ranges(value.get("ranges", []), f"{name}.ranges"))
 
 
+def _features(value: Any, name: str) -> FeatureRequest:
+    """{"k": K, "ranges": [[start, end], ...], "sae"?: NAME}; the engine checks them against the SAEs."""
+    if not isinstance(value, dict) or set(value) - {"sae", "k", "ranges"} or "k" not in value:
+        raise ValueError(f'{name} must be {{"k": K, "ranges": [[start, end], ...], "sae"?: NAME}}')
+    sae = value.get("sae")
+    if sae is not None and not isinstance(sae, str):
+        raise ValueError(f"{name}.sae must name an SAE")
+    return FeatureRequest(
+        sae=sae, k=_int(value["k"], f"{name}.k", 1), ranges=_ranges(value.get("ranges", []), f"{name}.ranges")
+    )
+
+
 _Reader = Callable[[Any, str], Any]
 READOUT_FORMATS = ("raw", "probability")
 _GENERATE: dict[str, _Reader] = {
@@ -222,6 +234,7 @@ _GENERATE: dict[str, _Reader] = {
     "readout_format": _readout_format,
     "monitors": _monitors,
     "residual": _residual,
+    "features": _features,
 }
 _SCORE: dict[str, _Reader] = {
     "stream_id": _int,
@@ -235,6 +248,7 @@ _SCORE: dict[str, _Reader] = {
     "steer": _steer,
     "readout_format": _readout_format,
     "residual": _residual,
+    "features": _features,
 }
 _SESSION_GENERATE: dict[str, _Reader] = {
     "stream_id": _int,
@@ -261,6 +275,7 @@ _SESSION_GENERATE: dict[str, _Reader] = {
             "readout_format",
             "monitors",
             "residual",
+            "features",
         )
     },
     "images": _images,

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from salience.core.engine.requests import ImageBlock, ResidualRequest
+from salience.core.engine.requests import FeatureRequest, ImageBlock, ResidualRequest
 from salience.core.probes.calibration import Monitor
 from salience.core.probes.steering import Intervention
 
@@ -66,6 +66,7 @@ class Generate:
     readout_format: str = "raw"  # or "probability": each value through its calibration (docs/readouts.md)
     monitors: tuple[Monitor, ...] = ()  # watched on every generated token (docs/readouts.md#monitors)
     residual: ResidualRequest | None = None  # raw residual rows at these layers and positions
+    features: FeatureRequest | None = None  # an SAE's top features at these positions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +82,7 @@ class Score:
     steer: tuple[Intervention, ...] = ()
     readout_format: str = "raw"
     residual: ResidualRequest | None = None
+    features: FeatureRequest | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,6 +199,7 @@ class SessionGenerate:
     readout_format: str = "raw"
     monitors: tuple[Monitor, ...] = ()
     residual: ResidualRequest | None = None
+    features: FeatureRequest | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,7 @@ import base64
 import math
 
 from salience.core.engine.detokenizer import TextStream
-from salience.core.engine.requests import FinishReason, SamplingOptions, ScoredToken, TokenEvent
+from salience.core.engine.requests import Features, FinishReason, SamplingOptions, ScoredToken, TokenEvent
 from salience.core.probes.calibration import MonitorEvent
 from salience.core.serving.turns import SessionToken, Turn, TurnDone
 from salience.lmtp.messages import Generate, SessionGenerate
@@ -26,7 +26,7 @@ __all__ = [
 def finish_reason(reason: FinishReason | None, stopped_by: MonitorEvent | None) -> str | None:
     """LMTP's finish_reason: the core's, with a monitor's stop as `monitor:<concept>`."""
     if reason is FinishReason.MONITOR and stopped_by is not None:
-        return f"monitor:{stopped_by.concept}"
+        return f"monitor:{stopped_by.subject}"
     return reason and reason.value
 
 
@@ -71,6 +71,7 @@ def turn(request: SessionGenerate, request_id: str) -> Turn:
         monitors=request.monitors,
         probabilities=request.readout_format == "probability",
         residual=request.residual,
+        features=request.features,
     )
 
 
@@ -98,20 +99,20 @@ def token_payload(
         payload["position"] = token.position
         if token.readout is not None:
             payload["readout"] = token.readout
-    if token.residual is not None:
+    if token.residual is not None or token.features is not None:
         payload["position"] = token.position
-        payload["residual"] = residual_field(token.residual)
+        payload.update(row_fields(token))
     if isinstance(token, TokenEvent) and token.monitors:
         payload["position"] = token.position
         payload["monitors"] = [event.as_dict() for event in token.monitors]
     return payload
 
 
-def prompt_payloads(stream_id: int, prompt: tuple[int, ...], readouts: dict, residuals: dict) -> list[dict]:
-    """Prompt positions' readouts and residual rows, which go before any other payload, marked
-    "prompt": true."""
+def prompt_payloads(stream_id: int, prompt: tuple[int, ...], readouts: dict, rows: dict[str, dict]) -> list[dict]:
+    """Prompt positions' readouts and rows (PromptScores.rows), which go before any other payload,
+    marked "prompt": true."""
     out = []
-    for position in sorted(readouts.keys() | residuals.keys()):
+    for position in sorted(set(readouts).union(*rows.values())):
         payload = {
             "stream_id": stream_id,
             "token": prompt[position],
@@ -121,8 +122,9 @@ def prompt_payloads(stream_id: int, prompt: tuple[int, ...], readouts: dict, res
         }
         if position in readouts:
             payload["readout"] = readouts[position]
-        if position in residuals:
-            payload["residual"] = residual_field(residuals[position])
+        for field, taken in rows.items():
+            if position in taken:
+                payload[field] = WIRE[field](taken[position])
         out.append(payload)
     return out
 
@@ -130,6 +132,19 @@ def prompt_payloads(stream_id: int, prompt: tuple[int, ...], readouts: dict, res
 def residual_field(rows) -> str:
     """Residual rows on the wire: base64 of float32 [layers asked, hidden], little-endian."""
     return base64.b64encode(rows.astype("<f4", copy=False).tobytes()).decode("ascii")
+
+
+def features_field(features: Features) -> list[list]:
+    """An SAE's top features on the wire: [[id, activation], ...], largest first."""
+    return [[feature, activation] for feature, activation in features]
+
+
+WIRE = {"residual": residual_field, "features": features_field}
+
+
+def row_fields(token: TokenEvent | ScoredToken | SessionToken) -> dict:
+    """The token's residual rows and features, as the wire carries them, where it has them."""
+    return {field: wire(getattr(token, field)) for field, wire in WIRE.items() if getattr(token, field) is not None}
 
 
 def session_payload(stream_id: int, token: SessionToken, text: TextStream | None) -> dict:
@@ -145,8 +160,7 @@ def session_payload(stream_id: int, token: SessionToken, text: TextStream | None
         payload["readout"] = token.readout
     if token.monitors:
         payload["monitors"] = [event.as_dict() for event in token.monitors]
-    if token.residual is not None:
-        payload["residual"] = residual_field(token.residual)
+    payload.update(row_fields(token))
     if text is not None and not token.is_prefill:
         payload["text"] = text.push(token.token_id)
     payload["finish_reason"] = None

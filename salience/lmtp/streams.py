@@ -60,6 +60,7 @@ async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit
         monitors=request.monitors,
         probabilities=request.readout_format == "probability",
         residual=request.residual,
+        features=request.features,
     )
     await stream.attach(generation)
     text = TextStream(engine.tokenizer, request.prompt) if request.text else None
@@ -68,7 +69,7 @@ async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit
         async for event in generation:
             if event.position == len(request.prompt):  # first event: prompt readouts are in
                 prompt = payloads.prompt_payloads(
-                    stream_id, request.prompt, generation.prompt_readouts, generation.prompt_residuals
+                    stream_id, request.prompt, generation.prompt_readouts, generation.prompt_rows
                 )
                 emit_all(emit, prompt)
             ended = event.finish_reason is not None
@@ -93,7 +94,7 @@ async def score(stream: Stream, engine: Engine, request: Score, emit: Emit) -> N
         emit(cancelled)
         return
     if (
-        continuation or request.readout or request.residual
+        continuation or request.readout or request.residual or request.features
     ):  # one pass: the prompt's readouts and the continuation's scores
         ids = prompt + continuation
         scores = await engine.prefill(
@@ -104,13 +105,14 @@ async def score(stream: Stream, engine: Engine, request: Score, emit: Emit) -> N
             steer=steer,
             probabilities=request.readout_format == "probability",
             residual=request.residual,
+            features=request.features,
         )
         if stream.cancelled:
             emit(cancelled)
             return
         readouts = {p: r for p, r in scores.readouts.items() if p < len(prompt)}
-        residuals = {p: r for p, r in scores.residuals.items() if p < len(prompt)}
-        emit_all(emit, payloads.prompt_payloads(request.stream_id, request.prompt, readouts, residuals))
+        rows = {field: {p: r for p, r in taken.items() if p < len(prompt)} for field, taken in scores.rows.items()}
+        emit_all(emit, payloads.prompt_payloads(request.stream_id, request.prompt, readouts, rows))
         scored = [scores.at(p) for p in range(len(prompt), len(ids))]
     text = TextStream(engine.tokenizer, request.prompt) if request.text else None
     scored_payloads = [

@@ -26,17 +26,20 @@ from typing import TYPE_CHECKING
 
 from salience.core.engine import launch
 from salience.core.engine.checks import RequestChecks
-from salience.core.engine.generation import Generation, residual_key
+from salience.core.engine.feature_steering import resolve_features
+from salience.core.engine.generation import Generation
 from salience.core.engine.images import Vision
 from salience.core.engine.inflight import InFlight
 from salience.core.engine.live import Hold, LiveConcepts, install_probes
-from salience.core.engine.passes import Capture, Passes
+from salience.core.engine.passes import Passes
 from salience.core.engine.prompts import PlacedImage, submission
-from salience.core.engine.requests import ResidualRequest, SamplingOptions
+from salience.core.engine.requests import FeatureRequest, ResidualRequest, SamplingOptions
+from salience.core.engine.rows import RowPlan, watched_features
 from salience.core.engine.settings import EngineSettings
+from salience.core.features.served import ServedSAE
 from salience.core.probes.calibration import Calibration, Monitor, MonitorState
 from salience.core.probes.live import ConceptView
-from salience.core.probes.readout_worker import RESIDUAL_TAG, TAG
+from salience.core.probes.readout_worker import TAG
 from salience.core.probes.readouts import READ_TO_END, ReadoutHub, check_ranges, each_engine
 from salience.core.probes.steering import Directions, Intervention, ResolvedSteer
 from salience.core.probes.steering_worker import TAG as STEER_TAG
@@ -67,6 +70,7 @@ class Engine(Passes):
         self.tokenizer = llm.get_tokenizer()
         self.readouts: ReadoutHub | None = None
         self.steering: Directions | None = None  # what requests may steer along; None: no steering
+        self.saes: list[ServedSAE] = []  # the sparse autoencoders the taps encode with (--sae)
         self.live = LiveConcepts(None, None, self._rpc, None)  # set up by start
         self.compiled = False  # set by start: whether vLLM runs the model compiled
         self.closed = False
@@ -93,6 +97,7 @@ class Engine(Passes):
         started = time.monotonic()
         cpu = launch.is_cpu()
         launch.check_executor(settings)
+        launch.check_saes(settings)
         env = launch.process_environment(settings, cpu)
         vision = await asyncio.to_thread(Vision.load, settings.model)
         compiled = launch.compiled(settings)
@@ -118,6 +123,7 @@ class Engine(Passes):
             engine.readouts, engine.steering, engine.live = await install_probes(
                 llm, settings, cpu, compiled, engine._rpc
             )
+            engine.saes = launch.served_saes(settings)
             await engine._warm_up()
         except BaseException:
             engine.shutdown()
@@ -176,6 +182,7 @@ class Engine(Passes):
         monitors: Sequence[Monitor] = (),
         probabilities: bool = False,
         residual: ResidualRequest | None = None,
+        features: FeatureRequest | None = None,
     ) -> Generation:
         """Start decoding after `prompt`; iterate the result for TokenEvents.
 
@@ -193,7 +200,7 @@ class Engine(Passes):
         (calibration.py); they read those tokens' readouts whether or not `readout_ranges`
         shows them. With `probabilities`, readouts come as calibrated probabilities. `residual`
         asks for raw residual rows: each covered event carries them (TokenEvent.residual), the
-        prompt's in `Generation.prompt_residuals`.
+        prompt's in `Generation.prompt_rows`; `features` likewise for an SAE's top features.
 
         The request reads the concepts served when it starts (live.ConceptView), whatever is
         defined or deleted while it runs; `Generation.concepts` names them.
@@ -214,13 +221,18 @@ class Engine(Passes):
             params.prompt_logprobs = prompt_logprobs
         hold = self._hold(steer, len(prompt))
         try:
-            watch = MonitorState(monitors, self.calibration(hold.view) if monitors else None)
+            concept_monitors = any(m.feature is None for m in monitors)
+            watch = MonitorState(monitors, self.calibration(hold.view) if concept_monitors else None, self.saes)
             present = self.calibration(hold.view).probabilities if probabilities else None
             shown = check_ranges(readout_ranges)
-            read = [*shown, [len(prompt), READ_TO_END]] if watch else shown
-            capture = self.residual_plan(residual, len(prompt) + options.max_tokens)
+            read = [*shown, [len(prompt), READ_TO_END]] if watch.concepts else shown
+            shown_features = None
+            if watch.sae is not None:
+                self.row_plans(None, features, len(prompt) + options.max_tokens)  # the client's own ask, checked
+                features, shown_features = watched_features(features, watch.sae, len(prompt))
+            plans = self.row_plans(residual, features, len(prompt) + options.max_tokens)
             request_id, ranges, submitted = self._prepare(
-                params, request_id, read, prompt, images, hold, dp_rank, capture
+                params, request_id, read, prompt, images, hold, dp_rank, plans
             )
         except BaseException:
             hold.release()
@@ -235,7 +247,8 @@ class Engine(Passes):
             request_id=f"{request_id}-last",
             dp_rank=rank,
             readout=bool(ranges),
-            residual_layers=residual.layers if residual is not None else (),
+            residual=residual,
+            features=features,
         )
         generation = Generation(
             self._llm,
@@ -252,7 +265,8 @@ class Engine(Passes):
             monitors=watch,
             readout_concepts=len(hold.view.concepts) if hold.view is not None else 0,
             present=present,
-            residual=(capture.ranges, len(capture.slots), self.hidden_size) if capture is not None else None,
+            rows=plans,
+            shown_features=shown_features,
         )
         generation.concepts = hold.view
         self.inflight.running(request_id, generation)
@@ -277,7 +291,7 @@ class Engine(Passes):
         images: Sequence[PlacedImage],
         hold: Hold,
         dp_rank: int | None = None,
-        capture: Capture | None = None,
+        plans: Sequence[RowPlan] = (),
     ) -> tuple[str, list[list[int]], object]:
         """Claim the request id, route it to a DP rank, tag the readouts and the steering and build
         vLLM's prompt; the id is released if any fails."""
@@ -285,10 +299,9 @@ class Engine(Passes):
         try:
             self.inflight.route(key, dp_rank)
             ranges = self._ask_readouts(params, key, readout_ranges, len(tokens), hold.view)
-            if capture is not None:
-                tag = [residual_key(key), capture.ranges, capture.slots]
-                params.extra_args = {**(params.extra_args or {}), RESIDUAL_TAG: tag}
-                if any(start < len(tokens) - 1 for start, _ in capture.ranges):  # as _ask_readouts
+            for plan in plans:
+                params.extra_args = {**(params.extra_args or {}), plan.tag: plan.tag_value(key)}
+                if any(start < len(tokens) - 1 for start, _ in plan.ranges):  # as _ask_readouts
                     params.skip_reading_prefix_cache = True
             submitted = submission(self.vision, self.model_name, tokens, images)
             steering = hold.steer
@@ -306,6 +319,7 @@ class Engine(Passes):
         (steering.Directions.resolve)."""
         if not steer:
             return ResolvedSteer(())
+        steer = resolve_features(steer, self.saes)
         if self.steering is None:
             raise InvalidArgument(
                 "steering was asked for, but this server has nothing to steer along (no concept or steering set, "

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from salience.core.engine.prompts import check_expansion
-from salience.core.engine.requests import FinishReason, ScoredToken, TokenEvent, covers
+from salience.core.engine.requests import Features, FinishReason, ScoredToken, TokenEvent, covers
 from salience.core.probes.calibration import MonitorState
 from salience.errors import EngineError, InvalidArgument
 
@@ -22,9 +22,10 @@ if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from salience.core.engine.rows import RowPlan
     from salience.core.probes.readouts import ReadoutHub
 
-__all__ = ["Generation", "PromptScores", "guarded", "residual_key"]
+__all__ = ["Generation", "PromptScores", "guarded"]
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.CANCELLED}
 
@@ -32,13 +33,19 @@ _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": Fi
 @dataclasses.dataclass(frozen=True)
 class PromptScores:
     """What a pass over a token list computed: vLLM's per-position logprob entries
-    (None where none were asked for) and readouts by position."""
+    (None where none were asked for), readouts by position, and per field of ScoredToken
+    ("residual", "features") the rows asked for by position (rows.py)."""
 
     tokens: list[int]
     entries: list | None
     top_k: int
     readouts: dict[int, tuple[float, ...]]
-    residuals: dict = dataclasses.field(default_factory=dict)  # position -> [read layers, hidden] float32
+    rows: dict[str, dict[int, Any]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def residuals(self) -> dict[int, Any]:
+        """Position -> [layers asked, hidden] float32."""
+        return self.rows.get("residual", {})
 
     def at(self, position: int) -> ScoredToken:
         """Position's token scored given the tokens before it; position 0 has no logprob."""
@@ -50,13 +57,8 @@ class PromptScores:
             logprob=entry[token].logprob if entry else None,
             top_logprobs=_top(entry, self.top_k) if entry else (),
             readout=self.readouts.get(position),
-            residual=self.residuals.get(position),
+            **{field: rows.get(position) for field, rows in self.rows.items()},
         )
-
-
-def residual_key(key: str) -> str:
-    """The hub key of a request's residual rows, beside its readouts' `key`."""
-    return f"{key}#residual"
 
 
 def _top(entry, k: int) -> tuple[tuple[int, float], ...]:
@@ -139,9 +141,11 @@ class Generation:
         monitors: MonitorState | None = None,
         readout_concepts: int = 0,
         present: Callable[[tuple[float, ...]], tuple] | None = None,
-        residual: tuple[list[list[int]], int, int] | None = None,
+        rows: Sequence[RowPlan] = (),
+        shown_features: tuple[int, list[list[int]]] | None = None,
     ):
-        """`residual`: the residual rows' ranges, layer count and hidden size (Engine.residual_plan)."""
+        """`rows`: the residual rows and features asked for (rows.py). `shown_features`: with
+        feature monitors, which features the client sees (its k and ranges) of those read."""
         self.request_id = request_id
         self.dp_rank = dp_rank  # the data-parallel engine it runs on (None: no data parallelism)
         self.on_end: Callable[[], None] | None = None  # called once, when the request is over
@@ -150,7 +154,7 @@ class Generation:
         self.cached_tokens: int | None = None
         self.finish_reason: FinishReason | None = None
         self.prompt_readouts: dict[int, tuple[float, ...]] = {}
-        self.prompt_residuals: dict[int, object] = {}  # position -> float32 [layers, hidden]
+        self.prompt_rows: dict[str, dict[int, Any]] = {plan.field: {} for plan in rows}  # as PromptScores.rows
         self._llm = llm
         self._tokens = list(prompt)  # prompt + completion so far
         self._prompt_entries: list | None = None
@@ -160,10 +164,10 @@ class Generation:
         self._next_position = len(prompt)
         self._pending: deque[TokenEvent] = deque()
         self._held: list[TokenEvent] = []
-        self._hub = hub if ranges or residual else None
+        self._hub = hub if ranges or rows else None
         self._ranges = ranges or []
-        self._residual_ranges = residual[0] if residual else []
-        self._residual_key = residual_key(request_id)
+        self._rows = list(rows)
+        self._shown_features = shown_features
         self._shown = self._ranges if shown is None else shown
         self._monitors = monitors if monitors else None
         self._present = present  # how shown rows go out (calibrated probabilities); None: as read
@@ -185,9 +189,9 @@ class Generation:
             if self._ranges:
                 self._hub.register(request_id, readout_concepts)
                 keys.append(request_id)
-            if residual:
-                self._hub.register(self._residual_key, residual[2], raw_layers=residual[1])
-                keys.append(self._residual_key)
+            for plan in self._rows:
+                self._hub.register(plan.key(request_id), plan.width, raw_layers=plan.layers)
+                keys.append(plan.key(request_id))
             self._keys = keys
             outputs = _releasing(outputs, self._hub, keys)
         self._outputs = outputs
@@ -227,27 +231,35 @@ class Generation:
                 await self._with_readouts(events, first)
         return self._pending.popleft()
 
+    @property
+    def prompt_residuals(self) -> dict[int, Any]:
+        return self.prompt_rows.get("residual", {})
+
     def _covered(self, position: int) -> bool:
-        """Whether the position's readout or residual rows were asked for."""
-        return covers(self._ranges, position) or covers(self._residual_ranges, position)
+        """Whether the position's readout or any of its rows were asked for."""
+        return covers(self._ranges, position) or any(covers(plan.ranges, position) for plan in self._rows)
 
     def prompt_scores(self) -> PromptScores:
-        """The prompt positions' logprobs (if asked for), readouts and residual rows."""
+        """The prompt positions' logprobs (if asked for), readouts and rows."""
         return PromptScores(
             self._tokens[: self.prompt_tokens],
             self._prompt_entries,
             self._prompt_top_k,
             self.prompt_readouts,
-            self.prompt_residuals,
+            self.prompt_rows,
         )
 
-    async def _take(self, positions: list[int]) -> tuple[dict, dict]:
-        """The readouts and the residual rows captured at `positions`, each where it was asked for."""
+    async def _take(self, positions: list[int]) -> tuple[dict, dict[str, dict]]:
+        """The readouts and the rows captured at `positions`, each where it was asked for; rows per
+        field, as handed out."""
         assert self._hub is not None
         readouts = [p for p in positions if covers(self._ranges, p)]
-        residuals = [p for p in positions if covers(self._residual_ranges, p)]
         got = await self._hub.take(self.request_id, readouts) if readouts else {}
-        rows = await self._hub.take(self._residual_key, residuals) if residuals else {}
+        rows = {}
+        for plan in self._rows:
+            wanted = [p for p in positions if covers(plan.ranges, p)]
+            taken = await self._hub.take(plan.key(self.request_id), wanted) if wanted else {}
+            rows[plan.field] = taken if plan.present is None else {p: plan.present(r) for p, r in taken.items()}
         return got, rows
 
     async def _with_readouts(self, events: list[TokenEvent], first: bool) -> None:
@@ -264,28 +276,50 @@ class Generation:
         got, rows = await self._take(prompt + wanted)
         present = self._present or _as_read
         self.prompt_readouts.update((p, present(got[p])) for p in prompt if p in got)
-        self.prompt_residuals.update((p, rows[p]) for p in prompt if p in rows)
+        for field, taken in rows.items():
+            self.prompt_rows[field].update((p, taken[p]) for p in prompt if p in taken)
+        mine = self.prompt_rows.get("features", {})
+        for position in [p for p in prompt if p in mine]:
+            if (features := self._client_features(position, mine[position])) is None:
+                del mine[position]
+            else:
+                mine[position] = features
         if finished and ready and self._read_last is not None and self.finish_reason is not FinishReason.CANCELLED:
             last = ready[-1].position
-            if self._covered(last) and last not in got and last not in rows:
+            if self._covered(last) and last not in got and not any(last in taken for taken in rows.values()):
                 scores = await self._read_last(self._tokens[: last + 1], last)
                 if scores is not None:
                     got.update(scores.readouts)
-                    rows.update(scores.residuals)
+                    for field, taken in scores.rows.items():
+                        rows[field].update(taken)
         if finished and ready and self._looked_ahead:  # the output that finished held only the dropped token
             ready[-1] = dataclasses.replace(ready[-1], finish_reason=self.finish_reason)
+        watched = rows.get("features", {})
         for event in ready:
             row = got.get(event.position)
-            fired = self._monitors.step(event.position, row) if self._monitors and row is not None else ()
+            fired = ()
+            if self._monitors and (row is not None or not self._monitors.concepts):
+                fired = self._monitors.step(event.position, row, watched.get(event.position))
             shown = present(row) if row is not None and covers(self._shown, event.position) else None
-            residual = rows.get(event.position)
-            if shown is not None or fired or residual is not None:
-                event = dataclasses.replace(event, readout=shown, monitors=fired, residual=residual)
+            found = {field: taken[event.position] for field, taken in rows.items() if event.position in taken}
+            if "features" in found:
+                found["features"] = self._client_features(event.position, found["features"])
+                if found["features"] is None:
+                    del found["features"]
+            if shown is not None or fired or found:
+                event = dataclasses.replace(event, readout=shown, monitors=fired, **found)
             if event.stopped_by is not None:
                 self._pending.append(dataclasses.replace(event, finish_reason=FinishReason.MONITOR))
                 await self._stop_by_monitor()
                 return
             self._pending.append(event)
+
+    def _client_features(self, position: int, features: Features) -> Features | None:
+        """With feature monitors, what the client asked to see of a position's features (None: nothing)."""
+        if self._shown_features is None:
+            return features
+        k, ranges = self._shown_features
+        return features[:k] if covers(ranges, position) else None
 
     async def _stop_by_monitor(self) -> None:
         """End here: drop what came after the stopping token; closing vLLM's generator aborts the

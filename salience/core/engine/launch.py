@@ -10,17 +10,20 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING
 
 from salience.core.engine.images import Vision
 from salience.core.engine.settings import EngineSettings
+from salience.core.features.served import ServedSAE
 from salience.core.models.atomic import build_folder_once
 from salience.core.models.home import salience_home
 from salience.core.probes.concepts import ConceptSet
-from salience.core.probes.taps import CONFIG_KEY, LOAD_FORMAT, STEERING_KEY, file_digest
+from salience.core.probes.taps import CONFIG_KEY, FEATURES_KEY, LOAD_FORMAT, STEERING_KEY, file_digest
 from salience.errors import ModelError
 
 __all__ = [
     "check_executor",
+    "check_saes",
     "compiled",
     "engine_args",
     "environment",
@@ -28,11 +31,16 @@ __all__ = [
     "is_cpu",
     "process_environment",
     "progress",
+    "sae_top",
+    "served_saes",
     "spare_columns",
     "split_cores",
     "steers",
     "tap_engine_args",
 ]
+
+if TYPE_CHECKING:
+    from salience.core.features.sae import SparseAutoencoder
 
 log = logging.getLogger(__name__)
 
@@ -215,11 +223,26 @@ def tap_engine_args(settings: EngineSettings) -> dict:
             "spare": spare,
             "vectors": settings.steer_vectors,
         }
+    if settings.saes:
+        config[FEATURES_KEY] = {
+            "saes": [
+                {"path": str(sae.folder), "sha256": sae.sha256, "top": sae_top(sae, settings)} for sae in settings.saes
+            ]
+        }
     return {
         "worker_extension_cls": WORKER_EXTENSION,
         "load_format": LOAD_FORMAT,
         "additional_config": config,
     }
+
+
+def sae_top(sae: SparseAutoencoder, settings: EngineSettings) -> int:
+    """Features per token the graph keeps of `sae`: `--sae-top`, no more than a top-k SAE's k."""
+    return min(settings.sae_top, sae.k or sae.d_sae, sae.d_sae)
+
+
+def served_saes(settings: EngineSettings) -> list[ServedSAE]:
+    return [ServedSAE(sae, slot, sae_top(sae, settings)) for slot, sae in enumerate(settings.saes)]
 
 
 def spare_columns(settings: EngineSettings) -> int:
@@ -263,6 +286,27 @@ def split_cores(ranks: int) -> str:
     size = len(cores) // ranks
     groups = [cores[i * size : (i + 1) * size] for i in range(ranks)]
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+def check_saes(settings: EngineSettings) -> None:
+    """Refuse, before anything starts, SAEs the model or the server cannot serve."""
+    if not settings.saes:
+        return
+    if settings.concepts is None:
+        raise ModelError("SAE features ride on concept readouts: --sae needs a concept set")
+    if settings.pipeline_parallel_size > 1:
+        raise ModelError("SAE features need one pipeline stage")
+    names = [sae.name for sae in settings.saes]
+    if len(set(names)) != len(names):
+        raise ModelError(f"two SAEs share a name: {', '.join(names)} (name them NAME=DIR)")
+    from transformers import AutoConfig
+
+    from salience.core.features.sae import check_fits
+
+    config = AutoConfig.from_pretrained(settings.model)
+    text = getattr(config, "text_config", None) or config
+    for sae in settings.saes:
+        check_fits(sae, hidden_size=text.hidden_size, num_layers=text.num_hidden_layers)
 
 
 def model_max_len(settings: EngineSettings) -> int:

@@ -6,15 +6,14 @@ requests that run a prompt through the model once and decode nothing of use.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from salience.core.engine.generation import PromptScores, guarded, residual_key
+from salience.core.engine.generation import PromptScores, guarded
 from salience.core.engine.prompts import check_expansion
-from salience.core.engine.requests import ResidualRequest, ScoredToken, covers
-from salience.core.probes.readouts import check_ranges
-from salience.core.probes.steering import merge_ranges
+from salience.core.engine.requests import FeatureRequest, ResidualRequest, ScoredToken, covers
+from salience.core.engine.rows import RowPlan, feature_plan, residual_plan
 from salience.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -22,11 +21,7 @@ if TYPE_CHECKING:
     from salience.core.engine.prompts import PlacedImage
     from salience.core.probes.steering import Intervention
 
-__all__ = ["MAX_RESIDUAL_ROWS", "Capture", "Passes"]
-
-# Residual rows one request may ask for (positions x layers): 16K rows of a 1,536-wide model are
-# 100 MB of float32 held until the request ends.
-MAX_RESIDUAL_ROWS = 16384
+__all__ = ["Passes"]
 
 
 class Passes:
@@ -42,6 +37,7 @@ class Passes:
         dp_rank: int | None = None,
         probabilities: bool = False,
         residual: ResidualRequest | None = None,
+        features: FeatureRequest | None = None,
     ) -> list[ScoredToken]:
         """Logprob of each continuation token given the prompt and the tokens before it,
         with its readout where `readout_ranges` cover its position. `steer`'s `generated`
@@ -60,6 +56,7 @@ class Passes:
             dp_rank=dp_rank,
             probabilities=probabilities,
             residual=residual,
+            features=features,
         )
         return [scores.at(position) for position in range(len(prompt), len(scores.tokens))]
 
@@ -79,12 +76,14 @@ class Passes:
         dp_rank: int | None = None,
         probabilities: bool = False,
         residual: ResidualRequest | None = None,
+        features: FeatureRequest | None = None,
         hold: Hold | None = None,
     ) -> PromptScores:
         """Run `tokens` through the model once: every position's logprob (with
         `top_logprobs` alternatives; None computes none) and the readouts `readout_ranges` cover
         (calibrated with `probabilities`), under `steer` (all of `tokens` are its prompt positions).
-        `residual`: raw residual rows too, [its layers, hidden] float32 arrays by position.
+        `residual`: raw residual rows too, [its layers, hidden] float32 arrays by position;
+        `features`: an SAE's top features by position.
         `request_id` is vLLM's id for the pass (default: a new uuid4 hex). `hold`: run under a
         running request's concepts and steering (its last token's pass) instead of its own."""
         ids = self.checks.tokens("tokens", tokens)
@@ -104,13 +103,13 @@ class Passes:
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        capture = self.residual_plan(residual, len(ids))
+        plans = self.row_plans(residual, features, len(ids))
         own = hold is None
         hold = self._hold(steer, len(ids)) if hold is None else hold
         try:
             present = self.calibration(hold.view).probabilities if probabilities else None
             key, checked, submitted = self._prepare(
-                params, request_id, readout_ranges, ids, images, hold, dp_rank, capture
+                params, request_id, readout_ranges, ids, images, hold, dp_rank, plans
             )
         except BaseException:
             if own:
@@ -120,31 +119,32 @@ class Passes:
         if checked:
             assert self.readouts is not None and hold.view is not None
             self.readouts.register(key, len(hold.view.concepts))
-        if capture is not None:
-            self.readouts.register(residual_key(key), self.hidden_size, raw_layers=len(capture.slots))
+        for plan in plans:
+            self.readouts.register(plan.key(key), plan.width, raw_layers=plan.layers)
         try:
             outputs = [
                 out async for out in guarded(self._llm.generate(submitted, params, key, data_parallel_rank=rank))
             ]
             check_expansion(outputs[-1], ids)
-            readouts = residuals = {}
+            readouts, rows = {}, {}
             if checked:
                 readouts = await self.readouts.take(key, [p for p in range(len(ids)) if covers(checked, p)])
                 if present is not None:
                     readouts = {p: present(row) for p, row in readouts.items()}
-            if capture is not None:
-                wanted = [p for p in range(len(ids)) if covers(capture.ranges, p)]
-                residuals = await self.readouts.take(residual_key(key), wanted)
+            for plan in plans:
+                wanted = [p for p in range(len(ids)) if covers(plan.ranges, p)]
+                taken = await self.readouts.take(plan.key(key), wanted)
+                rows[plan.field] = taken if plan.present is None else {p: plan.present(r) for p, r in taken.items()}
         finally:
             self.inflight.release(key)
             if checked:
                 self.readouts.release(key)
-            if capture is not None:
-                self.readouts.release(residual_key(key))
+            for plan in plans:
+                self.readouts.release(plan.key(key))
             if own:
                 hold.release()
         # FINAL_ONLY: exactly one output
-        return PromptScores(ids, outputs[-1].prompt_logprobs, top_logprobs or 0, readouts, residuals)
+        return PromptScores(ids, outputs[-1].prompt_logprobs, top_logprobs or 0, readouts, rows)
 
     async def _read_one(
         self,
@@ -155,56 +155,41 @@ class Passes:
         request_id: str,
         dp_rank: int | None = None,
         readout: bool = True,
-        residual_layers: tuple[int, ...] = (),
+        residual: ResidualRequest | None = None,
+        features: FeatureRequest | None = None,
     ) -> PromptScores | None:
-        """The last token's pass: its readout and residual rows (as asked), or None without room."""
+        """The last token's pass: its readout, residual rows and features (as the generation asked
+        for them), or None without room."""
         if len(tokens) >= self.max_model_len:  # no room for the pass's one decode step
             return None
         ranges = ((position, position + 1),)
-        residual = ResidualRequest(layers=residual_layers, ranges=ranges) if residual_layers else None
+        residual = dataclasses.replace(residual, ranges=ranges) if residual is not None else None
+        features = dataclasses.replace(features, ranges=ranges) if features is not None else None
         # The generation's interventions in absolute form: the same positions steered, the same cache salt.
         return await self.prefill(
             tokens,
             readout_ranges=ranges if readout else (),
             residual=residual,
+            features=features,
             images=images,
             hold=hold,
             request_id=request_id,
             dp_rank=dp_rank,
         )
 
-    def residual_plan(self, residual: ResidualRequest | None, end: int) -> Capture | None:
-        """A request's residual rows checked against the served layers, with `end` the first
-        position it cannot reach; None when none are asked for."""
-        if residual is None:
-            return None
+    def row_plans(self, residual: ResidualRequest | None, features: FeatureRequest | None, end: int) -> list[RowPlan]:
+        """A request's residual rows and features checked, with `end` the first position it cannot
+        reach; empty when it asks for neither."""
+        plans = []
+        if residual is None and features is None:
+            return plans
         if self.readouts is None or self.settings.pipeline_parallel_size > 1:
-            raise InvalidArgument("residual rows need concept readouts (a concept set) on one pipeline stage")
-        read = self.readouts.table.loaded.layers
-        layers = residual.layers
-        if not layers or len(set(layers)) != len(layers):
-            raise InvalidArgument("residual.layers must name one or more distinct layers")
-        unknown = [layer for layer in layers if layer not in read]
-        if unknown:
             raise InvalidArgument(
-                f"residual layer {unknown[0]!r} is not read; residual rows come from the read layers "
-                f"{read[0]}..{read[-1]} ({len(read)} of them)"
+                "residual rows and features need concept readouts (a concept set) on one pipeline stage"
             )
-        ranges = check_ranges(residual.ranges)
-        if not ranges:
-            raise InvalidArgument("residual.ranges names no positions")
-        positions = sum(max(0, min(e, end) - s) for s, e in merge_ranges([(s, e) for s, e in ranges]))
-        if positions * len(layers) > MAX_RESIDUAL_ROWS:
-            raise InvalidArgument(
-                f"residual asks for {positions} positions x {len(layers)} layers; at most {MAX_RESIDUAL_ROWS} "
-                "rows per request (ask in several requests, or use fewer layers)"
-            )
-        return Capture(ranges, [read.index(layer) for layer in layers])
-
-
-@dataclass(frozen=True)
-class Capture:
-    """A request's residual rows as the worker takes them: absolute ranges and readout slots."""
-
-    ranges: list[list[int]]
-    slots: list[int]
+        if residual is not None:
+            read = self.readouts.table.loaded.layers
+            plans.append(residual_plan(residual, end, read=read, hidden=self.hidden_size))
+        if features is not None:
+            plans.append(feature_plan(features, self.saes))
+        return plans

@@ -10,7 +10,19 @@ from typing import Any
 
 from salience.core.probes.calibration import Action, MonitorEvent
 
-__all__ = ["FinishReason", "ImageBlock", "ResidualRequest", "SamplingOptions", "ScoredToken", "TokenEvent", "covers"]
+Features = tuple[tuple[int, float], ...]  # (feature id, activation), largest activation first
+
+__all__ = [
+    "FeatureRequest",
+    "Features",
+    "FinishReason",
+    "ImageBlock",
+    "ResidualRequest",
+    "SamplingOptions",
+    "ScoredToken",
+    "TokenEvent",
+    "covers",
+]
 
 
 class FinishReason(enum.Enum):
@@ -66,6 +78,17 @@ class ResidualRequest:
     ranges: tuple[tuple[int, int], ...]
 
 
+@dataclass(frozen=True, kw_only=True)
+class FeatureRequest:
+    """A sparse autoencoder's most active features a request asks for at each position `ranges`
+    cover: up to `k` (feature id, activation) pairs, largest first, active ones only. `sae` names
+    one of the served SAEs (None: the only one). Read where readouts read, after any steering."""
+
+    sae: str | None
+    k: int
+    ranges: tuple[tuple[int, int], ...]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TokenEvent:
     """One decoded token at absolute `position` in prompt + completion.
@@ -83,6 +106,7 @@ class TokenEvent:
     readout: tuple[float, ...] | None = None  # [n_layers * n_concepts], row-major, if asked for
     monitors: tuple[MonitorEvent, ...] = ()  # the request's monitors that fired at this token
     residual: Any = None  # float32 numpy [layers asked, hidden], if asked for (ResidualRequest)
+    features: Features | None = None  # the SAE's most active features, if asked for (FeatureRequest)
 
     @property
     def stopped_by(self) -> MonitorEvent | None:
@@ -101,6 +125,7 @@ class ScoredToken:
     top_logprobs: tuple[tuple[int, float], ...] = ()
     readout: tuple[float, ...] | None = None
     residual: Any = None  # float32 numpy [layers asked, hidden], if asked for
+    features: Features | None = None
 
 
 def covers(ranges: Sequence[Sequence[int]], position: int) -> bool:

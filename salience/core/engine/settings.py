@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from salience.core.probes.concepts import ConceptSet
+
+if TYPE_CHECKING:
+    from salience.core.features.sae import SparseAutoencoder
 
 __all__ = ["EngineSettings"]
 
@@ -42,4 +45,6 @@ class EngineSettings:
     steering: bool = True  # steering along the concept set's and steering set's vectors
     spare_concepts: int = 16  # readout and steering columns for live concepts (needs a concept set)
     steer_vectors: int = 16  # steering columns for requests' own vectors, distinct ones running at once
+    saes: tuple[SparseAutoencoder, ...] = ()  # sparse autoencoders the taps encode with (needs a concept set)
+    sae_top: int = 32  # features per token the graph keeps of each SAE: the most a request may ask for
     engine_args: dict[str, Any] = field(default_factory=dict)

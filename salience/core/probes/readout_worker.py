@@ -21,6 +21,9 @@ during the forward pass, compiled or eager. Theory of operation:
   (taps.Capture), the taps' readout op copies them out at those layers, and after the step
   they are filed as [rows, its layers, hidden] blocks under that key, like readouts. A step
   nobody asked for residuals copies nothing.
+- A request asks for an SAE's top features through `extra_args[FEATURE_TAG] = [key, ranges,
+  SAE slot, k]`: after the step its rows' first k ids and activations are copied out of the
+  features buffer (taps.SAEEncoder) and filed as [rows, 1, 2k] blocks under that key.
 - The blocks leave the worker one of two ways (docs/readouts.md, "Transport"):
   - **with the step's output** (one filing worker, synchronous scheduling: CPU
     with PP=1, any TP and DP): the runner's `sample_tokens` (or `execute_model`,
@@ -50,13 +53,14 @@ import numpy as np
 import torch
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
-from salience.core.probes.taps import Capture, LayerTap, decoder_stack, readout_buffer, taps
+from salience.core.probes.taps import Capture, LayerTap, decoder_stack, feature_buffer, readout_buffer, taps
 
 TAG = "salience_readout"
 RESIDUAL_TAG = "salience_residual"
+FEATURE_TAG = "salience_features"
 ROWS = "salience_readout_rows"  # the ModelRunnerOutput attribute that carries a step's blocks
 
-__all__ = ["RESIDUAL_TAG", "ROWS", "TAG", "ReadoutWorker"]
+__all__ = ["FEATURE_TAG", "RESIDUAL_TAG", "ROWS", "TAG", "ReadoutWorker"]
 
 Blocks = list[tuple[np.ndarray, np.ndarray]]
 
@@ -67,8 +71,8 @@ class ReadoutWorker:
     def salience_readout_setup(self, with_output: bool = False) -> dict | None:
         """Start filing readouts; `with_output`: send them with each step's output. Returns None
         on a TP rank > 0 (the residual is replicated there: it never files), else the buffer's
-        shape and the readout slots this pipeline stage's taps write (none: the stage holds no
-        readout layer and files nothing)."""
+        shape, the readout slots this pipeline stage's taps write (none: the stage holds no
+        readout layer and files nothing) and the SAE features buffer's shape (None without SAEs)."""
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         # Per vLLM request id: per key it was tagged with (readouts, residuals), its blocks so far.
@@ -82,13 +86,17 @@ class ReadoutWorker:
         if buffer is None:  # a pipeline stage that holds no readout layer
             return {"shape": None, "slots": []}
         self._ro_buffer = buffer
+        self._ro_features = feature_buffer(model)
+        # Per SAE slot, the features its rows hold: ids in [0, top), activations in [top, 2 * top).
+        self._ro_feature_tops = {e.slot: e.width for tap in taps(model) for e in tap.encoders}
         self._ro_every_column = list(range(buffer.shape[2]))  # a view of every column needs no selection
         runner.execute_model = self._ro_after(runner.execute_model, file=True, send=with_output)
         runner._model_forward = self._ro_capturing(runner._model_forward)
         if with_output:
             runner.sample_tokens = self._ro_after(runner.sample_tokens, file=False, send=True)
         slots = sorted(tap.readout_slot for tap in taps(model) if tap.readout_slot is not None)
-        return {"shape": list(buffer.shape), "slots": slots}
+        features = list(self._ro_features.shape) if self._ro_features is not None else None
+        return {"shape": list(buffer.shape), "slots": slots, "features": features}
 
     def salience_readout_take(self, keys: list[str], drop: list[str]) -> dict[str, list]:
         """Blocks captured since the last take, per key: [positions bytes, values bytes]."""
@@ -227,18 +235,31 @@ class ReadoutWorker:
         return out
 
     def _ro_file(self) -> None:
-        picks = self._ro_rows(TAG)
+        self._ro_file_from(TAG, self._ro_buffer, self._ro_readouts)
+        if self._ro_features is not None:
+            self._ro_file_from(FEATURE_TAG, self._ro_features, self._ro_top_features)
+
+    def _ro_readouts(self, tag: list, rows: np.ndarray) -> np.ndarray:
+        _, _, columns = tag
+        return rows if columns == self._ro_every_column else rows[:, :, columns]
+
+    def _ro_top_features(self, tag: list, rows: np.ndarray) -> np.ndarray:
+        _, _, slot, k = tag
+        top = self._ro_feature_tops[slot]
+        return np.concatenate([rows[:, slot, :k], rows[:, slot, top : top + k]], axis=1)[:, None]
+
+    def _ro_file_from(self, tag: str, buffer: torch.Tensor, select) -> None:
+        """File this step's rows of `buffer` for the requests tagged `tag`, each request's rows as
+        `select(its tag, its rows)` makes them."""
+        picks = self._ro_rows(tag)
         if not picks:
             return
         rows = np.concatenate([idx for _, _, idx, _ in picks])
-        block = self._ro_buffer[torch.from_numpy(rows).to(self._ro_buffer.device)].cpu().numpy()
+        block = buffer[torch.from_numpy(rows).to(buffer.device)].cpu().numpy()
         first = 0
         for request_id, extra, idx, at in picks:
-            key, _, columns = extra[TAG]
-            mine = block[first : first + len(idx)]
-            if columns != self._ro_every_column:
-                mine = mine[:, :, columns]
-            self._ro_store.setdefault(request_id, {}).setdefault(key, []).append((at, mine))
+            mine = select(extra[tag], block[first : first + len(idx)])
+            self._ro_store.setdefault(request_id, {}).setdefault(extra[tag][0], []).append((at, mine))
             first += len(idx)
 
 

@@ -100,6 +100,7 @@ class Intervention:
     hi: float | None = None
     vector: bytes | None = None
     identity: str = ""
+    feature: tuple[str | None, int] | None = None  # (SAE, feature id): its decoder row (features/served.py)
 
     def coefficients(self) -> tuple[float, float]:
         """(a, b) of h += (a + b * <h, d>) * d."""

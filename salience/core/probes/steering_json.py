@@ -14,7 +14,7 @@ from salience.errors import InvalidArgument
 __all__ = ["parse_interventions", "parse_layers", "parse_vector"]
 
 
-_FIELDS = {"direction", "vector", "layers", "layer", "op", "value", "lo", "hi", "positions"}
+_FIELDS = {"direction", "vector", "feature", "sae", "layers", "layer", "op", "value", "lo", "hi", "positions"}
 
 
 def parse_interventions(data: object) -> tuple[Intervention, ...]:
@@ -43,15 +43,19 @@ def _parse_one(n: int, item: object) -> Intervention:
         raise InvalidArgument(f"{where}: unknown field {unknown[0]!r}")
     direction = item.get("direction", "")
     vector = parse_vector(f"{where}: vector", item["vector"]) if "vector" in item else None
-    if not isinstance(direction, str) or (not direction and vector is None):
-        raise InvalidArgument(f"{where}: direction must be a name (or give a vector)")
+    feature = _parse_feature(where, item) if "feature" in item else None
+    if "sae" in item and feature is None:
+        raise InvalidArgument(f"{where}: sae names the SAE of a feature: give the feature too")
+    if not isinstance(direction, str) or (not direction and vector is None and feature is None):
+        raise InvalidArgument(f"{where}: direction must be a name (or give a vector or a feature)")
     try:
         op = Op(item.get("op", "add"))
     except ValueError:
         raise InvalidArgument(f"{where}: op must be one of {[op.value for op in Op]}, got {item.get('op')!r}") from None
     if "layer" in item and "layers" in item:
         raise InvalidArgument(f"{where}: give layer or layers, not both")
-    layers = parse_layers(where, item.get("layers", item.get("layer")))
+    given = item.get("layers", item.get("layer"))
+    layers = () if feature is not None and given is None else parse_layers(where, given)  # (): the SAE's layer
     value = item.get("value", 0.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgument(f"{where}: value must be a number, got {value!r}")
@@ -65,6 +69,7 @@ def _parse_one(n: int, item: object) -> Intervention:
     return Intervention(
         direction=direction,
         vector=vector,
+        feature=feature,
         layers=layers,
         op=op,
         value=value,
@@ -73,6 +78,15 @@ def _parse_one(n: int, item: object) -> Intervention:
         generated=generated,
         **bounds,
     )
+
+
+def _parse_feature(where: str, item: Mapping) -> tuple[str | None, int]:
+    feature, sae = item["feature"], item.get("sae")
+    if type(feature) is not int or feature < 0:
+        raise InvalidArgument(f"{where}: feature must be a feature id (an integer >= 0), got {feature!r}")
+    if sae is not None and not isinstance(sae, str):
+        raise InvalidArgument(f"{where}: sae must name an SAE, got {sae!r}")
+    return sae, feature
 
 
 def parse_vector(where: str, data: object) -> bytes:

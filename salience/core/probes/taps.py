@@ -22,8 +22,13 @@ part of the model the compiler sees:
   output buffer). Both are ordinary tensor code, traced and fused with the
   layer; only the small float32 readout block leaves the graph, never a hidden
   state, and only small coefficient blocks enter it.
+- A tap at a sparse autoencoder's layer (`--sae`) also encodes the (steered)
+  residual with it (`SAEEncoder`: SAELens's math, see features/sae.py) and keeps
+  each token's `top` largest feature activations and their ids, written into
+  slot i of a second buffer `[max_tokens, SAEs, 2 * top]` through
+  `salience::feature_store`. Only those 2 * top floats per token leave the graph.
 - After each step the worker copies the rows requests asked for out of the
-  buffer (readout_worker.py); rows past the step's real tokens (padding to a
+  buffers (readout_worker.py); rows past the step's real tokens (padding to a
   compiled or captured batch size) are never read, and their steering
   coefficients are zero.
 
@@ -49,11 +54,13 @@ from salience.core.probes.steering import Directions
 
 __all__ = [
     "CONFIG_KEY",
+    "FEATURES_KEY",
     "LOAD_FORMAT",
     "STEERING_KEY",
     "Capture",
     "LayerTap",
     "decoder_stack",
+    "feature_buffer",
     "file_digest",
     "readout_buffer",
     "steering_buffers",
@@ -71,6 +78,8 @@ CONFIG_KEY = "salience_readouts"
 # concepts and `vectors` for requests' own vectors. Absent: no steering in the graph.
 STEERING_KEY = "salience_steering"
 STEERING_BUFFERS = ("steer_add", "steer_scale", "steer_lo", "steer_hi")  # a, b, lo, hi (LayerTap)
+# {"saes": [{"path", "sha256", "top"}, ...]}: the sparse autoencoders to encode with, in slot order.
+FEATURES_KEY = "salience_features"
 
 
 class Capture:
@@ -97,6 +106,48 @@ def _(values: torch.Tensor, buffer: torch.Tensor, slot: int, state: torch.Tensor
     return None
 
 
+@torch.library.custom_op("salience::feature_store", mutates_args=("buffer",))
+def feature_store(values: torch.Tensor, buffer: torch.Tensor, slot: int) -> None:
+    """buffer[:rows, slot, :width] = values: an SAE's top features, as readout_store writes readouts."""
+    buffer[: values.shape[0], slot, : values.shape[1]].copy_(values)
+
+
+@feature_store.register_fake
+def _(values: torch.Tensor, buffer: torch.Tensor, slot: int) -> None:
+    return None
+
+
+class SAEEncoder(nn.Module):
+    """One sparse autoencoder's encoder at its layer: a token's `width` largest feature activations
+    as [ids (as float32: exact below 2**24) | activations], largest first. `width` is the most a
+    request may ask for; a top-k SAE keeps at most its k."""
+
+    def __init__(self, sae: Any, width: int, slot: int) -> None:
+        super().__init__()
+        self.slot = slot
+        self.width = width
+        self.topk = sae.architecture == "topk"
+        self.centre = bool(sae.apply_b_dec_to_input)
+        self.register_buffer("W_enc", sae.W_enc.contiguous(), persistent=False)
+        self.register_buffer("b_enc", sae.b_enc, persistent=False)
+        self.register_buffer("b_dec", sae.b_dec, persistent=False)
+        threshold = sae.threshold if sae.architecture == "jumprelu" else None
+        self.jump = threshold is not None
+        self.register_buffer("threshold", threshold if threshold is not None else torch.zeros(0), persistent=False)
+
+    def forward(self, state: torch.Tensor) -> torch.Tensor:
+        pre = (state - self.b_dec if self.centre else state) @ self.W_enc + self.b_enc
+        if self.topk:  # the k largest pre-activations, ReLU'd; every other feature is 0
+            values, ids = torch.topk(pre, self.width, dim=-1)
+            values = torch.relu(values)
+        else:
+            acts = torch.relu(pre)
+            if self.jump:
+                acts = acts * (pre > self.threshold)
+            values, ids = torch.topk(acts, self.width, dim=-1)
+        return torch.cat([ids.to(torch.float32), values], dim=-1)
+
+
 class LayerTap(nn.Module):
     """A decoder layer followed by its steering and its concept projection (either may be absent).
 
@@ -115,6 +166,11 @@ class LayerTap(nn.Module):
         self.layer = layer
         self.readout_slot: int | None = None
         self.steering_slot: int | None = None
+        self.encoders = nn.ModuleList()  # the SAEs at this layer
+
+    def encode_into(self, encoder: SAEEncoder, buffer: torch.Tensor) -> None:
+        self.encoders.append(encoder)
+        self.register_buffer("features", buffer, persistent=False)  # [rows, SAEs, 2 * top], shared
 
     def read_into(self, slot: int, matrix: torch.Tensor, buffer: torch.Tensor) -> None:
         self.readout_slot = slot
@@ -148,6 +204,8 @@ class LayerTap(nn.Module):
             output = (hidden, *output[1:]) if isinstance(output, tuple) else hidden
         if self.readout_slot is not None:
             torch.ops.salience.readout_store(state @ self.matrix, self.out, self.readout_slot, state)
+        for encoder in self.encoders:
+            torch.ops.salience.feature_store(encoder(state), self.features, encoder.slot)
         return output
 
 
@@ -175,6 +233,11 @@ def readout_buffer(model: nn.Module) -> torch.Tensor | None:
     return next((tap.out for tap in taps(model) if tap.readout_slot is not None), None)
 
 
+def feature_buffer(model: nn.Module) -> torch.Tensor | None:
+    """The buffer the taps write SAE features into, or None without SAEs."""
+    return next((tap.features for tap in taps(model) if len(tap.encoders)), None)
+
+
 def steering_buffers(model: nn.Module) -> tuple[tuple[torch.Tensor, ...], dict[int, int]] | None:
     """The coefficient buffers (a, b, lo, hi) and each steerable layer's slot in them, or None
     without steering."""
@@ -199,7 +262,11 @@ def _load_checked(spec: dict) -> ConceptSet:
 
 
 def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch.device) -> None:
-    readout_spec, steering_spec = config.get(CONFIG_KEY), config.get(STEERING_KEY)
+    readout_spec, steering_spec, features_spec = (
+        config.get(CONFIG_KEY),
+        config.get(STEERING_KEY),
+        config.get(FEATURES_KEY),
+    )
     concepts = _load_checked(readout_spec) if readout_spec is not None else None
     directions = None
     if steering_spec is not None:
@@ -230,6 +297,18 @@ def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch
         for slot, index in enumerate(directions.layers):
             if index in held:
                 tap(index).steer_from(slot, directions.matrix(index).to(device).contiguous(), coefficients)
+    if features_spec is not None:
+        from salience.core.features.sae import load_sae
+
+        saes = features_spec["saes"]
+        widest = max(spec["top"] for spec in saes)
+        buffer = torch.zeros(max_tokens, len(saes), 2 * widest, dtype=torch.float32, device=device)
+        for slot, spec in enumerate(saes):
+            sae = load_sae(Path(spec["path"]))
+            if sae.sha256 != spec["sha256"]:
+                raise RuntimeError(f"SAE {spec['path']} changed after the engine was configured")
+            if sae.layer in held:
+                tap(sae.layer).encode_into(SAEEncoder(sae, spec["top"], slot).to(device), buffer)
     log.debug("layer taps installed", extra={"layers": sorted(tapped), "rows": max_tokens})
 
 
@@ -248,7 +327,7 @@ def _register_loader() -> None:
         def load_model(self, vllm_config, model_config, prefix: str = "") -> nn.Module:
             model = super().load_model(vllm_config, model_config, prefix)
             config = vllm_config.additional_config or {}
-            if CONFIG_KEY in config or STEERING_KEY in config:
+            if CONFIG_KEY in config or STEERING_KEY in config or FEATURES_KEY in config:
                 # Every rank taps and steers (the same values); rank 0's readouts are read.
                 rows = vllm_config.scheduler_config.max_num_batched_tokens
                 device = next(model.parameters()).device

@@ -202,8 +202,8 @@ class SessionStore:
         work: Generation | None = None
         scoring: Callable[[], Awaitable[PromptScores]] | None = None
         # From the ranges, not by scanning positions: sessions run to 100K+ tokens.
-        residual_ranges = [tuple(r) for r in turn.residual.ranges] if turn.residual is not None else []
-        prompt_ranges = [range(s, min(e, len(tokens))) for s, e in logprob_ranges + readout_ranges + residual_ranges]
+        row_ranges = [tuple(r) for ask in (turn.residual, turn.features) if ask is not None for r in ask.ranges]
+        prompt_ranges = [range(s, min(e, len(tokens))) for s, e in logprob_ranges + readout_ranges + row_ranges]
         prefill_wanted = sorted(set().union(*prompt_ranges))
         scored = any(max(s, 1) < min(e, len(tokens)) for s, e in logprob_ranges)  # position 0 has no logprob
         if budget:
@@ -223,6 +223,7 @@ class SessionStore:
                 monitors=turn.monitors,
                 probabilities=turn.probabilities,
                 residual=turn.residual,
+                features=turn.features,
             )
         elif prefill_wanted:
             top_k = turn.logprob_top_k if scored else None
@@ -239,6 +240,7 @@ class SessionStore:
                     dp_rank=session.dp_rank,
                     probabilities=turn.probabilities,
                     residual=turn.residual,
+                    features=turn.features,
                 )
 
         # Committed: the append is the client's content whatever happens to the turn.

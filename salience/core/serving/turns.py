@@ -14,7 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from salience.core.engine.generation import Generation, PromptScores
-from salience.core.engine.requests import FinishReason, ImageBlock, ResidualRequest, SamplingOptions, covers
+from salience.core.engine.requests import (
+    FeatureRequest,
+    Features,
+    FinishReason,
+    ImageBlock,
+    ResidualRequest,
+    SamplingOptions,
+    covers,
+)
 from salience.core.probes.calibration import Monitor, MonitorEvent
 from salience.core.probes.steering import Intervention
 
@@ -41,6 +49,7 @@ class Turn:
     monitors: Sequence[Monitor] = ()  # watched on every decoded token (calibration.py)
     probabilities: bool = False  # readouts as calibrated probabilities
     residual: ResidualRequest | None = None  # raw residual rows (absolute positions)
+    features: FeatureRequest | None = None  # an SAE's top features (absolute positions)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,6 +68,7 @@ class SessionToken:
     readout: tuple[float, ...] | None
     monitors: tuple[MonitorEvent, ...] = ()  # the turn's monitors that fired at this (decoded) token
     residual: Any = None  # float32 [layers asked, hidden] where the turn's residual ranges cover it
+    features: Features | None = None  # (id, activation) pairs where the turn's feature ranges cover it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,6 +145,7 @@ class TurnRun:
                             readout=event.readout,
                             monitors=event.monitors,
                             residual=event.residual,
+                            features=event.features,
                         )
                         stopped_by = event.stopped_by or stopped_by
                 reason = generation.finish_reason or FinishReason.CANCELLED
@@ -165,6 +176,7 @@ class TurnRun:
                     top_logprobs=scored.top_logprobs if covered else (),
                     readout=scored.readout,
                     residual=scored.residual,
+                    features=scored.features,
                 )
             )
         return tokens

@@ -70,7 +70,7 @@ class SaveConceptsResponse(_message.Message):
     def __init__(self, concept_set: _Optional[bytes] = ..., concepts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ExtendedGenerateRequest(_message.Message):
-    __slots__ = ("generate", "interventions", "readout_format", "monitors", "residual")
+    __slots__ = ("generate", "interventions", "readout_format", "monitors", "residual", "features")
     class ReadoutFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         READOUT_FORMAT_RAW: _ClassVar[ExtendedGenerateRequest.ReadoutFormat]
@@ -82,12 +82,72 @@ class ExtendedGenerateRequest(_message.Message):
     READOUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     MONITORS_FIELD_NUMBER: _ClassVar[int]
     RESIDUAL_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     generate: _salience_pb2.GenerateRequest
     interventions: _containers.RepeatedCompositeFieldContainer[Intervention]
     readout_format: ExtendedGenerateRequest.ReadoutFormat
     monitors: _containers.RepeatedCompositeFieldContainer[Monitor]
     residual: Residual
-    def __init__(self, generate: _Optional[_Union[_salience_pb2.GenerateRequest, _Mapping]] = ..., interventions: _Optional[_Iterable[_Union[Intervention, _Mapping]]] = ..., readout_format: _Optional[_Union[ExtendedGenerateRequest.ReadoutFormat, str]] = ..., monitors: _Optional[_Iterable[_Union[Monitor, _Mapping]]] = ..., residual: _Optional[_Union[Residual, _Mapping]] = ...) -> None: ...
+    features: Features
+    def __init__(self, generate: _Optional[_Union[_salience_pb2.GenerateRequest, _Mapping]] = ..., interventions: _Optional[_Iterable[_Union[Intervention, _Mapping]]] = ..., readout_format: _Optional[_Union[ExtendedGenerateRequest.ReadoutFormat, str]] = ..., monitors: _Optional[_Iterable[_Union[Monitor, _Mapping]]] = ..., residual: _Optional[_Union[Residual, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
+
+class Features(_message.Message):
+    __slots__ = ("sae", "k", "ranges")
+    SAE_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    sae: str
+    k: int
+    ranges: _containers.RepeatedCompositeFieldContainer[_salience_pb2.PositionRange]
+    def __init__(self, sae: _Optional[str] = ..., k: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[_salience_pb2.PositionRange, _Mapping]]] = ...) -> None: ...
+
+class FeatureActivation(_message.Message):
+    __slots__ = ("id", "activation")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    activation: float
+    def __init__(self, id: _Optional[int] = ..., activation: _Optional[float] = ...) -> None: ...
+
+class FeatureRef(_message.Message):
+    __slots__ = ("sae", "id")
+    SAE_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    sae: str
+    id: int
+    def __init__(self, sae: _Optional[str] = ..., id: _Optional[int] = ...) -> None: ...
+
+class GetSAEManifestRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SAEManifest(_message.Message):
+    __slots__ = ("saes",)
+    SAES_FIELD_NUMBER: _ClassVar[int]
+    saes: _containers.RepeatedCompositeFieldContainer[SAEInfo]
+    def __init__(self, saes: _Optional[_Iterable[_Union[SAEInfo, _Mapping]]] = ...) -> None: ...
+
+class SAEInfo(_message.Message):
+    __slots__ = ("name", "layer", "d_in", "d_sae", "architecture", "k", "top", "hook_name", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    D_IN_FIELD_NUMBER: _ClassVar[int]
+    D_SAE_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    HOOK_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    layer: int
+    d_in: int
+    d_sae: int
+    architecture: str
+    k: int
+    top: int
+    hook_name: str
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., layer: _Optional[int] = ..., d_in: _Optional[int] = ..., d_sae: _Optional[int] = ..., architecture: _Optional[str] = ..., k: _Optional[int] = ..., top: _Optional[int] = ..., hook_name: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class Residual(_message.Message):
     __slots__ = ("layers", "ranges")
@@ -98,7 +158,7 @@ class Residual(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[int]] = ..., ranges: _Optional[_Iterable[_Union[_salience_pb2.PositionRange, _Mapping]]] = ...) -> None: ...
 
 class Monitor(_message.Message):
-    __slots__ = ("concept", "layer", "above", "below", "action")
+    __slots__ = ("concept", "layer", "above", "below", "action", "feature")
     class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ACTION_UNSPECIFIED: _ClassVar[Monitor.Action]
@@ -112,40 +172,46 @@ class Monitor(_message.Message):
     ABOVE_FIELD_NUMBER: _ClassVar[int]
     BELOW_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
     concept: str
     layer: int
     above: float
     below: float
     action: Monitor.Action
-    def __init__(self, concept: _Optional[str] = ..., layer: _Optional[int] = ..., above: _Optional[float] = ..., below: _Optional[float] = ..., action: _Optional[_Union[Monitor.Action, str]] = ...) -> None: ...
+    feature: FeatureRef
+    def __init__(self, concept: _Optional[str] = ..., layer: _Optional[int] = ..., above: _Optional[float] = ..., below: _Optional[float] = ..., action: _Optional[_Union[Monitor.Action, str]] = ..., feature: _Optional[_Union[FeatureRef, _Mapping]] = ...) -> None: ...
 
 class MonitorEvent(_message.Message):
-    __slots__ = ("monitor", "concept", "layer", "position", "probability", "action")
+    __slots__ = ("monitor", "concept", "layer", "position", "probability", "action", "feature")
     MONITOR_FIELD_NUMBER: _ClassVar[int]
     CONCEPT_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     PROBABILITY_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
     monitor: int
     concept: str
     layer: int
     position: int
     probability: float
     action: Monitor.Action
-    def __init__(self, monitor: _Optional[int] = ..., concept: _Optional[str] = ..., layer: _Optional[int] = ..., position: _Optional[int] = ..., probability: _Optional[float] = ..., action: _Optional[_Union[Monitor.Action, str]] = ...) -> None: ...
+    feature: FeatureRef
+    def __init__(self, monitor: _Optional[int] = ..., concept: _Optional[str] = ..., layer: _Optional[int] = ..., position: _Optional[int] = ..., probability: _Optional[float] = ..., action: _Optional[_Union[Monitor.Action, str]] = ..., feature: _Optional[_Union[FeatureRef, _Mapping]] = ...) -> None: ...
 
 class ExtendedGenerateEvent(_message.Message):
-    __slots__ = ("event", "monitors", "stopped_by", "residual")
+    __slots__ = ("event", "monitors", "stopped_by", "residual", "features")
     EVENT_FIELD_NUMBER: _ClassVar[int]
     MONITORS_FIELD_NUMBER: _ClassVar[int]
     STOPPED_BY_FIELD_NUMBER: _ClassVar[int]
     RESIDUAL_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     event: _salience_pb2.GenerateEvent
     monitors: _containers.RepeatedCompositeFieldContainer[MonitorEvent]
     stopped_by: MonitorEvent
     residual: bytes
-    def __init__(self, event: _Optional[_Union[_salience_pb2.GenerateEvent, _Mapping]] = ..., monitors: _Optional[_Iterable[_Union[MonitorEvent, _Mapping]]] = ..., stopped_by: _Optional[_Union[MonitorEvent, _Mapping]] = ..., residual: _Optional[bytes] = ...) -> None: ...
+    features: _containers.RepeatedCompositeFieldContainer[FeatureActivation]
+    def __init__(self, event: _Optional[_Union[_salience_pb2.GenerateEvent, _Mapping]] = ..., monitors: _Optional[_Iterable[_Union[MonitorEvent, _Mapping]]] = ..., stopped_by: _Optional[_Union[MonitorEvent, _Mapping]] = ..., residual: _Optional[bytes] = ..., features: _Optional[_Iterable[_Union[FeatureActivation, _Mapping]]] = ...) -> None: ...
 
 class GetConceptManifestRequest(_message.Message):
     __slots__ = ()
@@ -224,7 +290,7 @@ class SteeredGenerateRequest(_message.Message):
     def __init__(self, generate: _Optional[_Union[_salience_pb2.GenerateRequest, _Mapping]] = ..., interventions: _Optional[_Iterable[_Union[Intervention, _Mapping]]] = ...) -> None: ...
 
 class Intervention(_message.Message):
-    __slots__ = ("direction", "layers", "op", "value", "prompt", "ranges", "generated", "lo", "hi", "vector")
+    __slots__ = ("direction", "layers", "op", "value", "prompt", "ranges", "generated", "lo", "hi", "vector", "feature")
     class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OP_UNSPECIFIED: _ClassVar[Intervention.Op]
@@ -247,6 +313,7 @@ class Intervention(_message.Message):
     LO_FIELD_NUMBER: _ClassVar[int]
     HI_FIELD_NUMBER: _ClassVar[int]
     VECTOR_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
     direction: str
     layers: _containers.RepeatedScalarFieldContainer[int]
     op: Intervention.Op
@@ -257,7 +324,8 @@ class Intervention(_message.Message):
     lo: float
     hi: float
     vector: bytes
-    def __init__(self, direction: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., op: _Optional[_Union[Intervention.Op, str]] = ..., value: _Optional[float] = ..., prompt: _Optional[bool] = ..., ranges: _Optional[_Iterable[_Union[_salience_pb2.PositionRange, _Mapping]]] = ..., generated: _Optional[bool] = ..., lo: _Optional[float] = ..., hi: _Optional[float] = ..., vector: _Optional[bytes] = ...) -> None: ...
+    feature: FeatureRef
+    def __init__(self, direction: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., op: _Optional[_Union[Intervention.Op, str]] = ..., value: _Optional[float] = ..., prompt: _Optional[bool] = ..., ranges: _Optional[_Iterable[_Union[_salience_pb2.PositionRange, _Mapping]]] = ..., generated: _Optional[bool] = ..., lo: _Optional[float] = ..., hi: _Optional[float] = ..., vector: _Optional[bytes] = ..., feature: _Optional[_Union[FeatureRef, _Mapping]] = ...) -> None: ...
 
 class GetSteeringManifestRequest(_message.Message):
     __slots__ = ()

@@ -60,6 +60,11 @@ class SalienceExtensionsStub:
                 request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetConceptManifestRequest.SerializeToString,
                 response_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ConceptManifest.FromString,
                 _registered_method=True)
+        self.GetSAEManifest = channel.unary_unary(
+                '/salience.ext.v1.SalienceExtensions/GetSAEManifest',
+                request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetSAEManifestRequest.SerializeToString,
+                response_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SAEManifest.FromString,
+                _registered_method=True)
         self.DefineConcept = channel.unary_unary(
                 '/salience.ext.v1.SalienceExtensions/DefineConcept',
                 request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.DefineConceptRequest.SerializeToString,
@@ -127,6 +132,13 @@ class SalienceExtensionsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetSAEManifest(self, request, context):
+        """The sparse autoencoders served (--sae): what ExtendedGenerateRequest.features may name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DefineConcept(self, request, context):
         """Live concepts (docs/live-concepts.md). Define a concept on the running server, from examples
         (fitted and validated by the concept builder on the serving engine) or from vectors; from
@@ -183,6 +195,11 @@ def add_SalienceExtensionsServicer_to_server(servicer, server):
                     servicer.GetConceptManifest,
                     request_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetConceptManifestRequest.FromString,
                     response_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ConceptManifest.SerializeToString,
+            ),
+            'GetSAEManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSAEManifest,
+                    request_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetSAEManifestRequest.FromString,
+                    response_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SAEManifest.SerializeToString,
             ),
             'DefineConcept': grpc.unary_unary_rpc_method_handler(
                     servicer.DefineConcept,
@@ -335,6 +352,33 @@ class SalienceExtensions:
             '/salience.ext.v1.SalienceExtensions/GetConceptManifest',
             salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetConceptManifestRequest.SerializeToString,
             salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ConceptManifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSAEManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/salience.ext.v1.SalienceExtensions/GetSAEManifest',
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetSAEManifestRequest.SerializeToString,
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SAEManifest.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,113 @@
+"""Per-position arrays a request asks for beside its readouts: raw residual rows and SAE features.
+
+Both are captured in the worker as readouts are and travel the same way (readouts.py), each under
+a hub key of its own: the request's key plus the field they fill on its events. A `RowPlan` is one
+such ask, checked: the worker's tag, the ranges, the shape of a position's rows, and how a row is
+handed to the client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from salience.core.engine.requests import FeatureRequest, ResidualRequest
+from salience.core.features.served import ServedSAE, pick_sae
+from salience.core.probes.readout_worker import FEATURE_TAG, RESIDUAL_TAG
+from salience.core.probes.readouts import READ_TO_END, check_ranges
+from salience.core.probes.steering import merge_ranges
+from salience.errors import InvalidArgument
+
+__all__ = ["MAX_RESIDUAL_ROWS", "RowPlan", "feature_plan", "residual_plan", "watched_features"]
+
+# Residual rows one request may ask for (positions x layers): 16K rows of a 1,536-wide model are
+# 100 MB of float32 held until the request ends.
+MAX_RESIDUAL_ROWS = 16384
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    field: str  # the TokenEvent / ScoredToken attribute the rows fill: "residual" or "features"
+    tag: str  # the worker's extra_args key
+    ranges: list[list[int]]  # absolute positions, [start, end)
+    args: list  # the tag's fields after [key, ranges]
+    layers: int  # rows per position
+    width: int  # values per row
+    present: Callable[[np.ndarray], Any] | None = None  # a position's [layers, width] block as handed out
+
+    def key(self, request_key: str) -> str:
+        return f"{request_key}#{self.field}"
+
+    def tag_value(self, request_key: str) -> list:
+        return [self.key(request_key), self.ranges, *self.args]
+
+    def at(self, position: int) -> RowPlan:
+        """The same ask at one position (a generation's last token, read by a pass of its own)."""
+        return dataclasses.replace(self, ranges=[[position, position + 1]])
+
+
+def residual_plan(residual: ResidualRequest, end: int, *, read: Sequence[int], hidden: int) -> RowPlan:
+    """Residual rows checked against the read layers `read`, with `end` the first position the
+    request cannot reach."""
+    layers = residual.layers
+    if not layers or len(set(layers)) != len(layers):
+        raise InvalidArgument("residual.layers must name one or more distinct layers")
+    unknown = [layer for layer in layers if layer not in read]
+    if unknown:
+        raise InvalidArgument(
+            f"residual layer {unknown[0]!r} is not read; residual rows come from the read layers "
+            f"{read[0]}..{read[-1]} ({len(read)} of them)"
+        )
+    ranges = _ranges("residual", residual.ranges)
+    positions = sum(max(0, min(e, end) - s) for s, e in merge_ranges([(s, e) for s, e in ranges]))
+    if positions * len(layers) > MAX_RESIDUAL_ROWS:
+        raise InvalidArgument(
+            f"residual asks for {positions} positions x {len(layers)} layers; at most {MAX_RESIDUAL_ROWS} "
+            "rows per request (ask in several requests, or use fewer layers)"
+        )
+    slots = [list(read).index(layer) for layer in layers]
+    return RowPlan("residual", RESIDUAL_TAG, ranges, [slots], len(layers), hidden)
+
+
+def feature_plan(features: FeatureRequest, saes: Sequence[ServedSAE]) -> RowPlan:
+    """An SAE's top features checked against the served SAEs."""
+    sae = pick_sae(saes, features.sae, "features")
+    k = features.k
+    if type(k) is not int or not 1 <= k <= sae.top:
+        raise InvalidArgument(f"features.k must be an integer in 1..{sae.top} for SAE {sae.name!r}, got {k!r}")
+    ranges = _ranges("features", features.ranges)
+    return RowPlan("features", FEATURE_TAG, ranges, [sae.slot, k], 1, 2 * k, present_features)
+
+
+def watched_features(
+    features: FeatureRequest | None, sae: ServedSAE, prompt_len: int
+) -> tuple[FeatureRequest, tuple[int, list[list[int]]]]:
+    """What a request with feature monitors reads: the watched SAE's `top` features on every
+    generated token beside the client's own ask; and what the client sees of them (its k and
+    ranges: Generation trims to them)."""
+    if features is not None and (features.sae or sae.name) != sae.name:
+        raise InvalidArgument(
+            f"features and feature monitors name different SAEs; one request reads one ({sae.name!r})"
+        )
+    asked = features.ranges if features is not None else ()
+    watched = FeatureRequest(sae=sae.name, k=sae.top, ranges=(*asked, (prompt_len, READ_TO_END)))
+    return watched, ((features.k, check_ranges(asked)) if features is not None else (0, []))
+
+
+def present_features(block: np.ndarray) -> tuple[tuple[int, float], ...]:
+    """A position's [1, 2k] block (k ids as floats, then their activations, largest first) as its
+    active features."""
+    k = block.shape[1] // 2
+    ids, values = block[0, :k], block[0, k:]
+    return tuple((int(i), float(v)) for i, v in zip(ids, values, strict=True) if v > 0)
+
+
+def _ranges(name: str, ranges: Sequence[tuple[int, int]]) -> list[list[int]]:
+    checked = check_ranges(ranges)
+    if not checked:
+        raise InvalidArgument(f"{name}.ranges names no positions")
+    return checked
