@@ -335,3 +335,34 @@ async def test_an_sae_that_does_not_fit_the_model_is_refused_before_vllm_starts(
     twice = load_sae(tmp_path / "ok", name="same")
     with pytest.raises(ModelError, match="share a name"):
         await start_engine(tiny_model, concepts=tiny_concepts, saes=(twice, twice))
+
+
+async def test_tensor_parallel_two_ranks_carry_residual_rows_and_features(
+    tiny_model: Path, tiny_concepts: ConceptSet, tiny_reference: Reference, saes: dict[str, SparseAutoencoder]
+) -> None:
+    """TP=2 on the two CPU cores: the residual is whole on every rank after the all-reduce, and
+    rank 0 alone files rows and features."""
+    parallel = await start_engine(
+        tiny_model, max_model_len=512, concepts=tiny_concepts, saes=(saes["top"],), sae_top=TOP, tensor_parallel_size=2
+    )
+    try:
+        prompt = PROMPTS[4]
+        generation = parallel.generate(
+            prompt,
+            GREEDY,
+            residual=ResidualRequest(layers=(0, 3), ranges=((0, 1000),)),
+            features=FeatureRequest(sae="top", k=8, ranges=((0, 1000),)),
+        )
+        events = [e async for e in generation]
+        ids = prompt + [e.token_id for e in events]
+        rows = {**generation.prompt_residuals, **{e.position: e.residual for e in events}}
+        assert sorted(rows) == list(range(len(ids)))
+        want = tiny_reference.residuals(ids, (0, 3))
+        for position, row in rows.items():
+            for i, layer in enumerate((0, 3)):
+                expected = want[layer][position].numpy()
+                assert abs(row[i] - expected).max() / abs(expected).max() < 1e-4, (position, layer)
+        got = {**generation.prompt_rows["features"], **{e.position: e.features for e in events}}
+        assert_features(got, want_top(tiny_reference, saes["top"], ids), 8)
+    finally:
+        parallel.shutdown()
