@@ -1,13 +1,17 @@
 """What readouts cost a user: `salience serve` with readouts against the fastest server without.
 
-Three servers on the default model, started once, driven over LMTP in one run:
+Five servers on the default model, started once, driven over LMTP in one run:
 
 - `--no-readouts`: the fastest configuration a user could pick without readouts (compiled);
 - the default: compiled, readout taps on every layer of the built-in concept set, and every
   generated token asks for its readout;
 - `--eager`: readouts in eager mode (the path before readouts were compiled);
 - `--spare-concepts 0`: readouts without the spare columns live concepts take (what those
-  16 zero columns cost).
+  16 zero columns cost);
+- `--sae DIR`: readouts plus a sparse autoencoder's encoder at a middle layer (docs/features.md),
+  driven with readouts and the top 32 features on every generated token. DIR is `--sae` here, by
+  default a random top-k SAE of the shape tools/train_sae.py makes (8x, k = 32): the cost
+  depends on the shape only.
 
 The default server is driven four ways: raw readouts, readouts as calibrated probabilities,
 raw readouts with one `flag` monitor per concept (p > 0.5 at its recommended layer), and raw
@@ -37,6 +41,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 
@@ -108,7 +113,7 @@ class Way:
 
 
 def ways(running: list[Server], concepts: list[str], layers: list[int]) -> list[Way]:
-    fastest, default, eager, unspared = running
+    fastest, default, eager, unspared, sae = running
     monitors = [{"concept": name, "above": 0.5, "action": "flag"} for name in concepts]
     middle = layers[len(layers) // 2]
     residual = {"residual": {"layers": [middle]}}  # ranges: each stream's generated tokens (run)
@@ -120,15 +125,18 @@ def ways(running: list[Server], concepts: list[str], layers: list[int]) -> list[
         Way("eager + readouts", eager, True),
         Way("readouts, no spare columns", unspared, True),
         Way(f"readouts + residual rows (layer {middle})", default, True, residual),
+        Way("readouts + SAE top-32 features", sae, True, {"features": {"k": 32}}),
     ]
 
 
 @contextlib.asynccontextmanager
-async def servers(model_name: str, cache: str, warm: bool) -> AsyncIterator[tuple[list[Server], float]]:
+async def servers(
+    configs: dict[str, list[str]], model_name: str, cache: str, warm: bool
+) -> AsyncIterator[tuple[list[Server], float]]:
     """The servers, ready; and how long the default one took to start with empty compile caches
     (its measured start then reuses what that start compiled), unless `warm`."""
     base = 19000 + os.getpid() % 500 * 4
-    running = [Server(name, flags, base + i) for i, (name, flags) in enumerate(CONFIGS.items())]
+    running = [Server(name, flags, base + i) for i, (name, flags) in enumerate(configs.items())]
     fresh = {"TORCHINDUCTOR_CACHE_DIR": f"{cache}/torchinductor", "VLLM_CACHE_ROOT": f"{cache}/vllm"}
     cold = Server("default, empty compile cache", [], base + len(running), env=fresh)
     if not warm:
@@ -159,12 +167,14 @@ async def run(way: Way, model: str, batch: list[list[int]], tokens: int, eos: in
             generated_range = [[len(prompt), len(prompt) + tokens]]
             if way.reads:
                 fields["readout"] = generated_range
-            if "residual" in fields:
-                fields["residual"] = {**fields["residual"], "ranges": generated_range}
+            for rows in ("residual", "features"):
+                if rows in fields:
+                    fields[rows] = {**fields[rows], "ranges": generated_range}
             payloads = [p async for p in client.stream("GENERATE", logit_bias={str(eos): -100.0}, **fields)]
             generated = [p for p in payloads if "token" in p and not p.get("prompt")]
-            if "residual" in fields:
-                assert all("residual" in p for p in generated), f"{way.name}: a token without its residual rows"
+            for rows in ("residual", "features"):
+                if rows in fields:
+                    assert all(rows in p for p in generated), f"{way.name}: a token without its {rows}"
             return len(generated), sum(p.get("readout") is not None for p in generated)
 
         started = time.perf_counter()
@@ -181,6 +191,7 @@ async def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warm", action="store_true", help="no start with empty compile caches")
+    parser.add_argument("--sae", help="the SAE folder (default: a random 8x top-32 SAE at layer 15)")
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
 
@@ -189,9 +200,10 @@ async def main() -> None:
 
     configure_environment()
     eos = _eos(ensure_default_model())
-    print(f"starting {len(CONFIGS)} servers on the default model, one after another", file=sys.stderr)
     with tempfile.TemporaryDirectory() as cache:
-        async with servers(DEFAULT_MODEL_NAME, cache, args.warm) as (running, cold):
+        configs = {**CONFIGS, "readouts + SAE": ["--sae", args.sae or _random_sae(Path(cache) / "sae")]}
+        print(f"starting {len(configs)} servers on the default model, one after another", file=sys.stderr)
+        async with servers(configs, DEFAULT_MODEL_NAME, cache, args.warm) as (running, cold):
             client = await LmtpClient.connect(running[1].url)
             manifest = (await client.request("MODEL_INFO"))["model_info"]["readout_manifest"]
             await client.close()
@@ -238,6 +250,30 @@ def report(running: list[Server], driven: list[Way], counts: list[int], args: ar
     starts = ", ".join(f"{s.name} {s.start_seconds:.0f} s" for s in running)
     first = f"default with empty compile caches {cold:.0f} s; then " if cold else ""
     print(f"\nstart to ready: {first}{starts}")
+
+
+def _random_sae(folder: Path) -> str:
+    """A top-k SAE of tools/train_sae.py's shape at layer 15 of the default model, random weights."""
+    import torch
+
+    from salience.core.features.sae import save_sae
+
+    generator = torch.Generator().manual_seed(0)
+    decoder = torch.randn(8 * 576, 576, generator=generator)
+    decoder /= decoder.norm(dim=1, keepdim=True)
+    b_enc = torch.zeros(8 * 576)
+    save_sae(
+        folder,
+        architecture="topk",
+        layer=15,
+        W_enc=decoder.T.contiguous(),
+        b_enc=b_enc,
+        W_dec=decoder,
+        b_dec=torch.zeros(576),
+        k=32,
+        model_name="SmolLM2-135M-Instruct",
+    )
+    return str(folder)
 
 
 def _eos(model) -> int:
