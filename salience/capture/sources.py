@@ -140,23 +140,16 @@ class GrpcSource:
         async def one(ids: list[int]) -> Rows:
             if len(ids) <= start:
                 return no_rows(len(layers), self.hidden_size)
-            opened = await client._stub.OpenSession(
-                pb.OpenSessionRequest(model=self._model_name), metadata=client._metadata
-            )
+            session = await client.open_session(self._model_name)
             try:
-                request = ext.ExtendedGenerateRequest(
-                    generate=pb.GenerateRequest(session_id=opened.session_id, append_tokens=ids, max_tokens=0),
-                    residual=ext.Residual(layers=layers, ranges=[pb.PositionRange(start=start, end=len(ids))]),
-                )
+                residual = ext.Residual(layers=layers, ranges=[pb.PositionRange(start=start, end=len(ids))])
                 positions, rows = [], []
-                async for event in client._extensions.ExtendedGenerate(request, metadata=client._metadata):
+                async for event in session.extended(ids, max_tokens=0, residual=residual):
                     if event.event.HasField("token") and event.residual:
                         positions.append(event.event.token.position)
                         rows.append(np.frombuffer(event.residual, "<f4").reshape(len(layers), self.hidden_size))
             finally:
-                await client._stub.CloseSession(
-                    pb.CloseSessionRequest(session_id=opened.session_id), metadata=client._metadata
-                )
+                await session.close()
             return np.array(positions, np.int64), np.stack(rows)
 
         return list(await asyncio.gather(*map(one, documents)))

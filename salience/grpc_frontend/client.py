@@ -18,101 +18,18 @@ call first re-reads the length with DumpSession.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import grpc
 
 from salience.core.probes.steering import Intervention, Op
 from salience.core.probes.steering_json import parse_interventions
+from salience.grpc_frontend.ledger import GenerateResult, Ledger, defaults
 from salience.proto.salience.ext.v1 import extensions_pb2 as ext
 from salience.proto.salience.ext.v1 import extensions_pb2_grpc
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
 
 __all__ = ["AsyncSalienceClient", "AsyncSession", "GenerateResult", "SalienceClient", "Session"]
-
-# [start, end) in absolute positions; end None: through the end of the call (what the
-# session will hold after the append plus max_tokens), which only the client can work out.
-Range = tuple[int, int | None]
-
-
-@dataclass
-class GenerateResult:
-    prefill: list[pb.Token] = field(default_factory=list)  # covered prompt positions
-    tokens: list[pb.Token] = field(default_factory=list)  # decoded
-    done: pb.GenerateDone | None = None
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [t.id for t in self.tokens]
-
-    def add(self, event: pb.GenerateEvent) -> None:
-        if event.HasField("done"):
-            self.done = event.done
-        else:
-            (self.prefill if event.token.is_prefill else self.tokens).append(event.token)
-
-
-class _Ledger:
-    """Sans-IO: the client's view of one session. Builds requests, learns from events."""
-
-    def __init__(self, session_id: str, length: int) -> None:
-        self.session_id = session_id
-        self.length = length
-        self.synced = True
-
-    def request(
-        self,
-        append: Sequence[int],
-        truncate_to: int | None,
-        *,
-        max_tokens: int,
-        logprobs_ranges: Sequence[Range],
-        logprob_top_k: int,
-        readout_ranges: Sequence[Range],
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        stop_token_ids: Sequence[int],
-        priority: int,
-        images: Sequence[pb.ImageAttachment],
-    ) -> pb.GenerateRequest:
-        offset = self.length if truncate_to is None else truncate_to
-        end_of_call = offset + len(append) + max_tokens
-
-        def ranges(given: Sequence[Range]) -> list[pb.PositionRange]:
-            return [pb.PositionRange(start=s, end=end_of_call if e is None else e) for s, e in given]
-
-        request = pb.GenerateRequest(
-            session_id=self.session_id,
-            append_tokens=append,
-            offset=offset,
-            truncating=truncate_to is not None and truncate_to < self.length,
-            max_tokens=max_tokens,
-            logprobs_ranges=ranges(logprobs_ranges),
-            logprob_top_k=logprob_top_k,
-            readout_ranges=ranges(readout_ranges),
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            stop_token_ids=stop_token_ids,
-            priority=priority,
-            images=images,
-        )
-        self.synced = False  # until the stream ends cleanly
-        self._after_append = offset + len(append)
-        return request
-
-    def accepted(self) -> None:
-        """The first event arrived: the server validated and applied the append."""
-        self.length = self._after_append
-
-    def observe(self, event: pb.GenerateEvent) -> None:
-        if event.HasField("done"):
-            self.length = self._after_append + event.done.completion_tokens
-            self.synced = True
-        elif not event.token.is_prefill:
-            self.length += 1
 
 
 def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
@@ -162,7 +79,7 @@ class Session:
 
     def __init__(self, client: SalienceClient, session_id: str, length: int = 0) -> None:
         self._client = client
-        self._ledger = _Ledger(session_id, length)
+        self._ledger = Ledger(session_id, length)
 
     @property
     def id(self) -> str:
@@ -183,7 +100,7 @@ class Session:
         """Append (after rewinding to `truncate_to`), then yield the call's events. See `generate`."""
         if not self._ledger.synced:
             self._ledger.length = len(self.dump())
-        request = self._ledger.request(append, truncate_to, **_defaults(params))
+        request = self._ledger.request(append, truncate_to, **defaults(params))
         call = _generate_call(self._client, request, steer)
         try:
             first = True
@@ -262,7 +179,7 @@ class AsyncSession:
 
     def __init__(self, client: AsyncSalienceClient, session_id: str, length: int = 0) -> None:
         self._client = client
-        self._ledger = _Ledger(session_id, length)
+        self._ledger = Ledger(session_id, length)
 
     @property
     def id(self) -> str:
@@ -280,17 +197,45 @@ class AsyncSession:
         steer: Sequence[Intervention | dict] = (),
         **params,
     ) -> AsyncIterator[pb.GenerateEvent]:
+        request = await self._request(append, truncate_to, params)
+        async for event in self._follow(_generate_call(self._client, request, steer), lambda e: e):
+            yield event
+
+    async def extended(
+        self,
+        append: Sequence[int] = (),
+        *,
+        truncate_to: int | None = None,
+        steer: Sequence[Intervention | dict] = (),
+        residual: ext.Residual | None = None,
+        features: ext.Features | None = None,
+        **params,
+    ) -> AsyncIterator[ext.ExtendedGenerateEvent]:
+        """stream() through ExtendedGenerate: each event with its residual rows and SAE features."""
+        request = ext.ExtendedGenerateRequest(
+            generate=await self._request(append, truncate_to, params),
+            interventions=_interventions(steer),
+            residual=residual,
+            features=features,
+        )
+        call = self._client._extensions.ExtendedGenerate(request, metadata=self._client._metadata)
+        async for event in self._follow(call, lambda e: e.event):
+            yield event
+
+    async def _request(self, append: Sequence[int], truncate_to: int | None, params: dict) -> pb.GenerateRequest:
         if not self._ledger.synced:
             self._ledger.length = len(await self.dump())
-        request = self._ledger.request(append, truncate_to, **_defaults(params))
-        call = _generate_call(self._client, request, steer)
+        return self._ledger.request(append, truncate_to, **defaults(params))
+
+    async def _follow(self, call, seed) -> AsyncIterator:
+        """The call's events, the ledger learning from each (`seed`: its seed GenerateEvent)."""
         try:
             first = True
             async for event in call:
                 if first:
                     self._ledger.accepted()
                     first = False
-                self._ledger.observe(event)
+                self._ledger.observe(seed(event))
                 yield event
         finally:
             call.cancel()  # a no-op once the call has ended; aborts the engine request otherwise
@@ -344,6 +289,9 @@ class AsyncSalienceClient:
     async def steering_manifest(self) -> ext.SteeringManifest:
         return await self._extensions.GetSteeringManifest(ext.GetSteeringManifestRequest(), metadata=self._metadata)
 
+    async def sae_manifest(self) -> ext.SAEManifest:
+        return await self._extensions.GetSAEManifest(ext.GetSAEManifestRequest(), metadata=self._metadata)
+
     async def concept_manifest(self) -> ext.ConceptManifest:
         return await self._extensions.GetConceptManifest(ext.GetConceptManifestRequest(), metadata=self._metadata)
 
@@ -369,24 +317,3 @@ class AsyncSalienceClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-_DEFAULTS = {
-    "max_tokens": 0,
-    "logprobs_ranges": (),
-    "logprob_top_k": 0,
-    "readout_ranges": (),
-    "temperature": 0.0,
-    "top_p": 0.0,
-    "top_k": 0,
-    "stop_token_ids": (),
-    "priority": 0,
-    "images": (),
-}
-
-
-def _defaults(params: dict) -> dict:
-    unknown = set(params) - set(_DEFAULTS)
-    if unknown:
-        raise TypeError(f"unknown Generate parameters: {', '.join(sorted(unknown))}")
-    return {**_DEFAULTS, **params}

@@ -1,0 +1,115 @@
+"""Sans-IO: what a client knows of one session (its length, the requests it builds) and what a
+Generate returned. client.py drives these over a channel."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from salience.proto.salience.v1 import salience_pb2 as pb
+
+__all__ = ["GenerateResult", "Ledger", "Range", "defaults"]
+
+# [start, end) in absolute positions; end None: through the end of the call (what the
+# session will hold after the append plus max_tokens), which only the client can work out.
+Range = tuple[int, int | None]
+
+
+@dataclass
+class GenerateResult:
+    prefill: list[pb.Token] = field(default_factory=list)  # covered prompt positions
+    tokens: list[pb.Token] = field(default_factory=list)  # decoded
+    done: pb.GenerateDone | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.id for t in self.tokens]
+
+    def add(self, event: pb.GenerateEvent) -> None:
+        if event.HasField("done"):
+            self.done = event.done
+        else:
+            (self.prefill if event.token.is_prefill else self.tokens).append(event.token)
+
+
+class Ledger:
+    """Sans-IO: the client's view of one session. Builds requests, learns from events."""
+
+    def __init__(self, session_id: str, length: int) -> None:
+        self.session_id = session_id
+        self.length = length
+        self.synced = True
+
+    def request(
+        self,
+        append: Sequence[int],
+        truncate_to: int | None,
+        *,
+        max_tokens: int,
+        logprobs_ranges: Sequence[Range],
+        logprob_top_k: int,
+        readout_ranges: Sequence[Range],
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        stop_token_ids: Sequence[int],
+        priority: int,
+        images: Sequence[pb.ImageAttachment],
+    ) -> pb.GenerateRequest:
+        offset = self.length if truncate_to is None else truncate_to
+        end_of_call = offset + len(append) + max_tokens
+
+        def ranges(given: Sequence[Range]) -> list[pb.PositionRange]:
+            return [pb.PositionRange(start=s, end=end_of_call if e is None else e) for s, e in given]
+
+        request = pb.GenerateRequest(
+            session_id=self.session_id,
+            append_tokens=append,
+            offset=offset,
+            truncating=truncate_to is not None and truncate_to < self.length,
+            max_tokens=max_tokens,
+            logprobs_ranges=ranges(logprobs_ranges),
+            logprob_top_k=logprob_top_k,
+            readout_ranges=ranges(readout_ranges),
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_token_ids=stop_token_ids,
+            priority=priority,
+            images=images,
+        )
+        self.synced = False  # until the stream ends cleanly
+        self._after_append = offset + len(append)
+        return request
+
+    def accepted(self) -> None:
+        """The first event arrived: the server validated and applied the append."""
+        self.length = self._after_append
+
+    def observe(self, event: pb.GenerateEvent) -> None:
+        if event.HasField("done"):
+            self.length = self._after_append + event.done.completion_tokens
+            self.synced = True
+        elif not event.token.is_prefill:
+            self.length += 1
+
+
+DEFAULTS = {
+    "max_tokens": 0,
+    "logprobs_ranges": (),
+    "logprob_top_k": 0,
+    "readout_ranges": (),
+    "temperature": 0.0,
+    "top_p": 0.0,
+    "top_k": 0,
+    "stop_token_ids": (),
+    "priority": 0,
+    "images": (),
+}
+
+
+def defaults(params: dict) -> dict:
+    unknown = set(params) - set(DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown Generate parameters: {', '.join(sorted(unknown))}")
+    return {**DEFAULTS, **params}
