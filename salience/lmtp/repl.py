@@ -25,6 +25,7 @@ from typing import Any
 from salience.core.models.home import salience_home
 from salience.core.probes.calibration import calibrated
 from salience.lmtp.client import LmtpClient, LmtpStreamError
+from salience.lmtp.repl_features import FeatureView, choose_features, feature_lines
 from salience.lmtp.repl_parsing import parse_line, parse_monitor, parse_steer
 
 __all__ = ["run_repl"]
@@ -37,6 +38,9 @@ HELP = """\
                              its recommended layer (a calibrated concept set; docs/readouts.md)
   /readout raw [LAYER]       show every token's raw readouts at LAYER (default: the deepest read)
   /readout off               stop showing readouts
+  /features [K] [SAE]        show every token's K most active SAE features (default 5) at the SAE's
+                             layer, as #id:activation; SAE picks one where the server serves several
+  /features off              stop showing features
   /monitor NAME >P|<P stop|flag [LAYER]
                              watch concept NAME on every generated token: stop the generation, or
                              flag each token, where its probability goes above (below) P
@@ -69,6 +73,7 @@ class Repl:
         self.readout: tuple[str, int | None] | None = None
         self.steer: list[dict] = []  # sent with every GENERATE and SCORE
         self.monitors: list[dict] = []  # sent with every GENERATE
+        self.features: FeatureView | None = None  # asked for with every GENERATE and SCORE
         self._manifest: dict | None = None
 
     def run(self, coroutine) -> Any:
@@ -88,6 +93,8 @@ class Repl:
             self.top = int(rest or 0)
         elif command == "/readout":
             self.set_readout(rest.strip())
+        elif command == "/features":
+            self.set_features(rest.strip())
         elif command == "/steer":
             self.set_steer(rest.strip())
         elif command == "/monitor":
@@ -200,6 +207,14 @@ class Repl:
         self.readout = ("raw", layer)
         print(f"raw readouts at layer {layer} of {', '.join(manifest['concepts'])}")
 
+    def set_features(self, arg: str) -> None:
+        if arg == "off":
+            self.features = None
+            return
+        info = self.run(self.client.request("MODEL_INFO"))["model_info"]
+        self.features = choose_features(arg, (info.get("saes") if isinstance(info, dict) else None) or [])
+        print(self.features.header())
+
     def set_monitor(self, arg: str) -> None:
         if arg == "off":
             self.monitors = []
@@ -261,6 +276,8 @@ class Repl:
             fields["steer"] = self.steer
         if self.monitors and kind == "GENERATE":
             fields["monitors"] = self.monitors
+        if self.features is not None:
+            fields["features"] = self.features.field()
         payloads = []
         async for payload in self.client.stream(kind, stream_id=stream_id, **fields):
             payloads.append(payload)
@@ -280,6 +297,11 @@ class Repl:
             )
         if self.readout is not None:
             await self._print_readouts([p for p in payloads if "readout" in p])
+        if self.features is not None:
+            rows = [p for p in payloads if "features" in p]
+            texts = await asyncio.gather(*(self.client.request("DETOKENIZE", tokens=[p["token"]]) for p in rows))
+            print(self.features.header() + ":")
+            print("\n".join(feature_lines(rows, [t["text"] for t in texts])))
 
     async def _print_readouts(self, rows: list[dict]) -> None:
         """One line per position: its token and each concept's value, at the chosen layer (raw) or

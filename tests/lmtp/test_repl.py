@@ -17,11 +17,16 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+import torch
 
 from salience.core.engine.engine import Engine
+from salience.core.features.sae import load_sae, save_sae
 from salience.core.probes.concepts import ConceptSet
+from salience.lmtp.client import LmtpClient
+from salience.lmtp.repl_features import choose_features
 from salience.lmtp.repl_parsing import parse_line, parse_monitor, parse_steer
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
+from tests.inprocess import frontends
 from tests.lmtp.conftest import LmtpServer
 
 SALIENCE = str(Path(sys.executable).with_name("salience"))
@@ -257,6 +262,119 @@ async def test_repl_defines_lists_steers_saves_and_deletes_a_concept(lmtp_server
         terminal.send("/define kappa\r")  # a define's errors are the server's, and the REPL goes on
         terminal.send("only one\r\r\r")
         await terminal.expect(r"\[error\] 1 positive examples: a concept needs 4 to 256 of each")
+        terminal.send("/quit\r")
+        await asyncio.to_thread(terminal.process.wait, 30)
+        assert terminal.process.returncode == 0
+    finally:
+        terminal.close()
+
+
+def _random_sae(folder: Path, architecture: str, layer: int, seed: int, **extra) -> Path:
+    """A random SAE on the tiny model (hidden 128) whose encoder reads along its decoder rows."""
+    generator = torch.Generator().manual_seed(seed)
+    w_dec = torch.randn(256, 128, generator=generator)
+    w_dec = w_dec / w_dec.norm(dim=1, keepdim=True)
+    save_sae(
+        folder,
+        architecture=architecture,
+        layer=layer,
+        W_enc=w_dec.T.contiguous() * 0.5,
+        b_enc=torch.randn(256, generator=generator) * 0.1,
+        W_dec=w_dec,
+        b_dec=torch.randn(128, generator=generator) * 0.05,
+        model_name="tiny",
+        **extra,
+    )
+    return folder
+
+
+@pytest_asyncio.fixture(scope="module")
+async def sae_url(
+    tiny_model: Path, tiny_concepts: ConceptSet, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[str]:
+    """A second server, with a topk SAE at layer 2 (served first) and a standard one at layer 1."""
+    root = tmp_path_factory.mktemp("saes")
+    saes = (
+        load_sae(_random_sae(root / "top", "topk", 2, 1, k=8), name="top"),
+        load_sae(_random_sae(root / "plain", "standard", 1, 2), name="plain"),
+    )
+    engine = await start_engine(tiny_model, max_model_len=1024, concepts=tiny_concepts, saes=saes, sae_top=16)
+    try:
+        async with frontends(engine) as served:
+            yield served.ws
+    finally:
+        engine.shutdown()
+
+
+def test_choose_features_reads_k_and_the_sae() -> None:
+    saes = [{"name": "top", "layer": 2, "top": 4}, {"name": "plain", "layer": 1, "top": 16}]
+    assert choose_features("", saes).field() == {"sae": "top", "k": 4, "ranges": [[0, 2**31]]}  # 5, but top keeps 4
+    view = choose_features("12 plain", saes)
+    assert (view.sae, view.layer, view.k) == ("plain", 1, 12)
+    for arg, message in (
+        ("5 deep", "unknown SAE 'deep'; this server serves top, plain"),
+        ("9", "K must be 1 to 4 for SAE top"),
+        ("0 plain", "K must be 1 to 16"),
+        ("plain", "usage: /features [K] [SAE]"),
+        ("1 2 3", "usage"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            choose_features(arg, saes)
+    with pytest.raises(ValueError, match="the server serves no SAE"):
+        choose_features("", [])
+
+
+async def test_repl_features_need_an_sae(lmtp_server: LmtpServer) -> None:
+    terminal = Terminal([SALIENCE, "repl", lmtp_server.url.replace("http://", "ws://")])
+    try:
+        await terminal.expect(r"connected to .*\n.*>>> ")
+        terminal.send("/features\r")
+        await terminal.expect(r"\[error\] the server serves no SAE: start it with --sae \[NAME=\]DIR")
+        terminal.send("/quit\r")
+        await asyncio.to_thread(terminal.process.wait, 30)
+        assert terminal.process.returncode == 0
+    finally:
+        terminal.close()
+
+
+async def _direct_features(url: str, text: str, features: dict) -> list[list[str]]:
+    """The REPL's request made directly over LMTP: each token's features as the REPL prints them."""
+    client = await LmtpClient.connect(url)
+    try:
+        prompt = (await client.request("TOKENIZE", text=text))["tokens"]
+        fields = {"prompt": prompt, "max_tokens": 3, "temperature": 0.0, "ignore_eos": True, "features": features}
+        payloads = [p async for p in client.stream("GENERATE", **fields)]
+    finally:
+        await client.close()
+    return [[f"#{i}:{a:.2f}" for i, a in p["features"]] for p in payloads if "features" in p]
+
+
+async def test_repl_shows_each_tokens_top_features(sae_url: str) -> None:
+    terminal = Terminal([SALIENCE, "repl", sae_url])
+    try:
+        await terminal.expect(r"connected to .*\n.*>>> ")
+        for command, header, sae, k in (
+            ("/features", "top 5 features of SAE top at layer 2", "top", 5),
+            ("/features 3 plain", "top 3 features of SAE plain at layer 1", "plain", 3),
+        ):
+            terminal.send(command + "\r")
+            await terminal.expect(re.escape(header) + r"\s*\n")
+            want = await _direct_features(sae_url, "def hello", {"sae": sae, "k": k, "ranges": [[0, 2**31]]})
+            n = len(want)  # a line per prompt position and per generated token
+            terminal.send("def hello max_tokens=3 ignore_eos=true\r")
+            out = await terminal.expect(r"\[length\]\s*\n" + re.escape(header) + r":\s*\n(?:.*\n){" + str(n) + "}")
+            lines = out.strip().splitlines()[-n:]
+            shown = [re.findall(r"#\d+:-?\d+\.\d\d", line) for line in lines]
+            assert shown == want
+            assert n > 3 and any(shown) and all(len(pairs) <= k for pairs in shown)
+            assert lines[0].split()[0].startswith('"')  # the token's text, quoted
+            await terminal.expect(">>> ")
+        terminal.send("/features 3 deep\r")
+        await terminal.expect(r"\[error\] unknown SAE 'deep'; this server serves top, plain")
+        terminal.send("/features off\r")
+        terminal.send("def max_tokens=1\r")
+        out = await terminal.expect(r"\[\w+\]\s*\n.*>>> ")
+        assert "features of SAE" not in out
         terminal.send("/quit\r")
         await asyncio.to_thread(terminal.process.wait, 30)
         assert terminal.process.returncode == 0

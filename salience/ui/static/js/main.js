@@ -8,6 +8,7 @@ import { SteeringControls } from "./steering.js";
 import { Vocab } from "./vocab.js";
 
 const TOKEN_KEY = "salience-token";
+const FEATURES_K = 8; // top SAE features per token, in each token's tooltip
 const $ = (selector) => document.querySelector(selector);
 
 // A token passed as ?token= (a link from whoever runs the server) moves into sessionStorage
@@ -61,7 +62,10 @@ client.addEventListener("state", ({ detail: { state, detail } }) => {
  * running ones keep the manifest they started with.
  */
 function showModel(info) {
-  $("#model").textContent = `${info.model} · context ${info.max_model_len} · top-k ≤ ${info.max_logprobs}`;
+  const sae = info.saes?.[0];
+  const features = sae ? ` · features: SAE ${sae.name}, layer ${sae.layer}` : "";
+  const limits = `context ${info.max_model_len} · top-k ≤ ${info.max_logprobs}`;
+  $("#model").textContent = `${info.model} · ${limits}${features}`;
   $("#readouts").disabled = !info.readout_manifest;
   $("#readouts").checked &&= Boolean(info.readout_manifest);
   steering.show(info.steering);
@@ -86,6 +90,12 @@ function params() {
   return params;
 }
 
+/** The first SAE's top features for every token (null without one): shown in each token's tooltip. */
+function features(info) {
+  const sae = info.saes?.[0];
+  return sae ? { sae, k: Math.min(FEATURES_K, sae.top) } : null;
+}
+
 function start(mode) {
   const info = client.modelInfo;
   const request = {
@@ -96,6 +106,7 @@ function start(mode) {
     manifest: $("#readouts").checked ? info.readout_manifest : null,
     steer: steering.interventions(),
     monitors: mode === "generate" ? monitors.monitors() : [],
+    features: features(info),
   };
   const pane = new Pane({ client, vocab, tip: $("#tip"), request });
   $("#panes").prepend(pane.element);

@@ -8,6 +8,9 @@
 //   CANCEL {"stream_id"} (Stop)                     -> last TOKEN has finish_reason "cancelled"
 // With steering sliders set, GENERATE and SCORE also carry "steer": [{"direction", "layers", ...}];
 // with monitors, GENERATE carries "monitors" and a token where one fires has "monitors" events.
+// Where the server serves SAEs, GENERATE and SCORE carry "features": {"sae", "k", "ranges"} over every
+// position, and each TOKEN (prompt ones too) has "position" and "features": [[id, activation], ...];
+// the prompt then shows as token cells too, so every token's tooltip lists its features.
 // (The last generated token's readout comes too: the server reads it out with one short pass.)
 // Score mode reads a text the user wrote: SCORE its first token as prompt and the rest as
 // `scored`, which gives every token a logprob, alternatives and a readout.
@@ -31,8 +34,10 @@ export class Pane {
 
   /**
    * @param request {{mode: "generate" | "score", text: string, params: object, topLogprobs: number,
-   *                  manifest: object | null, steer: object[], monitors: object[]}} manifest null: no
-   *                  readouts; steer: interventions; monitors: watched on every generated token
+   *                  manifest: object | null, steer: object[], monitors: object[],
+   *                  features: {sae: object, k: number} | null}} manifest null: no readouts; steer:
+   *                  interventions; monitors: watched on every generated token; features: the SAE
+   *                  (MODEL_INFO's saes entry) and how many of its features each token's tooltip lists
    */
   constructor({ client, vocab, tip, request }) {
     this.#client = client;
@@ -59,7 +64,7 @@ export class Pane {
       steered.hidden = false;
       steered.textContent = `steered: ${describe(request.steer)}`;
     }
-    this.#strip = new TokenStrip(this.element.querySelector(".stream"), vocab, tip);
+    this.#strip = new TokenStrip(this.element.querySelector(".stream"), vocab, tip, request.features?.sae);
     if (request.manifest) {
       this.#heatmap = new Heatmap(request.manifest);
       this.element.querySelector(".stream").after(this.#heatmap.element);
@@ -77,7 +82,7 @@ export class Pane {
       this.#prompt = (await this.#ask("TOKENIZE", { text: this.#request.text })).tokens;
       if (this.#prompt.length === 0) throw new Error("the prompt is empty");
       if (this.#heatmap) this.#labelPrompt();
-      if (this.#request.mode === "generate") this.#generate();
+      if (this.#request.mode === "generate") await this.#generate();
       else await this.#score();
     } catch (error) {
       this.#fail(error.message);
@@ -88,22 +93,39 @@ export class Pane {
     if (this.#streamId !== null) this.#client.cancel(this.#streamId);
   }
 
-  #generate() {
+  async #generate() {
     const { params, topLogprobs, text } = this.#request;
     const body = { prompt: this.#prompt, ...params, top_logprobs: topLogprobs, text: true };
-    if (this.#heatmap) body.readout = [[0, this.#prompt.length + (params.max_tokens ?? 16)]];
+    const end = this.#prompt.length + (params.max_tokens ?? 16);
+    if (this.#heatmap) body.readout = [[0, end]];
     if (this.#request.steer.length) body.steer = this.#request.steer;
     if (this.#request.monitors.length) body.monitors = this.#request.monitors;
-    this.#strip.addContext(text);
+    this.#askFeatures(body, end);
+    if (body.features) {
+      // The prompt's tokens get cells of their own, so their features have a tooltip too.
+      const texts = await this.#vocab.texts(this.#prompt);
+      texts.forEach((label, position) => {
+        this.#strip.add({ token: this.#prompt[position], text: label, position, prompt: true });
+      });
+    } else {
+      this.#strip.addContext(text);
+    }
     this.#start("GENERATE", body);
+  }
+
+  /** Ask for the SAE's top features at positions 0..end (where the page shows them). */
+  #askFeatures(body, end) {
+    const features = this.#request.features;
+    if (features) body.features = { sae: features.sae.name, k: features.k, ranges: [[0, end]] };
   }
 
   async #score() {
     const [first] = await this.#vocab.texts(this.#prompt.slice(0, 1));
-    this.#strip.add({ token: this.#prompt[0], text: first, logprob: null });
+    this.#strip.add({ token: this.#prompt[0], text: first, logprob: null, position: 0 });
     const body = { prompt: this.#prompt.slice(0, 1), scored: this.#prompt.slice(1), top_logprobs: this.#request.topLogprobs };
     if (this.#heatmap) body.readout = [[0, this.#prompt.length]];
     if (this.#request.steer.length) body.steer = this.#request.steer;
+    this.#askFeatures(body, this.#prompt.length);
     this.#start("SCORE", { ...body, text: true });
   }
 
@@ -128,11 +150,12 @@ export class Pane {
     }
     if (payload.prompt) {
       this.#heatmap?.set(payload.position, { prompt: true, readout: payload.readout });
+      if (payload.features) this.#strip.setFeatures(payload.position, payload.features);
       return false;
     }
     if (payload.token != null) {
-      const { token, text, logprob, top_logprobs: alternatives } = payload;
-      this.#strip.add({ token, text, logprob, alternatives });
+      const { token, text, logprob, top_logprobs: alternatives, position, features } = payload;
+      this.#strip.add({ token, text, logprob, alternatives, position, features });
       this.#heatmap?.set(payload.position, { label: text, readout: payload.readout, monitors: payload.monitors });
       if (payload.monitors) this.#monitored(payload.monitors);
       this.#state(`streaming · ${count(this.#strip.length)}`);

@@ -1,6 +1,7 @@
 // Token cells: one per token, coloured by its probability; hover or focus shows the
-// top-k alternatives the server sent with it. The strip is one tab stop; arrow keys,
-// Home and End move between tokens (a roving tabindex).
+// top-k alternatives the server sent with it and, where the server serves an SAE, the token's
+// most active features. The strip is one tab stop; arrow keys, Home and End move between
+// tokens (a roving tabindex).
 
 import { showToken } from "./vocab.js";
 
@@ -12,13 +13,20 @@ export function probColor(p) {
 export class TokenStrip {
   #vocab;
   #tip;
+  #sae;
   #cells = [];
+  #count = 0; // cells that are not prompt tokens
+  #features = new Map(); // position -> [[feature id, activation], ...], largest first
 
-  /** @param {HTMLElement} element the strip; @param {HTMLElement} tip the shared tooltip. */
-  constructor(element, vocab, tip) {
+  /**
+   * @param {HTMLElement} element the strip; @param {HTMLElement} tip the shared tooltip;
+   * @param {{name: string, layer: number} | undefined} sae whose features the tokens carry (MODEL_INFO's saes entry)
+   */
+  constructor(element, vocab, tip, sae) {
     this.element = element;
     this.#vocab = vocab;
     this.#tip = tip;
+    this.#sae = sae;
     element.setAttribute("role", "group");
     element.addEventListener("keydown", (event) => this.#key(event));
   }
@@ -31,20 +39,31 @@ export class TokenStrip {
     this.element.append(span);
   }
 
-  /** A token cell; `logprob` null for a token nothing predicted (the first of a scored text). */
-  add({ token, text, logprob, alternatives }) {
+  /**
+   * A token cell; `logprob` null for a token nothing predicted (the first of a scored text, or a
+   * generation's prompt token, `prompt` true). `position` and `features` where the server sent them.
+   */
+  add({ token, text, logprob = null, alternatives, position, features, prompt = false }) {
     const cell = document.createElement("span");
     cell.className = "tok";
     cell.textContent = text;
     cell.dataset.token = token;
     cell.tabIndex = this.#cells.length === 0 ? 0 : -1;
+    if (position != null) cell.dataset.position = position;
+    if (features) this.#features.set(position, features);
+    if (prompt) {
+      cell.dataset.prompt = "";
+      cell.style.color = "var(--muted)";
+    } else {
+      this.#count++;
+    }
     if (logprob != null) {
       cell.dataset.logprob = logprob;
       cell.style.background = probColor(Math.exp(logprob));
     }
     const label = logprob == null ? "" : `, p ${percent(Math.exp(logprob))}`;
     cell.setAttribute("aria-label", `${showToken(text)}${label}`);
-    const show = () => this.#show(cell, { token, logprob, alternatives });
+    const show = () => this.#show(cell, { token, logprob, alternatives, position, prompt });
     cell.addEventListener("mouseenter", show);
     cell.addEventListener("focus", show);
     cell.addEventListener("mouseleave", () => this.#hide(cell));
@@ -53,8 +72,14 @@ export class TokenStrip {
     this.element.append(cell);
   }
 
+  /** The features of the token at `position`, when they arrive after its cell (prompt tokens). */
+  setFeatures(position, features) {
+    this.#features.set(position, features);
+  }
+
+  /** Cells other than a generation's prompt tokens. */
   get length() {
-    return this.#cells.length;
+    return this.#count;
   }
 
   #key(event) {
@@ -71,15 +96,17 @@ export class TokenStrip {
     this.#cells[to].focus();
   }
 
-  async #show(cell, { token, logprob, alternatives }) {
+  async #show(cell, { token, logprob, alternatives, position, prompt }) {
     const tip = this.#tip;
     tip.owner = cell;
     cell.setAttribute("aria-describedby", tip.id);
     const ids = Object.keys(alternatives ?? {}).map(Number);
     const rows = ids.map((id) => ({ id, logprob: alternatives[id] })).sort((a, b) => b.logprob - a.logprob);
     if (!rows.some((row) => row.id === token) && logprob != null) rows.push({ id: token, logprob, chosen: true });
-    tip.replaceChildren(caption(logprob));
+    const head = caption(logprob, prompt);
+    tip.replaceChildren(head, ...this.#featureList(position));
     place(tip, cell);
+    if (rows.length === 0) return;
     let texts;
     try {
       texts = await this.#vocab.texts(rows.map((row) => row.id));
@@ -98,8 +125,34 @@ export class TokenStrip {
       tr.cells[0].firstChild.textContent = showToken(texts[i]);
       tr.cells[2].textContent = row.logprob.toFixed(3);
     });
-    tip.append(table);
+    head.after(table);
     place(tip, cell);
+  }
+
+  /** The token's features under a heading naming the SAE and layer: `#id activation` rows, largest first. */
+  #featureList(position) {
+    if (!this.#sae) return [];
+    const heading = document.createElement("p");
+    heading.className = "features-heading";
+    heading.style.marginTop = "0.4rem";
+    heading.textContent = `features of SAE ${this.#sae.name} at layer ${this.#sae.layer}`;
+    const features = this.#features.get(position);
+    if (!features?.length) {
+      heading.textContent += features ? ": none active" : ": not read";
+      return [heading];
+    }
+    const table = document.createElement("table");
+    table.className = "features";
+    const body = table.createTBody();
+    for (const [id, activation] of features) {
+      const tr = body.insertRow();
+      tr.dataset.feature = id;
+      tr.dataset.activation = activation;
+      tr.innerHTML = `<td><code></code></td><td class="num"></td>`;
+      tr.cells[0].firstChild.textContent = `#${id}`;
+      tr.cells[1].textContent = activation.toFixed(2);
+    }
+    return [heading, table];
   }
 
   #hide(cell) {
@@ -109,9 +162,11 @@ export class TokenStrip {
   }
 }
 
-function caption(logprob) {
+function caption(logprob, prompt) {
   const p = document.createElement("p");
-  p.textContent = logprob == null ? "first token: nothing predicted it" : `alternatives (p of this token ${percent(Math.exp(logprob))})`;
+  if (prompt) p.textContent = "prompt token";
+  else if (logprob == null) p.textContent = "first token: nothing predicted it";
+  else p.textContent = `alternatives (p of this token ${percent(Math.exp(logprob))})`;
   return p;
 }
 
