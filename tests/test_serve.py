@@ -129,3 +129,22 @@ def test_a_token_with_the_tcp_transport_is_refused(tiny_model: Path) -> None:
     command = [SALIENCE, "serve", "--model", str(tiny_model), "--auth-token", "t", "--lmtp-tcp-port", str(free_port())]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--lmtp-tcp-port cannot carry a token" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ({}, "has no cfg.json"),
+        ({"cfg.json": "{}"}, "has no sae_weights.safetensors"),
+        ({"cfg.json": '{"architecture": "gated"}', "sae_weights.safetensors": ""}, "has no 'd_in'"),
+    ],
+)
+def test_a_malformed_sae_folder_is_refused_before_the_model_loads(tmp_path: Path, files: dict, message: str) -> None:
+    sae = tmp_path / "sae"
+    sae.mkdir()
+    for name, text in files.items():
+        (sae / name).write_text(text)
+    command = [SALIENCE, "serve", "--model", str(tmp_path / "missing"), "--sae", f"mine={sae}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
