@@ -1,6 +1,6 @@
 """What readouts cost a user: `salience serve` with readouts against the fastest server without.
 
-Five servers on the default model, started once, driven over LMTP in one run:
+Up to five servers on the default model, started once, driven over LMTP in one run:
 
 - `--no-readouts`: the fastest configuration a user could pick without readouts (compiled);
 - the default: compiled, readout taps on every layer of the built-in concept set, and every
@@ -16,13 +16,15 @@ Five servers on the default model, started once, driven over LMTP in one run:
 The default server is driven four ways: raw readouts, readouts as calibrated probabilities,
 raw readouts with one `flag` monitor per concept (p > 0.5 at its recommended layer), and raw
 readouts plus the residual rows of one middle layer on every generated token
-(docs/residuals.md). For
-each stream count N, N concurrent streams (greedy, P-token prompts, M tokens each, EOS masked)
-go to each of the five in rotating order, repeated; the medians give tokens/s and the ratios
-against `--no-readouts`, and monitors against plain readouts. Servers are started one after
-another (a first start compiles, which is reported) and then idle while another is measured.
+(docs/residuals.md). For each stream count N, N concurrent streams (greedy, P-token prompts, M
+tokens each, EOS masked) go each way in rotating order, repeated; the medians give tokens/s, the
+ratios against the first way (`--no-readouts` by default) and a few ratios between ways. Servers
+are started one after another (a first start compiles, which is reported) and then idle while
+another is measured; every idle engine spins on the cores, so `--ways` picks fewer (each server
+a way needs is started, and the default one always) for a quieter comparison.
 
     .venv/bin/python tools/bench_readout.py [--streams 1,8,16] [--tokens 64] [--repeats 3] [--warm]
+        [--sae DIR] [--ways fastest,readouts,probabilities,monitors,eager,unspared,residual,sae]
 
 `--warm` skips the start with empty compile caches (the first start's cost).
 """
@@ -47,12 +49,31 @@ import aiohttp
 
 from salience.lmtp.client import LmtpClient
 
-CONFIGS = {
-    "compiled, no readouts": ["--no-readouts"],
-    "default: compiled + readouts": [],
-    "eager + readouts": ["--eager"],
-    "readouts, no spare columns": ["--spare-concepts", "0"],
+CONFIGS = {  # the servers, by key: name and flags
+    "fastest": ("compiled, no readouts", ["--no-readouts"]),
+    "default": ("default: compiled + readouts", []),
+    "eager": ("eager + readouts", ["--eager"]),
+    "unspared": ("readouts, no spare columns", ["--spare-concepts", "0"]),
+    "sae": ("readouts + SAE", ["--sae"]),  # the folder is appended
 }
+# The ways to drive them, by key: the server and whether every generated token asks for readouts.
+WAYS = {
+    "fastest": ("fastest", False),
+    "readouts": ("default", True),
+    "probabilities": ("default", True),
+    "monitors": ("default", True),
+    "eager": ("eager", True),
+    "unspared": ("unspared", True),
+    "residual": ("default", True),
+    "sae": ("sae", True),
+}
+# Ratios between two ways besides "/ first": (title, numerator, denominator).
+EXTRA = (
+    ("monitors / readouts", "monitors", "readouts"),
+    ("readouts / no spare columns", "readouts", "unspared"),
+    ("with residual rows / readouts", "residual", "readouts"),
+    ("with SAE / readouts", "sae", "readouts"),
+)
 
 
 @dataclass
@@ -105,6 +126,7 @@ class Way:
     """One way of driving a server: whether every generated token asks for its readout, the fields
     every GENERATE adds, and what it measured."""
 
+    key: str
     name: str
     server: Server
     reads: bool
@@ -112,44 +134,49 @@ class Way:
     rates: dict[int, list[float]] = field(default_factory=dict)
 
 
-def ways(running: list[Server], concepts: list[str], layers: list[int]) -> list[Way]:
-    fastest, default, eager, unspared, sae = running
+def ways(keys: list[str], running: dict[str, Server], concepts: list[str], layers: list[int]) -> list[Way]:
     monitors = [{"concept": name, "above": 0.5, "action": "flag"} for name in concepts]
     middle = layers[len(layers) // 2]
-    residual = {"residual": {"layers": [middle]}}  # ranges: each stream's generated tokens (run)
-    return [
-        Way("compiled, no readouts", fastest, False),
-        Way("readouts", default, True),
-        Way("probabilities", default, True, {"readout_format": "probability"}),
-        Way(f"readouts + {len(monitors)} monitors", default, True, {"monitors": monitors}),
-        Way("eager + readouts", eager, True),
-        Way("readouts, no spare columns", unspared, True),
-        Way(f"readouts + residual rows (layer {middle})", default, True, residual),
-        Way("readouts + SAE top-32 features", sae, True, {"features": {"k": 32}}),
-    ]
+    described = {
+        "fastest": ("compiled, no readouts", {}),
+        "readouts": ("readouts", {}),
+        "probabilities": ("probabilities", {"readout_format": "probability"}),
+        "monitors": (f"readouts + {len(monitors)} monitors", {"monitors": monitors}),
+        "eager": ("eager + readouts", {}),
+        "unspared": ("readouts, no spare columns", {}),
+        # their ranges: each stream's generated tokens (run)
+        "residual": (f"readouts + residual rows (layer {middle})", {"residual": {"layers": [middle]}}),
+        "sae": ("readouts + SAE top-32 features", {"features": {"k": 32}}),
+    }
+    out = []
+    for key in keys:
+        server, reads = WAYS[key]
+        name, fields = described[key]
+        out.append(Way(key, name, running[server], reads, fields))
+    return out
 
 
 @contextlib.asynccontextmanager
 async def servers(
-    configs: dict[str, list[str]], model_name: str, cache: str, warm: bool
-) -> AsyncIterator[tuple[list[Server], float]]:
+    configs: dict[str, tuple[str, list[str]]], model_name: str, cache: str, warm: bool
+) -> AsyncIterator[tuple[dict[str, Server], float]]:
     """The servers, ready; and how long the default one took to start with empty compile caches
     (its measured start then reuses what that start compiled), unless `warm`."""
     base = 19000 + os.getpid() % 500 * 4
-    running = [Server(name, flags, base + i) for i, (name, flags) in enumerate(configs.items())]
+    running = {key: Server(name, flags, base + i) for i, (key, (name, flags)) in enumerate(configs.items())}
     fresh = {"TORCHINDUCTOR_CACHE_DIR": f"{cache}/torchinductor", "VLLM_CACHE_ROOT": f"{cache}/vllm"}
     cold = Server("default, empty compile cache", [], base + len(running), env=fresh)
     if not warm:
-        running[1].env = fresh
+        running["default"].env = fresh
     try:
         if not warm:
             await start(cold, model_name)
             stop(cold)
-        for server in running:
+        for server in running.values():
             await start(server, model_name)
         yield running, cold.start_seconds
     finally:
-        for server in [cold, *running]:
+        for server in [cold, *running.values()]:
             stop(server)
 
 
@@ -192,8 +219,12 @@ async def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warm", action="store_true", help="no start with empty compile caches")
     parser.add_argument("--sae", help="the SAE folder (default: a random 8x top-32 SAE at layer 15)")
+    parser.add_argument("--ways", default=",".join(WAYS), help=f"the ways to drive, of {','.join(WAYS)}")
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
+    keys = args.ways.split(",")
+    if unknown := [key for key in keys if key not in WAYS]:
+        parser.error(f"unknown ways {unknown}; known: {', '.join(WAYS)}")
 
     from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
     from salience.core.models.home import configure_environment
@@ -201,13 +232,16 @@ async def main() -> None:
     configure_environment()
     eos = _eos(ensure_default_model())
     with tempfile.TemporaryDirectory() as cache:
-        configs = {**CONFIGS, "readouts + SAE": ["--sae", args.sae or _random_sae(Path(cache) / "sae")]}
+        needed = {WAYS[key][0] for key in keys} | {"default"}  # the default one answers the manifest
+        configs = {key: config for key, config in CONFIGS.items() if key in needed}
+        if "sae" in configs:
+            configs["sae"] = (configs["sae"][0], ["--sae", args.sae or _random_sae(Path(cache) / "sae")])
         print(f"starting {len(configs)} servers on the default model, one after another", file=sys.stderr)
         async with servers(configs, DEFAULT_MODEL_NAME, cache, args.warm) as (running, cold):
-            client = await LmtpClient.connect(running[1].url)
+            client = await LmtpClient.connect(running["default"].url)
             manifest = (await client.request("MODEL_INFO"))["model_info"]["readout_manifest"]
             await client.close()
-            driven = ways(running, manifest["concepts"], manifest["layers"])
+            driven = ways(keys, running, manifest["concepts"], manifest["layers"])
             await measure(driven, counts, args, eos)
     report(running, driven, counts, args, cold)
 
@@ -231,23 +265,28 @@ async def measure(driven: list[Way], counts: list[int], args: argparse.Namespace
                 print(f"  N={n:<3} {way.name:30} run {repeat + 1}: {produced / seconds:7.1f} tok/s", file=sys.stderr)
 
 
-def report(running: list[Server], driven: list[Way], counts: list[int], args: argparse.Namespace, cold: float) -> None:
+def report(
+    running: dict[str, Server], driven: list[Way], counts: list[int], args: argparse.Namespace, cold: float
+) -> None:
     from salience.core.models.default_model import DEFAULT_MODEL_NAME
 
     print(
         f"\n{DEFAULT_MODEL_NAME}, LMTP, greedy, {args.prompt_tokens}-token prompts, {args.tokens} tokens per stream, "
         f"median of {args.repeats}; readouts on every generated token, every layer"
     )
+    by_key = {w.key: w for w in driven}
+    extra = [(title, by_key[a], by_key[b]) for title, a, b in EXTRA if a in by_key and b in by_key]
     names = " | ".join(f"{w.name} tok/s" for w in driven)
-    ratios = " | ".join(f"{w.name} / fastest" for w in driven[1:])
-    extra = "monitors / readouts | readouts / no spare columns | with residual rows / readouts"
-    print(f"\n| streams | {names} | {ratios} | {extra} |")
-    print("|---:" * (2 * len(driven) + 3) + "|")
+    ratios = " | ".join(f"{w.name} / {driven[0].name}" for w in driven[1:])
+    titles = "".join(f" | {title}" for title, _, _ in extra)
+    print(f"\n| streams | {names} | {ratios}{titles} |")
+    print("|---:" * (2 * len(driven) + len(extra)) + "|")
     for n in counts:
         rates = [statistics.median(w.rates[n]) for w in driven]
         cells = " | ".join(f"{r:.1f}" for r in rates) + " | " + " | ".join(f"{r / rates[0]:.2f}" for r in rates[1:])
-        print(f"| {n} | {cells} | {rates[3] / rates[1]:.2f} | {rates[1] / rates[5]:.2f} | {rates[6] / rates[1]:.2f} |")
-    starts = ", ".join(f"{s.name} {s.start_seconds:.0f} s" for s in running)
+        more = "".join(f" | {statistics.median(a.rates[n]) / statistics.median(b.rates[n]):.2f}" for _, a, b in extra)
+        print(f"| {n} | {cells}{more} |")
+    starts = ", ".join(f"{s.name} {s.start_seconds:.0f} s" for s in running.values())
     first = f"default with empty compile caches {cold:.0f} s; then " if cold else ""
     print(f"\nstart to ready: {first}{starts}")
 
