@@ -15,7 +15,7 @@ import torch
 
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import FeatureRequest, FinishReason, ResidualRequest, SamplingOptions
-from salience.core.features.sae import SparseAutoencoder, load_sae, save_sae
+from salience.core.features.sae import SparseAutoencoder, load_sae
 from salience.core.probes.calibration import Action, Monitor
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import Intervention, Op
@@ -28,6 +28,7 @@ from salience.proto.salience.v1 import salience_pb2_grpc
 from tests import sae_reference
 from tests.conftest import start_engine
 from tests.inprocess import frontends
+from tests.random_sae import random_sae
 from tests.reference import Reference
 
 PROMPTS = [[0, *range(40 + 11 * i, 62 + 11 * i)] for i in range(6)]
@@ -36,32 +37,14 @@ TOP = 16  # --sae-top
 TIE = 1e-4  # activations closer than this may swap places (docs/features.md, "Ties")
 
 
-def _make(folder: Path, architecture: str, layer: int, d_sae: int, seed: int, **extra) -> Path:
-    generator = torch.Generator().manual_seed(seed)
-    w_dec = torch.randn(d_sae, 128, generator=generator)
-    w_dec = w_dec / w_dec.norm(dim=1, keepdim=True)
-    save_sae(
-        folder,
-        architecture=architecture,
-        layer=layer,
-        W_enc=w_dec.T.contiguous() * 0.5,
-        b_enc=torch.randn(d_sae, generator=generator) * 0.1,
-        W_dec=w_dec,
-        b_dec=torch.randn(128, generator=generator) * 0.05,
-        model_name="tiny",
-        **extra,
-    )
-    return folder
-
-
 @pytest.fixture(scope="module")
 def saes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SparseAutoencoder]:
     root = tmp_path_factory.mktemp("saes")
     threshold = torch.full((256,), 0.3)
     made = {
-        "top": _make(root / "top", "topk", 2, 512, 1, k=8),
-        "plain": _make(root / "plain", "standard", 1, 256, 2),
-        "jump": _make(root / "jump", "jumprelu", 3, 256, 3, threshold=threshold),
+        "top": random_sae(root / "top", "topk", 2, 512, 1, k=8),
+        "plain": random_sae(root / "plain", "standard", 1, 256, 2),
+        "jump": random_sae(root / "jump", "jumprelu", 3, 256, 3, threshold=threshold),
     }
     return {name: load_sae(folder, name=name) for name, folder in made.items()}
 
@@ -327,11 +310,11 @@ async def test_manifest_and_wire(engine: Engine, tiny_reference: Reference, saes
 async def test_an_sae_that_does_not_fit_the_model_is_refused_before_vllm_starts(
     tiny_model: Path, tiny_concepts: ConceptSet, tmp_path: Path
 ) -> None:
-    wide = load_sae(_make(tmp_path / "deep", "standard", 9, 64, 4))
+    wide = load_sae(random_sae(tmp_path / "deep", "standard", 9, 64, 4))
     with pytest.raises(ModelError, match="layer"):
         await start_engine(tiny_model, concepts=tiny_concepts, saes=(wide,))
     with pytest.raises(ModelError, match="concept set"):
-        await start_engine(tiny_model, saes=(load_sae(_make(tmp_path / "ok", "standard", 1, 64, 5)),))
+        await start_engine(tiny_model, saes=(load_sae(random_sae(tmp_path / "ok", "standard", 1, 64, 5)),))
     twice = load_sae(tmp_path / "ok", name="same")
     with pytest.raises(ModelError, match="share a name"):
         await start_engine(tiny_model, concepts=tiny_concepts, saes=(twice, twice))

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-import torch
 
 from salience.core.engine.engine import Engine
-from salience.core.features.sae import load_sae, save_sae
+from salience.core.features.sae import load_sae
 from salience.core.probes.concepts import ConceptSet
 from salience.lmtp.client import LmtpClient
 from salience.lmtp.repl_features import choose_features
@@ -28,6 +27,7 @@ from salience.lmtp.repl_parsing import parse_line, parse_monitor, parse_steer
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
 from tests.inprocess import frontends
 from tests.lmtp.conftest import LmtpServer
+from tests.random_sae import random_sae
 
 SALIENCE = str(Path(sys.executable).with_name("salience"))
 
@@ -269,25 +269,6 @@ async def test_repl_defines_lists_steers_saves_and_deletes_a_concept(lmtp_server
         terminal.close()
 
 
-def _random_sae(folder: Path, architecture: str, layer: int, seed: int, **extra) -> Path:
-    """A random SAE on the tiny model (hidden 128) whose encoder reads along its decoder rows."""
-    generator = torch.Generator().manual_seed(seed)
-    w_dec = torch.randn(256, 128, generator=generator)
-    w_dec = w_dec / w_dec.norm(dim=1, keepdim=True)
-    save_sae(
-        folder,
-        architecture=architecture,
-        layer=layer,
-        W_enc=w_dec.T.contiguous() * 0.5,
-        b_enc=torch.randn(256, generator=generator) * 0.1,
-        W_dec=w_dec,
-        b_dec=torch.randn(128, generator=generator) * 0.05,
-        model_name="tiny",
-        **extra,
-    )
-    return folder
-
-
 @pytest_asyncio.fixture(scope="module")
 async def sae_url(
     tiny_model: Path, tiny_concepts: ConceptSet, tmp_path_factory: pytest.TempPathFactory
@@ -295,8 +276,8 @@ async def sae_url(
     """A second server, with a topk SAE at layer 2 (served first) and a standard one at layer 1."""
     root = tmp_path_factory.mktemp("saes")
     saes = (
-        load_sae(_random_sae(root / "top", "topk", 2, 1, k=8), name="top"),
-        load_sae(_random_sae(root / "plain", "standard", 1, 2), name="plain"),
+        load_sae(random_sae(root / "top", "topk", 2, 256, 1, k=8), name="top"),
+        load_sae(random_sae(root / "plain", "standard", 1, 256, 2), name="plain"),
     )
     engine = await start_engine(tiny_model, max_model_len=1024, concepts=tiny_concepts, saes=saes, sae_top=16)
     try:

@@ -34,7 +34,7 @@ from salience.core.engine.live import Hold, LiveConcepts, install_probes
 from salience.core.engine.passes import Passes
 from salience.core.engine.prompts import PlacedImage, submission
 from salience.core.engine.requests import FeatureRequest, ResidualRequest, SamplingOptions
-from salience.core.engine.rows import RowPlan, watched_features
+from salience.core.engine.rows import RowPlan, feature_plan, watched_features
 from salience.core.engine.settings import EngineSettings
 from salience.core.features.served import ServedSAE
 from salience.core.probes.calibration import Calibration, Monitor, MonitorState
@@ -228,7 +228,8 @@ class Engine(Passes):
             read = [*shown, [len(prompt), READ_TO_END]] if watch.concepts else shown
             shown_features = None
             if watch.sae is not None:
-                self.row_plans(None, features, len(prompt) + options.max_tokens)  # the client's own ask, checked
+                if features is not None:
+                    feature_plan(features, self.saes)  # the client's own ask, checked
                 features, shown_features = watched_features(features, watch.sae, len(prompt))
             plans = self.row_plans(residual, features, len(prompt) + options.max_tokens)
             request_id, ranges, submitted = self._prepare(

@@ -255,11 +255,7 @@ class Generation:
         assert self._hub is not None
         readouts = [p for p in positions if covers(self._ranges, p)]
         got = await self._hub.take(self.request_id, readouts) if readouts else {}
-        rows = {}
-        for plan in self._rows:
-            wanted = [p for p in positions if covers(plan.ranges, p)]
-            taken = await self._hub.take(plan.key(self.request_id), wanted) if wanted else {}
-            rows[plan.field] = taken if plan.present is None else {p: plan.present(r) for p, r in taken.items()}
+        rows = {plan.field: await plan.take(self._hub, self.request_id, positions) for plan in self._rows}
         return got, rows
 
     async def _with_readouts(self, events: list[TokenEvent], first: bool) -> None:

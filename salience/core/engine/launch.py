@@ -299,12 +299,9 @@ def check_saes(settings: EngineSettings) -> None:
     names = [sae.name for sae in settings.saes]
     if len(set(names)) != len(names):
         raise ModelError(f"two SAEs share a name: {', '.join(names)} (name them NAME=DIR)")
-    from transformers import AutoConfig
-
     from salience.core.features.sae import check_fits
 
-    config = AutoConfig.from_pretrained(settings.model)
-    text = getattr(config, "text_config", None) or config
+    text = _text_config(settings)
     for sae in settings.saes:
         check_fits(sae, hidden_size=text.hidden_size, num_layers=text.num_hidden_layers)
 
@@ -312,8 +309,12 @@ def check_saes(settings: EngineSettings) -> None:
 def model_max_len(settings: EngineSettings) -> int:
     if settings.max_model_len:
         return settings.max_model_len
+    return int(getattr(_text_config(settings), "max_position_embeddings", 0) or 8192)
+
+
+def _text_config(settings: EngineSettings):
+    """The model's text configuration (a vision-language model's language model's)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(settings.model)
-    text = getattr(config, "text_config", None) or config
-    return int(getattr(text, "max_position_embeddings", 0) or 8192)
+    return getattr(config, "text_config", None) or config

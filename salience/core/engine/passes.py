@@ -132,9 +132,7 @@ class Passes:
                 if present is not None:
                     readouts = {p: present(row) for p, row in readouts.items()}
             for plan in plans:
-                wanted = [p for p in range(len(ids)) if covers(plan.ranges, p)]
-                taken = await self.readouts.take(plan.key(key), wanted)
-                rows[plan.field] = taken if plan.present is None else {p: plan.present(r) for p, r in taken.items()}
+                rows[plan.field] = await plan.take(self.readouts, key, range(len(ids)))
         finally:
             self.inflight.release(key)
             if checked:

@@ -9,18 +9,21 @@ handed to the client.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from salience.core.engine.requests import FeatureRequest, ResidualRequest
+from salience.core.engine.requests import FeatureRequest, ResidualRequest, covers
 from salience.core.features.served import ServedSAE, pick_sae
 from salience.core.probes.readout_worker import FEATURE_TAG, RESIDUAL_TAG
 from salience.core.probes.readouts import READ_TO_END, check_ranges
 from salience.core.probes.steering import merge_ranges
 from salience.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from salience.core.probes.readouts import ReadoutHub
 
 __all__ = ["MAX_RESIDUAL_ROWS", "RowPlan", "feature_plan", "residual_plan", "watched_features"]
 
@@ -44,6 +47,12 @@ class RowPlan:
 
     def tag_value(self, request_key: str) -> list:
         return [self.key(request_key), self.ranges, *self.args]
+
+    async def take(self, hub: ReadoutHub, request_key: str, positions: Iterable[int]) -> dict[int, Any]:
+        """The rows captured at those of `positions` this plan covers, as handed out."""
+        wanted = [p for p in positions if covers(self.ranges, p)]
+        taken = await hub.take(self.key(request_key), wanted) if wanted else {}
+        return taken if self.present is None else {p: self.present(r) for p, r in taken.items()}
 
     def at(self, position: int) -> RowPlan:
         """The same ask at one position (a generation's last token, read by a pass of its own)."""
