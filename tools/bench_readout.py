@@ -13,7 +13,8 @@ Up to five servers on the default model, started once, driven over LMTP in one r
   default a random top-k SAE of the shape tools/train_sae.py makes (8x, k = 32): the cost
   depends on the shape only.
 
-The default server is driven four ways: raw readouts, readouts as calibrated probabilities,
+The default server is also driven without asking for readouts ("idle": what the taps and the
+steering code cost inside the graph, apart from moving rows out), and four ways with them: raw readouts, readouts as calibrated probabilities,
 raw readouts with one `flag` monitor per concept (p > 0.5 at its recommended layer), and raw
 readouts plus the residual rows of one middle layer on every generated token
 (docs/residuals.md). For each stream count N, N concurrent streams (greedy, P-token prompts, M
@@ -24,7 +25,7 @@ another is measured; every idle engine spins on the cores, so `--ways` picks few
 a way needs is started, and the default one always) for a quieter comparison.
 
     .venv/bin/python tools/bench_readout.py [--streams 1,8,16] [--tokens 64] [--repeats 3] [--warm]
-        [--sae DIR] [--ways fastest,readouts,probabilities,monitors,eager,unspared,residual,sae]
+        [--sae DIR] [--ways fastest,idle,readouts,probabilities,monitors,eager,unspared,residual,sae]
 
 `--warm` skips the start with empty compile caches (the first start's cost).
 """
@@ -59,6 +60,7 @@ CONFIGS = {  # the servers, by key: name and flags
 # The ways to drive them, by key: the server and whether every generated token asks for readouts.
 WAYS = {
     "fastest": ("fastest", False),
+    "idle": ("default", False),
     "readouts": ("default", True),
     "probabilities": ("default", True),
     "monitors": ("default", True),
@@ -69,6 +71,7 @@ WAYS = {
 }
 # Ratios between two ways besides "/ first": (title, numerator, denominator).
 EXTRA = (
+    ("readouts / taps idle", "readouts", "idle"),
     ("monitors / readouts", "monitors", "readouts"),
     ("readouts / no spare columns", "readouts", "unspared"),
     ("with residual rows / readouts", "residual", "readouts"),
@@ -139,6 +142,7 @@ def ways(keys: list[str], running: dict[str, Server], concepts: list[str], layer
     middle = layers[len(layers) // 2]
     described = {
         "fastest": ("compiled, no readouts", {}),
+        "idle": ("taps idle (none asked)", {}),
         "readouts": ("readouts", {}),
         "probabilities": ("probabilities", {"readout_format": "probability"}),
         "monitors": (f"readouts + {len(monitors)} monitors", {"monitors": monitors}),
