@@ -14,10 +14,10 @@ Up to five servers on the default model, started once, driven over LMTP in one r
   depends on the shape only.
 
 The default server is also driven without asking for readouts ("idle": what the taps and the
-steering code cost inside the graph, apart from moving rows out), and four ways with them: raw readouts, readouts as calibrated probabilities,
-raw readouts with one `flag` monitor per concept (p > 0.5 at its recommended layer), and raw
-readouts plus the residual rows of one middle layer on every generated token
-(docs/residuals.md). For each stream count N, N concurrent streams (greedy, P-token prompts, M
+steering code cost inside the graph, apart from moving rows out), and four ways with them: raw
+readouts, readouts as calibrated probabilities, raw readouts with one `flag` monitor per concept
+(p > 0.5 at its recommended layer), and raw readouts plus the residual rows of one middle layer
+on every generated token (docs/residuals.md). For each stream count N, N concurrent streams (greedy, P-token prompts, M
 tokens each, EOS masked) go each way in rotating order, repeated; the medians give tokens/s, the
 ratios against the first way (`--no-readouts` by default) and a few ratios between ways. Servers
 are started one after another (a first start compiles, which is reported) and then idle while
