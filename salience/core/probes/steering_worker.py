@@ -16,8 +16,10 @@ from four static buffers `[max_tokens, steering layers, directions]`. Those buff
   at the rows whose absolute positions its ranges cover, for each of its layers; then runs the
   forward; then resets the rows it wrote. Interventions that meet at one row, layer and
   direction add up, and caps intersect (steering.py defines both).
-- A step with no steered request costs one dictionary lookup per request: the buffers are
-  already zero.
+- It also names the slots (layers) this step steers at (taps.Steered): on CPU a tap steers
+  through the op `salience::steer`, which does nothing at any other slot. A step with no steered
+  request costs one dictionary lookup per request and one set lookup per steerable layer: the
+  buffers are already zero.
 
 Every rank steers (each runs the whole residual stream under tensor parallelism).
 """
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 
 from salience.core.probes.steering import unit
-from salience.core.probes.taps import decoder_stack, steering_buffers
+from salience.core.probes.taps import Steered, decoder_stack, steering_buffers
 
 TAG = "salience_steer"
 RESET = (0.0, 0.0, -np.inf, np.inf)  # a, b, lo, hi of a row nobody steers
@@ -89,6 +91,7 @@ class SteeringWorker:
             finally:
                 if rows:
                     self._st_clear(rows)
+                    Steered.slots = frozenset()
 
         return run
 
@@ -109,10 +112,11 @@ class SteeringWorker:
         total = int(starts[n])
         positions = runner.positions[:total].cpu().numpy()
         add, scale, low, high = self._st_host
+        slots: set[int] = set()
         for i, plan in steered:
             s, e = int(starts[i]), int(starts[i + 1])
             pos = positions[s:e]
-            for slots, column, a, b, ranges, lo, hi, vector in plan:
+            for layers, column, a, b, ranges, lo, hi, vector in plan:
                 covered = np.zeros(e - s, dtype=bool)
                 for start, end in ranges:
                     covered |= (pos >= start) & (pos < end)
@@ -121,7 +125,8 @@ class SteeringWorker:
                     continue
                 if vector is not None and self._st_vectors.get(column) != vector[0]:
                     self._st_write_vector(column, vector)
-                index = (rows[:, None], slots[None, :], column)
+                slots.update(layers.tolist())
+                index = (rows[:, None], layers[None, :], column)
                 add[index] += a
                 scale[index] += b
                 if lo != -np.inf:
@@ -131,6 +136,7 @@ class SteeringWorker:
         if self._st_buffers[0].device.type != "cpu":
             for device, host in zip(self._st_buffers, self._st_host, strict=True):
                 device[:total].copy_(torch.from_numpy(host[:total]))
+        Steered.slots = frozenset(slots)  # the taps that steer this step (taps.steer)
         return total
 
     def _st_write_vector(self, column: int, vector: list) -> None:
