@@ -23,7 +23,7 @@ during the forward pass, compiled or eager. Theory of operation:
   nobody asked for residuals copies nothing.
 - A request asks for an SAE's top features through `extra_args[FEATURE_TAG] = [key, ranges,
   SAE slot, k]`: after the step its rows' first k ids and activations are copied out of the
-  features buffer (taps.SAEEncoder) and filed as [rows, 1, 2k] blocks under that key.
+  features buffer (features/encoder.py) and filed as [rows, 1, 2k] blocks under that key.
 - The blocks leave the worker one of two ways (docs/readouts.md, "Transport"):
   - **with the step's output** (one filing worker, synchronous scheduling: CPU
     with PP=1, any TP and DP): the runner's `sample_tokens` (or `execute_model`,

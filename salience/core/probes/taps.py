@@ -23,7 +23,7 @@ part of the model the compiler sees:
   layer; only the small float32 readout block leaves the graph, never a hidden
   state, and only small coefficient blocks enter it.
 - A tap at a sparse autoencoder's layer (`--sae`) also encodes the (steered)
-  residual with it (`SAEEncoder`: SAELens's math, see features/sae.py) and keeps
+  residual with it (`SAEEncoder`: SAELens's math, features/encoder.py) and keeps
   each token's `top` largest feature activations and their ids, written into
   slot i of a second buffer `[max_tokens, SAEs, 2 * top]` through
   `salience::feature_store`. Only those 2 * top floats per token leave the graph.
@@ -50,6 +50,7 @@ import torch
 from torch import nn
 from torch.library import Library
 
+from salience.core.features.encoder import SAEEncoder
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import Directions
 
@@ -167,37 +168,6 @@ def _register_ops() -> Library:
 
 
 _LIBRARY = _register_ops()  # the ops live as long as this object
-
-
-class SAEEncoder(nn.Module):
-    """One sparse autoencoder's encoder at its layer: a token's `width` largest feature activations
-    as [ids (as float32: exact below 2**24) | activations], largest first. `width` is the most a
-    request may ask for; a top-k SAE keeps at most its k."""
-
-    def __init__(self, sae: Any, width: int, slot: int) -> None:
-        super().__init__()
-        self.slot = slot
-        self.width = width
-        self.topk = sae.architecture == "topk"
-        self.centre = bool(sae.apply_b_dec_to_input)
-        self.register_buffer("W_enc", sae.W_enc.contiguous(), persistent=False)
-        self.register_buffer("b_enc", sae.b_enc, persistent=False)
-        self.register_buffer("b_dec", sae.b_dec, persistent=False)
-        threshold = sae.threshold if sae.architecture == "jumprelu" else None
-        self.jump = threshold is not None
-        self.register_buffer("threshold", threshold if threshold is not None else torch.zeros(0), persistent=False)
-
-    def forward(self, state: torch.Tensor) -> torch.Tensor:
-        pre = (state - self.b_dec if self.centre else state) @ self.W_enc + self.b_enc
-        if self.topk:  # the k largest pre-activations, ReLU'd; every other feature is 0
-            values, ids = torch.topk(pre, self.width, dim=-1)
-            values = torch.relu(values)
-        else:
-            acts = torch.relu(pre)
-            if self.jump:
-                acts = acts * (pre > self.threshold)
-            values, ids = torch.topk(acts, self.width, dim=-1)
-        return torch.cat([ids.to(torch.float32), values], dim=-1)
 
 
 class LayerTap(nn.Module):
@@ -366,7 +336,9 @@ def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch
             if sae.sha256 != spec["sha256"]:
                 raise RuntimeError(f"SAE {spec['path']} changed after the engine was configured")
             if sae.layer in held:
-                tap(sae.layer).encode_into(SAEEncoder(sae, spec["top"], slot).to(device), buffer)
+                encoder = SAEEncoder(sae, spec["top"], slot).to(device)
+                encoder.prepack()
+                tap(sae.layer).encode_into(encoder, buffer)
     log.debug("layer taps installed", extra={"layers": sorted(tapped), "rows": max_tokens})
 
 
