@@ -132,6 +132,7 @@ async def _fitted(engine, definition: ConceptDefinition) -> tuple[dict[int, torc
     for start in range(0, len(texts), READ_BATCH):  # prefills batched in the engine, beside live traffic
         await asyncio.gather(*(read(text) for text in texts[start : start + READ_BATCH]))
     vectors, info = await asyncio.to_thread(
+        _on_one_core,
         fit_concept,
         concept,
         layers,
@@ -142,6 +143,19 @@ async def _fitted(engine, definition: ConceptDefinition) -> tuple[dict[int, torc
         candidates=candidates,
     )
     return {layer: vectors[i] for i, layer in enumerate(layers)}, info
+
+
+def _on_one_core(fit, *args, **kwargs):
+    """Fit with one torch thread: the engine runs its steps on every core, and a fit's torch
+    threads beside it (this process's, two on two cores) left 8 generating streams 11% of their
+    throughput and made the define 6x as long (tools/bench_define.py). torch's thread count is the
+    process's; this process runs no model, so nothing else here loses by it meanwhile."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fit(*args, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _checked_examples(engine, definition: ConceptDefinition) -> dict:
