@@ -156,9 +156,10 @@ def _no_output(*args: Any) -> None:
 
 
 def _register_ops() -> Library:
-    """Both stores as `torch.ops.salience.*`, registered straight with the dispatcher as vLLM
-    registers its attention ops: `torch.library.custom_op`'s own Python wrapping costs ~15 us more
-    per call, and the compiled graph calls a store at every tapped layer of every step."""
+    """The two stores and the steering gate as `torch.ops.salience.*`, registered straight with the
+    dispatcher as vLLM registers its attention ops: `torch.library.custom_op`'s own Python wrapping
+    costs ~15 us more per call, and the compiled graph calls them at every tapped layer of every
+    step."""
     from vllm.utils.torch_utils import direct_register_custom_op
 
     library = Library("salience", "FRAGMENT")
