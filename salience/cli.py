@@ -162,6 +162,20 @@ def _parser() -> argparse.ArgumentParser:
         help="steering columns for requests' own vectors: distinct vectors that can steer at once",
     )
     serve.add_argument(
+        "--max-residual-rows",
+        type=int,
+        default=16384,
+        metavar="N",
+        help="residual rows (positions x layers) one request may ask for (docs/residuals.md)",
+    )
+    serve.add_argument(
+        "--residual-memory",
+        type=int,
+        default=512,
+        metavar="MIB",
+        help="residual rows all requests may hold at once, in MiB of float32; requests beyond it wait",
+    )
+    serve.add_argument(
         "--sae",
         action="append",
         default=[],
@@ -211,8 +225,13 @@ def _serve(args: argparse.Namespace) -> int:
     for flag, value in (("--spare-concepts", args.spare_concepts), ("--steer-vectors", args.steer_vectors)):
         if value < 0:
             raise InvalidArgument(f"{flag} must be 0 or more, got {value}")
-    if args.sae_top < 1:
-        raise InvalidArgument(f"--sae-top must be 1 or more, got {args.sae_top}")
+    for flag, value in (
+        ("--sae-top", args.sae_top),
+        ("--max-residual-rows", args.max_residual_rows),
+        ("--residual-memory", args.residual_memory),
+    ):
+        if value < 1:
+            raise InvalidArgument(f"{flag} must be 1 or more, got {value}")
     saes = _load_saes(args.sae)
     lmtp_limits = ConnectionLimits(
         max_message_bytes=args.lmtp_max_message_bytes, max_frame_bytes=args.lmtp_max_frame_bytes
@@ -265,6 +284,8 @@ def _serve(args: argparse.Namespace) -> int:
         steer_vectors=args.steer_vectors,
         saes=saes,
         sae_top=args.sae_top,
+        max_residual_rows=args.max_residual_rows,
+        residual_memory_mib=args.residual_memory,
     )
     options = ServeOptions(
         host=args.host,

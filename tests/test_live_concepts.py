@@ -212,6 +212,19 @@ async def test_a_concept_fitted_from_examples_is_the_builders_fit_of_the_referen
                     assert p == pytest.approx(1 / (1 + math.exp(-(fit["scale"] * x + fit["offset"]))), rel=1e-9)
 
 
+async def test_a_define_refuses_examples_beyond_the_residual_limit(
+    engine: Engine, status: ServerStatus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A define reads each example at every read layer in one request: --max-residual-rows bounds
+    its length, with an error about examples rather than residual rows."""
+    monkeypatch.setattr(engine.settings, "max_residual_rows", 10 * len(TINY_LAYERS))
+    version = engine.live.view().version
+    definition = ConceptDefinition(name="mu", positive=["a b " * 20] * 4, negative=["c d e"] * 4)
+    with pytest.raises(InvalidArgument, match=r"allows 11 tokens per example \(--max-residual-rows\)"):
+        await live_concepts.define(status, definition, operator=True, frontend="test")
+    assert engine.live.view().version == version
+
+
 async def test_every_bad_define_is_refused_and_changes_nothing(engine: Engine, status: ServerStatus) -> None:
     good = as_bytes(vectors(31))
     await define(status, "lambda", vectors(30))

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from salience.core.engine import rows as row_plans
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import ResidualRequest, SamplingOptions
-from salience.core.engine.rows import MAX_RESIDUAL_ROWS
+from salience.core.engine.generation import Generation
+from salience.core.engine.requests import FinishReason, ResidualRequest, SamplingOptions, TokenEvent
+from salience.core.engine.row_budget import RowBudget
 from salience.core.probes.concepts import ConceptSet
 from salience.errors import InvalidArgument
 from salience.lmtp.client import LmtpClient, LmtpStreamError
@@ -50,6 +50,11 @@ def assert_rows(rows: dict[int, np.ndarray], reference: Reference, ids: list[int
             expected = want[layer][position].numpy()
             error = np.abs(row[i] - expected).max() / np.abs(expected).max()
             assert error < 1e-4, (position, layer, error)
+
+
+async def collect(generation: Generation) -> list[TokenEvent]:
+    async with generation:
+        return [e async for e in generation]
 
 
 async def generate(engine: Engine, prompt: list[int], residual: ResidualRequest | None, **kwargs):
@@ -120,11 +125,44 @@ async def test_bad_residual_requests_are_refused_before_anything_runs(
     for residual, words in cases:
         with pytest.raises(InvalidArgument, match=words):
             engine.generate(prompt, GREEDY, residual=residual)
-    monkeypatch.setattr(row_plans, "MAX_RESIDUAL_ROWS", 100)  # the real limit is beyond the tiny model's context
+    assert engine.settings.max_residual_rows == 16384  # beyond the tiny model's context: lowered here
+    monkeypatch.setattr(engine.settings, "max_residual_rows", 100)
     many = ResidualRequest(layers=(0, 2, 3), ranges=((0, 1000),))
-    with pytest.raises(InvalidArgument, match=r"asks for 35 positions x 3 layers; at most 100 rows"):
+    with pytest.raises(InvalidArgument, match=r"asks for 35 positions x 3 layers; at most 100 rows per request"):
         engine.generate(prompt, SamplingOptions(max_tokens=10), residual=many)
-    assert MAX_RESIDUAL_ROWS == 16384
+    monkeypatch.setattr(engine, "row_budget", RowBudget(90, 4 * 128))
+    with pytest.raises(InvalidArgument, match=r"32 positions x 3 layers; this server holds at most 90 residual rows"):
+        await engine.prefill(prompt + prompt[:7], residual=many)  # 96 rows: within the request limit
+    assert engine.num_unfinished_requests() == 0
+
+
+async def test_requests_beyond_the_residual_budget_wait_their_turn(
+    engine: Engine, tiny_reference: Reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The budget holds two of these requests at once: the others queue, in order, and run when rows
+    are given back; a queued generation cancelled never reaches vLLM; a request without residual
+    rows never waits."""
+    if engine.compiled:
+        pytest.skip("admission is the same for both graphs")
+    budget = RowBudget(2 * 25 * 2, 4 * 128)
+    monkeypatch.setattr(engine, "row_budget", budget)
+    residual = ResidualRequest(layers=(0, 3), ranges=((0, 1000),))
+    prompts = PROMPTS[:4]
+    passes = [asyncio.create_task(engine.prefill(prompt, residual=residual)) for prompt in prompts]
+    await asyncio.sleep(0)  # each pass reserves its rows, in order
+    queued = engine.generate(PROMPTS[4], GREEDY, residual=ResidualRequest(layers=(2,), ranges=((0, 1),)))
+    consumer = asyncio.create_task(collect(queued))
+    await asyncio.sleep(0)
+    assert budget.held == 100 and budget.waiting == 3
+    await queued.cancel()
+    assert budget.waiting == 2
+    assert await consumer == [] and queued.finish_reason is FinishReason.CANCELLED
+    plain = await collect(engine.generate(PROMPTS[5], GREEDY))  # asks for no rows: never waits
+    assert len(plain) == GREEDY.max_tokens
+    for prompt, scores in zip(prompts, await asyncio.gather(*passes), strict=True):
+        assert sorted(scores.residuals) == list(range(len(prompt)))
+        assert_rows(scores.residuals, tiny_reference, prompt, (0, 3))
+    assert budget.held == 0 and budget.waiting == 0
     assert engine.num_unfinished_requests() == 0
 
 

@@ -148,3 +148,17 @@ def test_a_malformed_sae_folder_is_refused_before_the_model_loads(tmp_path: Path
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--residual-memory", "0", "--residual-memory must be 1 or more, got 0"),
+        ("--max-residual-rows", "-5", "--max-residual-rows must be 1 or more, got -5"),
+        ("--spare-concepts", "-1", "--spare-concepts must be 0 or more, got -1"),
+    ],
+)
+def test_a_bad_limit_is_refused_before_the_model_loads(tmp_path: Path, flag: str, value: str, message: str) -> None:
+    command = [SALIENCE, "serve", "--model", str(tmp_path / "missing"), flag, value]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr

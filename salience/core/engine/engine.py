@@ -34,6 +34,7 @@ from salience.core.engine.live import Hold, LiveConcepts, install_probes
 from salience.core.engine.passes import Passes
 from salience.core.engine.prompts import PlacedImage, submission
 from salience.core.engine.requests import FeatureRequest, ResidualRequest, SamplingOptions
+from salience.core.engine.row_budget import RowBudget
 from salience.core.engine.rows import RowPlan, feature_plan, watched_features
 from salience.core.engine.settings import EngineSettings
 from salience.core.features.served import ServedSAE
@@ -76,6 +77,8 @@ class Engine(Passes):
         self.closed = False
         self.checks = RequestChecks(self.vocab_size, self.max_model_len, self.max_logprobs)
         self.inflight = InFlight(settings.data_parallel_size)
+        row_bytes = 4 * self.hidden_size  # float32
+        self.row_budget = RowBudget(max(1, settings.residual_memory_mib * 2**20 // row_bytes), row_bytes)
 
     def calibration(self, view: ConceptView | None = None) -> Calibration:
         """The calibration of `view` (by default the concepts a request starting now sees), or
@@ -134,6 +137,14 @@ class Engine(Passes):
             time.monotonic() - started,
             extra={"mode": "compiled" if compiled else "eager"},
         )
+        if engine.readouts is not None:
+            budget = engine.row_budget
+            log.info(
+                "residual rows: at most %d per request, %d held at once (%.0f MiB of float32)",
+                settings.max_residual_rows,
+                budget.rows,
+                budget.rows * budget.row_bytes / 2**20,
+            )
         return engine
 
     async def _warm_up(self) -> None:
@@ -238,6 +249,7 @@ class Engine(Passes):
         except BaseException:
             hold.release()
             raise
+        ticket = self.row_budget.reserve(sum(plan.held for plan in plans))
         rank = self.inflight.rank_of(request_id)
         # The last token's pass runs where the generation ran (its prefix is cached there), under
         # the generation's concepts and steering.
@@ -268,11 +280,13 @@ class Engine(Passes):
             present=present,
             rows=plans,
             shown_features=shown_features,
+            ticket=ticket,
         )
         generation.concepts = hold.view
         self.inflight.running(request_id, generation)
 
         def ended() -> None:
+            ticket.release()
             self.inflight.release(request_id)
             hold.release()
 

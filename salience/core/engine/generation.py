@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from salience.core.engine.row_budget import Ticket
     from salience.core.engine.rows import RowPlan
     from salience.core.probes.readouts import ReadoutHub
 
@@ -105,6 +106,19 @@ async def _releasing(
         await outputs.aclose()
 
 
+async def _admitted(
+    ticket: Ticket, outputs: AsyncGenerator[RequestOutput, None]
+) -> AsyncGenerator[RequestOutput, None]:
+    """vLLM's outputs once the request's residual rows are granted; none if it was cancelled
+    while it waited (vLLM never saw it)."""
+    try:
+        if await ticket.ready():
+            async for out in outputs:
+                yield out
+    finally:
+        await outputs.aclose()  # closing vLLM's generator aborts the request
+
+
 class Generation:
     """A running request: an async iterator of TokenEvents.
 
@@ -143,9 +157,12 @@ class Generation:
         present: Callable[[tuple[float, ...]], tuple] | None = None,
         rows: Sequence[RowPlan] = (),
         shown_features: tuple[int, list[list[int]]] | None = None,
+        ticket: Ticket | None = None,
     ):
-        """`rows`: the residual rows and features asked for (rows.py). `shown_features`: with
-        feature monitors, which features the client sees (its k and ranges) of those read."""
+        """`rows`: the residual rows and features asked for (rows.py), with `ticket` their claim on
+        the server's residual budget (the request reaches vLLM once it is granted).
+        `shown_features`: with feature monitors, which features the client sees (its k and
+        ranges) of those read."""
         self.request_id = request_id
         self.dp_rank = dp_rank  # the data-parallel engine it runs on (None: no data parallelism)
         self.on_end: Callable[[], None] | None = None  # called once, when the request is over
@@ -184,6 +201,9 @@ class Generation:
         self._cancelled = False
         self._engine_finished = False  # vLLM sent the last output; its generator has yet to return
         outputs = guarded(llm.generate(submitted, params, request_id, priority=priority, data_parallel_rank=dp_rank))
+        self._ticket = ticket
+        if ticket is not None:
+            outputs = _admitted(ticket, outputs)
         if self._hub is not None:
             keys = []
             if self._ranges:
@@ -331,13 +351,17 @@ class Generation:
         if self.finish_reason is not None:
             return
         self._cancelled = True
+        queued = self._ticket is not None and not self._ticket.granted
+        if queued:  # waiting for residual rows: it never reaches vLLM, and iteration ends
+            self._ticket.release()
         if not self._submitted:
             self.finish_reason = FinishReason.CANCELLED
             if self._hub is not None:
                 for key in self._keys:  # registered for them; _releasing never started
                     self._hub.release(key)
             return
-        await self._llm.abort(self.request_id)
+        if not queued:
+            await self._llm.abort(self.request_id)
 
     async def aclose(self) -> None:
         """Stop consuming; aborts the request if it is still running."""

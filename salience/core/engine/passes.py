@@ -121,7 +121,10 @@ class Passes:
             self.readouts.register(key, len(hold.view.concepts))
         for plan in plans:
             self.readouts.register(plan.key(key), plan.width, raw_layers=plan.layers)
+        # A generation's last-token pass runs within the rows its generation holds.
+        ticket = self.row_budget.reserve(sum(plan.held for plan in plans) if own else 0)
         try:
+            await ticket.ready()  # its own ticket: released only below
             outputs = [
                 out async for out in guarded(self._llm.generate(submitted, params, key, data_parallel_rank=rank))
             ]
@@ -134,6 +137,7 @@ class Passes:
             for plan in plans:
                 rows[plan.field] = await plan.take(self.readouts, key, range(len(ids)))
         finally:
+            ticket.release()
             self.inflight.release(key)
             if checked:
                 self.readouts.release(key)
@@ -187,7 +191,10 @@ class Passes:
             )
         if residual is not None:
             read = self.readouts.table.loaded.layers
-            plans.append(residual_plan(residual, end, read=read, hidden=self.hidden_size))
+            limit = self.settings.max_residual_rows
+            plan = residual_plan(residual, end, read=read, hidden=self.hidden_size, limit=limit)
+            self.row_budget.check(plan.held, f"{plan.held // plan.layers} positions x {plan.layers} layers")
+            plans.append(plan)
         if features is not None:
             plans.append(feature_plan(features, self.saes))
         return plans

@@ -25,11 +25,7 @@ from salience.errors import InvalidArgument
 if TYPE_CHECKING:
     from salience.core.probes.readouts import ReadoutHub
 
-__all__ = ["MAX_RESIDUAL_ROWS", "RowPlan", "feature_plan", "residual_plan", "watched_features"]
-
-# Residual rows one request may ask for (positions x layers): 16K rows of a 1,536-wide model are
-# 100 MB of float32 held until the request ends.
-MAX_RESIDUAL_ROWS = 16384
+__all__ = ["RowPlan", "feature_plan", "residual_plan", "watched_features"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +37,7 @@ class RowPlan:
     layers: int  # rows per position
     width: int  # values per row
     present: Callable[[np.ndarray], Any] | None = None  # a position's [layers, width] block as handed out
+    held: int = 0  # residual rows the request may hold at once (row_budget.py); 0 for features
 
     def key(self, request_key: str) -> str:
         return f"{request_key}#{self.field}"
@@ -59,9 +56,9 @@ class RowPlan:
         return dataclasses.replace(self, ranges=[[position, position + 1]])
 
 
-def residual_plan(residual: ResidualRequest, end: int, *, read: Sequence[int], hidden: int) -> RowPlan:
-    """Residual rows checked against the read layers `read`, with `end` the first position the
-    request cannot reach."""
+def residual_plan(residual: ResidualRequest, end: int, *, read: Sequence[int], hidden: int, limit: int) -> RowPlan:
+    """Residual rows checked against the read layers `read` and the rows one request may ask for
+    (`limit`), with `end` the first position the request cannot reach."""
     layers = residual.layers
     if not layers or len(set(layers)) != len(layers):
         raise InvalidArgument("residual.layers must name one or more distinct layers")
@@ -73,13 +70,13 @@ def residual_plan(residual: ResidualRequest, end: int, *, read: Sequence[int], h
         )
     ranges = _ranges("residual", residual.ranges)
     positions = sum(max(0, min(e, end) - s) for s, e in merge_ranges([(s, e) for s, e in ranges]))
-    if positions * len(layers) > MAX_RESIDUAL_ROWS:
+    if positions * len(layers) > limit:
         raise InvalidArgument(
-            f"residual asks for {positions} positions x {len(layers)} layers; at most {MAX_RESIDUAL_ROWS} "
-            "rows per request (ask in several requests, or use fewer layers)"
+            f"residual asks for {positions} positions x {len(layers)} layers; at most {limit} "
+            "rows per request (--max-residual-rows): ask in several requests, or for fewer layers"
         )
     slots = [list(read).index(layer) for layer in layers]
-    return RowPlan("residual", RESIDUAL_TAG, ranges, [slots], len(layers), hidden)
+    return RowPlan("residual", RESIDUAL_TAG, ranges, [slots], len(layers), hidden, held=positions * len(layers))
 
 
 def feature_plan(features: FeatureRequest, saes: Sequence[ServedSAE]) -> RowPlan:

@@ -46,5 +46,7 @@ class EngineSettings:
     spare_concepts: int = 16  # readout and steering columns for live concepts (needs a concept set)
     steer_vectors: int = 16  # steering columns for requests' own vectors, distinct ones running at once
     saes: tuple[SparseAutoencoder, ...] = ()  # sparse autoencoders the taps encode with (needs a concept set)
+    max_residual_rows: int = 16384  # residual rows (positions x layers) one request may ask for
+    residual_memory_mib: int = 512  # residual rows all requests may hold at once (row_budget.py)
     sae_top: int = 32  # features per token the graph keeps of each SAE: the most a request may ask for
     engine_args: dict[str, Any] = field(default_factory=dict)

@@ -115,12 +115,19 @@ async def _fitted(engine, definition: ConceptDefinition) -> tuple[dict[int, torc
     candidates = _checked_layers(definition.layers, layers)
     texts = list(dict.fromkeys(t for side in SIDES for t in concept[side]))
     encoded = {text: engine.tokenizer.encode(text, add_special_tokens=False) for text in texts}
+    # Each example's rows at every read layer, within what one request may hold.
+    longest = min(engine.settings.max_residual_rows, engine.row_budget.rows) // len(layers) + 1
     for text, ids in encoded.items():
         if len(ids) < 2:
             raise InvalidArgument(f"example {text[:40]!r} is a single token; each example needs at least two")
         if len(ids) + 1 > engine.max_model_len:
             raise ContextOverflow(
                 f"example {text[:40]!r}... is {len(ids)} tokens; this server's context is {engine.max_model_len}"
+            )
+        if len(ids) > longest:
+            raise InvalidArgument(
+                f"example {text[:40]!r}... is {len(ids)} tokens; a define reads each example at all "
+                f"{len(layers)} read layers, which allows {longest} tokens per example (--max-residual-rows)"
             )
     residuals: dict[str, torch.Tensor] = {}
 
