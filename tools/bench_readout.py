@@ -18,8 +18,9 @@ steering code cost inside the graph, apart from moving rows out), and four ways 
 readouts, readouts as calibrated probabilities, raw readouts with one `flag` monitor per concept
 (p > 0.5 at its recommended layer), and raw readouts plus the residual rows of one middle layer
 on every generated token (docs/residuals.md). For each stream count N, N concurrent streams (greedy, P-token prompts, M
-tokens each, EOS masked) go each way in rotating order, repeated; the medians give tokens/s, the
-ratios against the first way (`--no-readouts` by default) and a few ratios between ways. Servers
+tokens each, EOS masked) go each way in rotating order, repeated; the medians give tokens/s, and
+the medians of each round's ratios (a drift over the run cancels within a round) the ratios
+against the first way (`--no-readouts` by default) and a few ratios between ways. Servers
 are started one after another (a first start compiles, which is reported) and then idle while
 another is measured; every idle engine spins on the cores, so `--ways` picks fewer (each server
 a way needs is started, and the default one always) for a quieter comparison.
@@ -287,12 +288,20 @@ def report(
     print("|---:" * (2 * len(driven) + len(extra)) + "|")
     for n in counts:
         rates = [statistics.median(w.rates[n]) for w in driven]
-        cells = " | ".join(f"{r:.1f}" for r in rates) + " | " + " | ".join(f"{r / rates[0]:.2f}" for r in rates[1:])
-        more = "".join(f" | {statistics.median(a.rates[n]) / statistics.median(b.rates[n]):.2f}" for _, a, b in extra)
+        cells = " | ".join(f"{r:.1f}" for r in rates) + " | " + " | ".join(
+            f"{paired(w.rates[n], driven[0].rates[n]):.2f}" for w in driven[1:]
+        )
+        more = "".join(f" | {paired(a.rates[n], b.rates[n]):.2f}" for _, a, b in extra)
         print(f"| {n} | {cells}{more} |")
     starts = ", ".join(f"{s.name} {s.start_seconds:.0f} s" for s in running.values())
     first = f"default with empty compile caches {cold:.0f} s; then " if cold else ""
     print(f"\nstart to ready: {first}{starts}")
+
+
+def paired(a: list[float], b: list[float]) -> float:
+    """The median over rounds of a / b: each round times every way once, back to back, so a drift
+    in the machine's speed over the run (a neighbour, thermal state) cancels within a round."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def _random_sae(folder: Path) -> str:
