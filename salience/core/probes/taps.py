@@ -356,6 +356,10 @@ def _register_loader() -> None:
             super().__init__(dataclasses.replace(load_config, load_format="auto"))
 
         def load_model(self, vllm_config, model_config, prefix: str = "") -> nn.Module:
+            if vllm_config.device_config.device_type == "cpu":
+                from salience.core.engine.warm_up import shorten_warm_up
+
+                shorten_warm_up()
             model = super().load_model(vllm_config, model_config, prefix)
             config = vllm_config.additional_config or {}
             if CONFIG_KEY in config or STEERING_KEY in config or FEATURES_KEY in config:
