@@ -288,8 +288,10 @@ def report(
     print("|---:" * (2 * len(driven) + len(extra)) + "|")
     for n in counts:
         rates = [statistics.median(w.rates[n]) for w in driven]
-        cells = " | ".join(f"{r:.1f}" for r in rates) + " | " + " | ".join(
-            f"{paired(w.rates[n], driven[0].rates[n]):.2f}" for w in driven[1:]
+        cells = (
+            " | ".join(f"{r:.1f}" for r in rates)
+            + " | "
+            + " | ".join(f"{paired(w.rates[n], driven[0].rates[n]):.2f}" for w in driven[1:])
         )
         more = "".join(f" | {paired(a.rates[n], b.rates[n]):.2f}" for _, a, b in extra)
         print(f"| {n} | {cells}{more} |")
