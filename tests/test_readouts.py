@@ -102,6 +102,12 @@ async def test_taps_are_traced_into_the_compiled_graph(engine: Engine) -> None:
     assert graph["taps"] == len(TINY_LAYERS)
     if engine.compiled:
         assert graph["graphs"] >= 1 and graph["graph_breaks"] == {}
+        # Warmed up with 64 tokens, not the whole context (engine/warm_up.py): one graph serves
+        # every size, so the longest prompt traces nothing new.
+        assert graph["warm_up"] == 64
+        long = [0, *[(7 * j) % 1900 + 3 for j in range(900)]]
+        await engine.readout(long, [(len(long) - 1, len(long))])
+        assert (await engine.readouts.graph())["graphs"] == graph["graphs"]
 
 
 async def test_the_last_token_is_read_out_however_the_generation_ends(

@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["WARM_UP_TOKENS", "shorten_warm_up"]
+__all__ = ["WARM_UP_TOKENS", "shorten_warm_up", "warmed_up_with"]
 
 log = logging.getLogger(__name__)
 
 WARM_UP_TOKENS = 64
+_ran: list[int] = []  # the tokens of each short warm-up this process ran
+
+
+def warmed_up_with() -> int | None:
+    """The tokens the short warm-up ran in this process, None if it did not run."""
+    return _ran[-1] if _ran else None
 
 
 def shorten_warm_up() -> None:
@@ -37,6 +43,7 @@ def shorten_warm_up() -> None:
             return own(self)
         tokens = min(self.max_num_tokens, WARM_UP_TOKENS)
         log.debug("compile warm-up", extra={"tokens": tokens})
+        _ran.append(tokens)
         with cpu_model_runner._set_global_compilation_settings(self.vllm_config):
             _, last_hidden_states = self._dummy_run(tokens, is_profile=True)
             if get_pp_group().is_last_rank:

@@ -53,7 +53,15 @@ import numpy as np
 import torch
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
-from salience.core.probes.taps import Capture, LayerTap, decoder_stack, feature_buffer, readout_buffer, taps
+from salience.core.probes.taps import (
+    Capture,
+    LayerTap,
+    Reading,
+    decoder_stack,
+    feature_buffer,
+    readout_buffer,
+    taps,
+)
 
 TAG = "salience_readout"
 RESIDUAL_TAG = "salience_residual"
@@ -131,13 +139,17 @@ class ReadoutWorker:
 
     def salience_readout_graph(self) -> dict:
         """What the compiler made of the model: traced graphs and graph breaks (dynamo's own
-        counters, this process), and how many layer taps the model holds."""
+        counters, this process), how many layer taps the model holds, and the tokens of the
+        compile warm-up (engine/warm_up.py; None: vLLM's own ran, or none)."""
         from torch._dynamo.utils import counters
+
+        from salience.core.engine.warm_up import warmed_up_with
 
         return {
             "taps": len(taps(self.model_runner.get_model())),
             "graphs": int(counters["stats"]["unique_graphs"]),
             "graph_breaks": dict(counters["graph_break"]),
+            "warm_up": warmed_up_with(),
         }
 
     # ---- after each step -------------------------------------------------------------
@@ -171,13 +183,28 @@ class ReadoutWorker:
         @functools.wraps(model_forward)
         def run(*args, **kwargs):
             self._ro_plan_capture()
+            Reading.columns = self._ro_columns()
             try:
                 return model_forward(*args, **kwargs)
             finally:
+                Reading.columns = 0
                 if Capture.rows is not None:
                     self._ro_file_capture()
 
         return run
+
+    def _ro_columns(self) -> int:
+        """The readout columns this step's requests read: past the last one any of them reads
+        (its ConceptView's columns), 0 if none reads (taps.Reading)."""
+        runner = self.model_runner
+        batch = runner.input_batch
+        columns = 0
+        for request_id in batch.req_ids[: batch.num_reqs]:
+            state = runner.requests.get(request_id)
+            extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
+            if extra and TAG in extra:
+                columns = max(columns, max(extra[TAG][2], default=-1) + 1)
+        return columns
 
     def _ro_plan_capture(self) -> None:
         picks = [

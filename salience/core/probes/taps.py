@@ -21,7 +21,10 @@ part of the model the compiler sees:
   which declares the buffer as mutated (as vLLM's attention ops declare their
   output buffer). Both are ordinary tensor code, traced and fused with the
   layer; only the small float32 readout block leaves the graph, never a hidden
-  state, and only small coefficient blocks enter it.
+  state, and only small coefficient blocks enter it. On CPU the projection runs
+  in the op `salience::readout_project` instead, gated per step as steering is
+  (Reading, Steered): a step nobody reads projects nothing, and the spare columns
+  of live concepts are projected only once a request reads one.
 - A tap at a sparse autoencoder's layer (`--sae`) also encodes the (steered)
   residual with it (`SAEEncoder`: SAELens's math, features/encoder.py) and keeps
   each token's `top` largest feature activations and their ids, written into
@@ -61,6 +64,7 @@ __all__ = [
     "STEERING_KEY",
     "Capture",
     "LayerTap",
+    "Reading",
     "Steered",
     "decoder_stack",
     "feature_buffer",
@@ -92,6 +96,15 @@ class Capture:
     rows: ClassVar[torch.Tensor | None] = None  # the step's token rows to copy, ascending
     slots: ClassVar[frozenset[int]] = frozenset()  # the readout slots (layers) to copy them at
     taken: ClassVar[dict[int, torch.Tensor]] = {}  # readout slot -> [len(rows), hidden] float32
+
+
+class Reading:
+    """The readout columns some request of the next forward reads (0: none does), set by the worker
+    before it (readout_worker.py). On CPU a tap projects onto those columns only, and only then:
+    the spare columns of live concepts cost nothing until one is read, nor does a step nobody
+    reads."""
+
+    columns: ClassVar[int] = 0
 
 
 class Steered:
@@ -142,6 +155,19 @@ def readout_store(values: torch.Tensor, buffer: torch.Tensor, slot: int, state: 
     the worker asked for residual rows (Capture), `state`'s rows are copied out as well: an opaque
     op runs as Python at every step, so this costs one check when nothing is asked."""
     buffer[: values.shape[0], slot].copy_(values)
+    _capture(state, slot)
+
+
+def readout_project(state: torch.Tensor, matrix: torch.Tensor, buffer: torch.Tensor, slot: int) -> None:
+    """buffer[:rows, slot, :n] = state @ matrix[:, :n] with n the columns the step reads (Reading),
+    nothing when it reads none; then residual rows as readout_store copies them."""
+    columns = Reading.columns
+    if columns:
+        buffer[: state.shape[0], slot, :columns].copy_(state @ matrix[:, :columns])
+    _capture(state, slot)
+
+
+def _capture(state: torch.Tensor, slot: int) -> None:
     if Capture.rows is not None and slot in Capture.slots:
         Capture.taken[slot] = state.index_select(0, Capture.rows).cpu()
 
@@ -156,14 +182,15 @@ def _no_output(*args: Any) -> None:
 
 
 def _register_ops() -> Library:
-    """The two stores and the steering gate as `torch.ops.salience.*`, registered straight with the
-    dispatcher as vLLM registers its attention ops: `torch.library.custom_op`'s own Python wrapping
-    costs ~15 us more per call, and the compiled graph calls them at every tapped layer of every
-    step."""
+    """The stores, the gated projection and the steering gate as `torch.ops.salience.*`, registered
+    straight with the dispatcher as vLLM registers its attention ops: `torch.library.custom_op`'s
+    own Python wrapping costs ~15 us more per call, and the compiled graph calls them at every
+    tapped layer of every step."""
     from vllm.utils.torch_utils import direct_register_custom_op
 
     library = Library("salience", "FRAGMENT")
-    for op, mutated in ((readout_store, "buffer"), (feature_store, "buffer"), (steer, "hidden")):
+    ops = ((readout_store, "buffer"), (readout_project, "buffer"), (feature_store, "buffer"), (steer, "hidden"))
+    for op, mutated in ops:
         direct_register_custom_op(op.__name__, op, mutates_args=[mutated], fake_impl=_no_output, target_lib=library)
     return library
 
@@ -204,6 +231,7 @@ class LayerTap(nn.Module):
 
     def read_into(self, slot: int, matrix: torch.Tensor, buffer: torch.Tensor) -> None:
         self.readout_slot = slot
+        self.gated_read = matrix.device.type == "cpu"  # projecting through the gated op (Reading)
         self.register_buffer("matrix", matrix, persistent=False)  # [hidden, concepts] float32
         self.register_buffer("out", buffer, persistent=False)  # [rows, readout layers, concepts], shared
 
@@ -231,7 +259,9 @@ class LayerTap(nn.Module):
             state = state + delta
             hidden = (hidden.float() + delta).to(hidden.dtype)
             output = (hidden, *output[1:]) if isinstance(output, tuple) else hidden
-        if self.readout_slot is not None:
+        if self.readout_slot is not None and self.gated_read:
+            torch.ops.salience.readout_project(state, self.matrix, self.out, self.readout_slot)
+        elif self.readout_slot is not None:
             torch.ops.salience.readout_store(state @ self.matrix, self.out, self.readout_slot, state)
         for encoder in self.encoders:
             torch.ops.salience.feature_store(encoder(state), self.features, encoder.slot)
