@@ -102,7 +102,7 @@ async def test_taps_are_traced_into_the_compiled_graph(engine: Engine) -> None:
     assert graph["taps"] == len(TINY_LAYERS)
     if engine.compiled:
         assert graph["graphs"] >= 1 and graph["graph_breaks"] == {}
-        # Warmed up with 64 tokens, not the whole context (engine/warm_up.py): one graph serves
+        # Warmed up with 64 tokens, not the whole context (probes/warm_up.py): one graph serves
         # every size, so the longest prompt traces nothing new.
         assert graph["warm_up"] == 64
         long = [0, *[(7 * j) % 1900 + 3 for j in range(900)]]

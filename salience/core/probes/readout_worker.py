@@ -62,6 +62,7 @@ from salience.core.probes.taps import (
     readout_buffer,
     taps,
 )
+from salience.core.probes.warm_up import warmed_up_with
 
 TAG = "salience_readout"
 RESIDUAL_TAG = "salience_residual"
@@ -140,10 +141,8 @@ class ReadoutWorker:
     def salience_readout_graph(self) -> dict:
         """What the compiler made of the model: traced graphs and graph breaks (dynamo's own
         counters, this process), how many layer taps the model holds, and the tokens of the
-        compile warm-up (engine/warm_up.py; None: vLLM's own ran, or none)."""
+        compile warm-up (probes/warm_up.py; None: vLLM's own ran, or none)."""
         from torch._dynamo.utils import counters
-
-        from salience.core.engine.warm_up import warmed_up_with
 
         return {
             "taps": len(taps(self.model_runner.get_model())),
