@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, gen
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from salience.core.serving.observers import OBSERVERS, ServingObserver, SessionCounts
+from salience.core.serving.observers import OBSERVERS, ResidualCounts, ServingObserver, SessionCounts
 
 __all__ = [
     "AUTH_FAILURES",
@@ -103,6 +103,9 @@ class _Reporter(ServingObserver):
     def store_opened(self, store: SessionCounts) -> None:
         _SESSION_GAUGES.stores.add(store)
 
+    def budget_opened(self, budget: ResidualCounts) -> None:
+        _RESIDUAL_GAUGES.budgets.add(budget)
+
     def sessions_created(self) -> None:
         SESSIONS_CREATED.inc()
 
@@ -130,8 +133,35 @@ class _SessionGauges(Collector):
         yield GaugeMetricFamily("salience_session_tokens_stored", "Tokens held across all sessions")
 
 
+class _ResidualGauges(Collector):
+    """The residual-row budget of each serving engine, read when scraped."""
+
+    def __init__(self) -> None:
+        self.budgets: weakref.WeakSet[ResidualCounts] = weakref.WeakSet()
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        budgets = list(self.budgets)
+        for name, text, value in _RESIDUAL_METRICS:
+            yield GaugeMetricFamily(name, text, sum(value(b) for b in budgets))
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        for name, text, _ in _RESIDUAL_METRICS:
+            yield GaugeMetricFamily(name, text)
+
+
+_RESIDUAL_METRICS = (
+    (
+        "salience_residual_rows_budget",
+        "Residual rows all requests may hold at once (--residual-memory)",
+        lambda b: b.rows,
+    ),
+    ("salience_residual_rows_held", "Residual rows reserved by running requests", lambda b: b.held),
+    ("salience_residual_requests_waiting", "Requests queued for residual rows", lambda b: b.waiting),
+)
 _SESSION_GAUGES = _SessionGauges()
 REGISTRY.register(_SESSION_GAUGES)
+_RESIDUAL_GAUGES = _ResidualGauges()
+REGISTRY.register(_RESIDUAL_GAUGES)
 
 OBSERVERS.subscribe(_Reporter())
 

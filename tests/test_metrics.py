@@ -216,6 +216,11 @@ async def test_counters_move_by_exactly_what_the_clients_did(server: Frontends) 
     assert delta(before, after, "salience_sessions_evicted_total", reason="lru") == 1
     assert delta(before, after, "salience_sessions_evicted_total", reason="ttl") == 1
 
+    # The residual-row budget of the serving engine (--residual-memory: 512 MiB of 128-wide rows).
+    assert after[("salience_residual_rows_budget", frozenset())] >= 512 * 2**20 // (4 * 128)
+    assert after[("salience_residual_rows_held", frozenset())] == 0
+    assert after[("salience_residual_requests_waiting", frozenset())] == 0
+
     for frontend, failures in [("grpc", 1), ("lmtp_ws", 1), ("metrics", 2)]:
         assert delta(before, after, "salience_auth_failures_total", frontend=frontend) == failures
     assert delta(before, after, "salience_connections_dropped_total", frontend="lmtp_ws", cause="client_gone") == 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-__all__ = ["OBSERVERS", "ServingObserver", "SessionCounts"]
+__all__ = ["OBSERVERS", "ResidualCounts", "ServingObserver", "SessionCounts"]
 
 
 class SessionCounts(Protocol):
@@ -17,6 +17,16 @@ class SessionCounts(Protocol):
     def __len__(self) -> int: ...
 
     def stored_tokens(self) -> int: ...
+
+
+class ResidualCounts(Protocol):
+    """The residual-row budget (engine/row_budget.py) as observers see it."""
+
+    rows: int  # the budget
+    held: int  # rows granted to running requests
+
+    @property
+    def waiting(self) -> int: ...
 
 
 class ServingObserver:
@@ -30,6 +40,9 @@ class ServingObserver:
 
     def store_opened(self, store: SessionCounts) -> None:
         """A session store exists; it may be read (not changed) for as long as it lives."""
+
+    def budget_opened(self, budget: ResidualCounts) -> None:
+        """An engine's residual-row budget serves; it may be read (not changed) while it lives."""
 
     def sessions_created(self) -> None:
         """A session was opened or forked."""
@@ -58,6 +71,10 @@ class _Observers(ServingObserver):
     def store_opened(self, store: SessionCounts) -> None:
         for observer in self._subscribers:
             observer.store_opened(store)
+
+    def budget_opened(self, budget: ResidualCounts) -> None:
+        for observer in self._subscribers:
+            observer.budget_opened(budget)
 
     def sessions_created(self) -> None:
         for observer in self._subscribers:

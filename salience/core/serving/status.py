@@ -71,6 +71,7 @@ class ServerStatus:
 
     def ready(self, engine: Engine) -> None:
         self.engine = engine
+        OBSERVERS.budget_opened(engine.row_budget)
         self._set(Phase.READY)
 
     def serving_engine(self) -> Engine:
