@@ -202,7 +202,7 @@ class Generation:
         self._engine_finished = False  # vLLM sent the last output; its generator has yet to return
         outputs = guarded(llm.generate(submitted, params, request_id, priority=priority, data_parallel_rank=dp_rank))
         self._ticket = ticket
-        if ticket is not None:
+        if ticket is not None and not ticket.granted:  # queued: vLLM sees it once rows come back
             outputs = _admitted(ticket, outputs)
         if self._hub is not None:
             keys = []

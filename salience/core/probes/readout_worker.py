@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -195,15 +196,17 @@ class ReadoutWorker:
     def _ro_columns(self) -> int:
         """The readout columns this step's requests read: past the last one any of them reads
         (its ConceptView's columns), 0 if none reads (taps.Reading)."""
+        return max((max(extra[TAG][2], default=-1) + 1 for _, _, extra in self._ro_tagged(TAG)), default=0)
+
+    def _ro_tagged(self, tag: str) -> Iterator[tuple[int, str, dict]]:
+        """This step's requests tagged `tag`: batch index, vLLM request id, extra_args."""
         runner = self.model_runner
         batch = runner.input_batch
-        columns = 0
-        for request_id in batch.req_ids[: batch.num_reqs]:
+        for i, request_id in enumerate(batch.req_ids[: batch.num_reqs]):
             state = runner.requests.get(request_id)
             extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
-            if extra and TAG in extra:
-                columns = max(columns, max(extra[TAG][2], default=-1) + 1)
-        return columns
+            if extra and tag in extra:
+                yield i, request_id, extra
 
     def _ro_plan_capture(self) -> None:
         picks = [
@@ -237,15 +240,9 @@ class ReadoutWorker:
         batch = runner.input_batch
         n = batch.num_reqs
         out: list[tuple[str, dict, np.ndarray, np.ndarray]] = []
-        if n == 0:
-            return out
         starts = None
         positions = None
-        for i, request_id in enumerate(batch.req_ids[:n]):
-            state = runner.requests.get(request_id)
-            extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
-            if not extra or tag not in extra:
-                continue
+        for i, request_id, extra in self._ro_tagged(tag):
             if starts is None:
                 starts = runner.query_start_loc.cpu[: n + 1].tolist()
                 positions = runner.positions[: starts[n]].cpu().numpy()
