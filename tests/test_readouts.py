@@ -110,6 +110,30 @@ async def test_taps_are_traced_into_the_compiled_graph(engine: Engine) -> None:
         assert (await engine.readouts.graph())["graphs"] == graph["graphs"]
 
 
+async def test_a_second_start_loads_the_compiled_forward_without_tracing(
+    engine: Engine, tiny_model: Path, reference: Reference, concepts: ConceptSet
+) -> None:
+    """The first compiled start of these settings saved vLLM's AOT artifact; on CPU it now loads
+    (probes/compile_cache.py), so a second start traces nothing, and its tokens and readouts are
+    still the reference's."""
+    if not engine.compiled:
+        pytest.skip("an eager engine compiles nothing")
+    second = await start_engine(tiny_model, max_model_len=1024, concepts=concepts, compile=True)
+    try:
+        graph = await second.readouts.graph()
+        assert graph["aot"] == {"loaded": 1, "compiled": 0} and graph["taps"] == len(TINY_LAYERS)
+        prompt = PROMPTS[1]
+        options = SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True)
+        generation = second.generate(prompt, options, readout_ranges=[(0, 2000)])
+        events = [e async for e in generation]
+        ids = prompt + [e.token_id for e in events]
+        assert ids[len(prompt) :] == reference.greedy(prompt, 8)
+        readouts = {**generation.prompt_readouts, **{e.position: e.readout for e in events}}
+        assert_readouts_close(readouts, reference_readouts(reference, concepts, ids))
+    finally:
+        second.shutdown()
+
+
 async def test_the_last_token_is_read_out_however_the_generation_ends(
     engine: Engine, reference: Reference, concepts: ConceptSet
 ) -> None:

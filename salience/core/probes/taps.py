@@ -54,6 +54,7 @@ from torch import nn
 from torch.library import Library
 
 from salience.core.features.encoder import SAEEncoder
+from salience.core.probes.compile_cache import load_inductor_artifacts
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import Directions
 from salience.core.probes.warm_up import shorten_warm_up
@@ -388,6 +389,7 @@ def _register_loader() -> None:
 
         def load_model(self, vllm_config, model_config, prefix: str = "") -> nn.Module:
             if vllm_config.device_config.device_type == "cpu":
+                load_inductor_artifacts()
                 shorten_warm_up()
             model = super().load_model(vllm_config, model_config, prefix)
             config = vllm_config.additional_config or {}
