@@ -162,11 +162,23 @@ def readout_store(values: torch.Tensor, buffer: torch.Tensor, slot: int, state: 
 
 def readout_project(state: torch.Tensor, matrix: torch.Tensor, buffer: torch.Tensor, slot: int) -> None:
     """buffer[:rows, slot, :n] = state @ matrix[:, :n] with n the columns the step reads (Reading),
-    nothing when it reads none; then residual rows as readout_store copies them."""
+    nothing when it reads none; then residual rows as readout_store copies them. The product is
+    written straight into the buffer, through views kept from the last call of this shape: at every
+    tapped layer of every step, slicing and a copy cost more than the small product itself."""
     columns = Reading.columns
     if columns:
-        buffer[: state.shape[0], slot, :columns].copy_(state @ matrix[:, :columns])
+        key = (buffer.data_ptr(), matrix.data_ptr(), slot, state.shape[0], columns)
+        views = _views.get(key)
+        if views is None:
+            if len(_views) > _MAX_VIEWS:
+                _views.clear()
+            views = _views[key] = (matrix[:, :columns], buffer[: state.shape[0], slot, :columns])
+        torch.mm(state, views[0], out=views[1])
     _capture(state, slot)
+
+
+_views: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+_MAX_VIEWS = 4096  # batch sizes x column counts x layers seen; decode steps repeat a few
 
 
 def _capture(state: torch.Tensor, slot: int) -> None:
