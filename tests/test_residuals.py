@@ -18,6 +18,7 @@ from salience.core.engine.engine import Engine
 from salience.core.engine.generation import Generation
 from salience.core.engine.requests import FinishReason, ResidualRequest, SamplingOptions, TokenEvent
 from salience.core.engine.row_budget import RowBudget
+from salience.core.engine.rows import layer_names, residual_plan
 from salience.core.probes.concepts import ConceptSet
 from salience.errors import InvalidArgument
 from salience.lmtp.client import LmtpClient, LmtpStreamError
@@ -111,12 +112,23 @@ async def test_a_prefix_cache_hit_still_computes_the_rows(engine: Engine, tiny_r
     assert_rows({t.position: t.residual for t in scored}, tiny_reference, prompt, (2,))
 
 
+def test_a_refused_layer_names_the_read_layers_not_a_range_that_holds_it() -> None:
+    assert [layer_names(r) for r in ([0, 2, 3], list(range(30)), [0, 1], [5, 0, 1, 2, 7])] == [
+        "0, 2, 3",
+        "0..29",
+        "0, 1",
+        "0..2, 5, 7",
+    ]
+    with pytest.raises(InvalidArgument, match=r"layer 1 is not read; residual rows come from the read layers 0, 2, 3$"):
+        residual_plan(ResidualRequest(layers=(1,), ranges=((0, 4),)), 10, read=(0, 2, 3), hidden=128, limit=100)
+
+
 async def test_bad_residual_requests_are_refused_before_anything_runs(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prompt = PROMPTS[5]
     cases = [
-        (ResidualRequest(layers=(1,), ranges=((0, 4),)), "residual layer 1 is not read"),
+        (ResidualRequest(layers=(1,), ranges=((0, 4),)), r"residual layer 1 is not read; .* the read layers 0, 2, 3$"),
         (ResidualRequest(layers=(), ranges=((0, 4),)), "one or more distinct layers"),
         (ResidualRequest(layers=(2, 2), ranges=((0, 4),)), "one or more distinct layers"),
         (ResidualRequest(layers=(2,), ranges=()), "names no positions"),

@@ -25,7 +25,7 @@ from salience.errors import InvalidArgument
 if TYPE_CHECKING:
     from salience.core.probes.readouts import ReadoutHub
 
-__all__ = ["RowPlan", "feature_plan", "residual_plan", "watched_features"]
+__all__ = ["RowPlan", "feature_plan", "layer_names", "residual_plan", "watched_features"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,17 @@ class RowPlan:
         return dataclasses.replace(self, ranges=[[position, position + 1]])
 
 
+def layer_names(layers: Sequence[int]) -> str:
+    """The layers by name, a run of three or more as `first..last`: `0, 2, 3` or `0..29`."""
+    runs: list[list[int]] = []
+    for layer in sorted(layers):
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return ", ".join(f"{r[0]}..{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+
+
 def residual_plan(residual: ResidualRequest, end: int, *, read: Sequence[int], hidden: int, limit: int) -> RowPlan:
     """Residual rows checked against the read layers `read` and the rows one request may ask for
     (`limit`), with `end` the first position the request cannot reach."""
@@ -65,8 +76,7 @@ def residual_plan(residual: ResidualRequest, end: int, *, read: Sequence[int], h
     unknown = [layer for layer in layers if layer not in read]
     if unknown:
         raise InvalidArgument(
-            f"residual layer {unknown[0]!r} is not read; residual rows come from the read layers "
-            f"{read[0]}..{read[-1]} ({len(read)} of them)"
+            f"residual layer {unknown[0]!r} is not read; residual rows come from the read layers {layer_names(read)}"
         )
     ranges = _ranges("residual", residual.ranges)
     positions = sum(max(0, min(e, end) - s) for s, e in merge_ranges([(s, e) for s, e in ranges]))
