@@ -3,6 +3,7 @@ resume after an interruption, and the same rows from a running server over gRPC.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from collections.abc import AsyncIterator
@@ -14,6 +15,7 @@ import pytest_asyncio
 import torch
 from safetensors.numpy import load_file
 
+from salience.capture.commands import add_capture_parsers, start_source
 from salience.capture.run import CaptureOptions, capture, parse_layers
 from salience.capture.sources import EngineSource, GrpcSource
 from salience.errors import InvalidArgument
@@ -32,10 +34,18 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest_asyncio.fixture(scope="module")
-async def source(tiny_model: Path) -> AsyncIterator[EngineSource]:
-    source = await EngineSource.start(tiny_model, LAYERS, max_model_len=512, compile=False)
+async def source(tiny_model: Path, corpus: Path) -> AsyncIterator[EngineSource]:
+    """Started as `salience capture --model DIR --eager` starts it: with the model's own context."""
+    parser = argparse.ArgumentParser()
+    add_capture_parsers(parser.add_subparsers())
+    argv = ["capture", str(corpus), "--layers", "1,3", "-o", "out", "--model", str(tiny_model), "--eager"]
+    source = await start_source(parser.parse_args(argv), tiny_model, LAYERS)
     yield source
     await source.close()
+
+
+async def test_an_in_process_capture_takes_the_models_own_context(source: EngineSource) -> None:
+    assert source.max_model_len == 2048  # the tiny model's max_position_embeddings
 
 
 def options(**changes) -> CaptureOptions:

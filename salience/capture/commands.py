@@ -16,8 +16,17 @@ from salience.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from salience.capture.feature_tops import FeatureHit, FeatureReport
+    from salience.capture.sources import Source
 
-__all__ = ["add_capture_parsers", "format_hit", "format_table", "hit_json", "run_capture", "run_features"]
+__all__ = [
+    "add_capture_parsers",
+    "format_hit",
+    "format_table",
+    "hit_json",
+    "run_capture",
+    "run_features",
+    "start_source",
+]
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -37,7 +46,9 @@ def add_capture_parsers(commands: argparse._SubParsersAction) -> None:
     capture.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     capture.add_argument("--shard-tokens", type=int, default=65536)
     capture.add_argument("--batch", type=int, default=16, help="documents at a time")
-    capture.add_argument("--max-model-len", type=int, default=4096)
+    capture.add_argument(
+        "--max-model-len", type=int, help="the engine's context in tokens (default: the model's own); in-process only"
+    )
     capture.add_argument("--eager", dest="compile", action="store_false", help="no compiled graph (starts sooner)")
 
     features = commands.add_parser("features", help="inspect sparse-autoencoder features").add_subparsers(
@@ -55,7 +66,6 @@ def add_capture_parsers(commands: argparse._SubParsersAction) -> None:
 
 async def run_capture(args: argparse.Namespace) -> int:
     from salience.capture.run import CaptureOptions, capture, parse_layers
-    from salience.capture.sources import EngineSource, GrpcSource
     from salience.core.models.default_model import ensure_default_model
     from salience.core.models.folders import inspect_model_folder
 
@@ -68,10 +78,7 @@ async def run_capture(args: argparse.Namespace) -> int:
         batch=args.batch,
     )
     model = inspect_model_folder(args.model or ensure_default_model()).path
-    if args.server:
-        source = await GrpcSource.connect(args.server, args.token, model)
-    else:
-        source = await EngineSource.start(model, options.layers, args.max_model_len, compile=args.compile)
+    source = await start_source(args, model, options.layers)
     try:
         writer = await capture(args.corpus, args.output, source, model.name, options)
     finally:
@@ -79,6 +86,16 @@ async def run_capture(args: argparse.Namespace) -> int:
     shards = len(writer.shards)
     print(f"{writer.tokens_done} tokens of {writer.documents_done} documents in {shards} shards: {args.output}")
     return 0
+
+
+async def start_source(args: argparse.Namespace, model: Path, layers: Sequence[int]) -> Source:
+    """A running server's rows over gRPC (`--server`), or an engine started here: with the model's
+    own context unless `--max-model-len` asks for less (a fixed default fails on a shorter model)."""
+    from salience.capture.sources import EngineSource, GrpcSource
+
+    if args.server:
+        return await GrpcSource.connect(args.server, args.token, model)
+    return await EngineSource.start(model, layers, args.max_model_len, compile=args.compile)
 
 
 def run_features(args: argparse.Namespace) -> int:
