@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from salience.core.engine import launch
 from salience.core.engine.engine import Engine
 from salience.core.engine.settings import EngineSettings
+from salience.core.engine.settings_checks import check_executor
 from salience.core.probes.concepts import ConceptSet
 from salience.errors import ModelError
 from tests import test_pipeline_parallel as pp
@@ -90,4 +90,4 @@ def test_ray_without_ray_installed_is_refused(tiny_model: Path, monkeypatch: pyt
         model=tiny_model, served_model_name="tiny", pipeline_parallel_size=2, distributed_executor_backend="ray"
     )
     with pytest.raises(ModelError, match=r'the Ray executor needs Ray: pip install "salience\[ray\]"'):
-        launch.check_executor(settings)
+        check_executor(settings)

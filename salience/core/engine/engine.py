@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from salience.core.engine import launch
+from salience.core.engine import launch, settings_checks
 from salience.core.engine.checks import RequestChecks
 from salience.core.engine.feature_steering import resolve_features
 from salience.core.engine.generation import Generation
@@ -99,8 +99,7 @@ class Engine(Passes):
         """Load the model and warm it up; only then is the engine ready to serve."""
         started = time.monotonic()
         cpu = launch.is_cpu()
-        launch.check_executor(settings)
-        launch.check_saes(settings)
+        settings_checks.check(settings)
         env = launch.process_environment(settings, cpu)
         vision = await asyncio.to_thread(Vision.load, settings.model)
         compiled = launch.compiled(settings)

