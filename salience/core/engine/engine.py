@@ -36,6 +36,7 @@ from salience.core.engine.prompts import PlacedImage, submission
 from salience.core.engine.requests import FeatureRequest, ResidualRequest, SamplingOptions
 from salience.core.engine.row_budget import RowBudget
 from salience.core.engine.rows import RowPlan, feature_plan, watched_features
+from salience.core.engine.served_saes import served_saes
 from salience.core.engine.settings import EngineSettings
 from salience.core.features.served import ServedSAE
 from salience.core.probes.calibration import Calibration, Monitor, MonitorState
@@ -125,7 +126,7 @@ class Engine(Passes):
             engine.readouts, engine.steering, engine.live = await install_probes(
                 llm, settings, cpu, compiled, engine._rpc
             )
-            engine.saes = launch.served_saes(settings)
+            engine.saes = served_saes(settings)
             await engine._warm_up()
         except BaseException:
             engine.shutdown()

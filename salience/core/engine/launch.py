@@ -10,12 +10,11 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING
 
 from salience.core.engine.images import Vision
 from salience.core.engine.model_config import text_config
+from salience.core.engine.served_saes import sae_top
 from salience.core.engine.settings import EngineSettings
-from salience.core.features.served import ServedSAE
 from salience.core.models.atomic import build_folder_once
 from salience.core.models.home import salience_home
 from salience.core.probes.concepts import ConceptSet
@@ -30,16 +29,11 @@ __all__ = [
     "is_cpu",
     "process_environment",
     "progress",
-    "sae_top",
-    "served_saes",
     "spare_columns",
     "split_cores",
     "steers",
     "tap_config",
 ]
-
-if TYPE_CHECKING:
-    from salience.core.features.sae import SparseAutoencoder
 
 log = logging.getLogger(__name__)
 
@@ -210,15 +204,6 @@ def tap_config(settings: EngineSettings) -> dict:
             ]
         }
     return config
-
-
-def sae_top(sae: SparseAutoencoder, settings: EngineSettings) -> int:
-    """Features per token the graph keeps of `sae`: `--sae-top`, no more than a top-k SAE's k."""
-    return min(settings.sae_top, sae.k or sae.d_sae, sae.d_sae)
-
-
-def served_saes(settings: EngineSettings) -> list[ServedSAE]:
-    return [ServedSAE(sae, slot, sae_top(sae, settings)) for slot, sae in enumerate(settings.saes)]
 
 
 def spare_columns(settings: EngineSettings) -> int:
