@@ -15,6 +15,7 @@ from salience.core.engine.images import Vision
 from salience.core.engine.model_config import text_config
 from salience.core.engine.served_saes import sae_top
 from salience.core.engine.settings import EngineSettings
+from salience.core.engine.transport import readouts_with_output
 from salience.core.models.atomic import build_folder_once
 from salience.core.models.home import salience_home
 from salience.core.probes.concepts import ConceptSet
@@ -166,14 +167,6 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
     if cpu and not kwargs.get("enable_chunked_prefill"):
         kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens") or 0, model_max_len(settings))
     return AsyncEngineArgs(**kwargs)
-
-
-def readouts_with_output(settings: EngineSettings, cpu: bool) -> bool:
-    """Whether readout rows ride on each step's output (probes/readouts.py). That needs one
-    filing worker whose output vLLM returns (one pipeline stage) and a step whose output is
-    ready when the step returns: on CPU vLLM never schedules asynchronously. Elsewhere they are
-    fetched between steps."""
-    return settings.concepts is not None and cpu and settings.pipeline_parallel_size == 1
 
 
 def tap_config(settings: EngineSettings) -> dict:

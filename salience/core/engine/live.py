@@ -19,6 +19,7 @@ import torch
 
 from salience.core.engine import launch
 from salience.core.engine.settings import EngineSettings
+from salience.core.engine.transport import readouts_with_output
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.live import ConceptTable, ConceptView, LiveConcept, VectorColumns, check_vectors
 from salience.core.probes.readouts import ReadoutHub
@@ -174,7 +175,7 @@ async def install_probes(
             llm,
             settings.concepts,
             settings.data_parallel_size,
-            launch.readouts_with_output(settings, cpu),
+            readouts_with_output(settings, cpu),
             launch.spare_columns(settings),
         )
         log.info(
