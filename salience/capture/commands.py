@@ -1,6 +1,6 @@
 """The command line's faces of a capture: `salience capture` writes one, and `salience features top
 ID` reads one through an SAE to show what a feature means (the tokens it fires most on). Kept out
-of cli.py, which only registers these parsers and dispatches here."""
+of salience.cli, which only registers these parsers and dispatches here."""
 
 from __future__ import annotations
 
