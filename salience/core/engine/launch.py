@@ -13,13 +13,10 @@ from collections.abc import AsyncIterator, Iterator
 
 from salience.core.engine.images import Vision
 from salience.core.engine.model_config import text_config
-from salience.core.engine.served_saes import sae_top
 from salience.core.engine.settings import EngineSettings
+from salience.core.engine.tap_config import tap_config
 from salience.core.engine.transport import readouts_with_output
-from salience.core.models.atomic import build_folder_once
-from salience.core.models.home import salience_home
-from salience.core.probes.concepts import ConceptSet
-from salience.core.probes.taps import CONFIG_KEY, FEATURES_KEY, LOAD_FORMAT, STEERING_KEY, file_digest
+from salience.core.probes.taps import LOAD_FORMAT
 from salience.errors import ModelError
 
 __all__ = [
@@ -30,10 +27,7 @@ __all__ = [
     "is_cpu",
     "process_environment",
     "progress",
-    "spare_columns",
     "split_cores",
-    "steers",
-    "tap_config",
 ]
 
 log = logging.getLogger(__name__)
@@ -167,55 +161,6 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
     if cpu and not kwargs.get("enable_chunked_prefill"):
         kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens") or 0, model_max_len(settings))
     return AsyncEngineArgs(**kwargs)
-
-
-def tap_config(settings: EngineSettings) -> dict:
-    """The `additional_config` that tells Salience's loader which taps to put into the model
-    (probes/taps.py): readouts with a concept set (and spare columns for live concepts), steering
-    along its vectors, the steering set's and requests' own unless steering is off.
-
-    The taps load the vectors from content-addressed copies of the sets; their digests in
-    `additional_config` key vLLM's compile cache, so other sets never reuse a graph compiled
-    for these.
-    """
-    concepts, steering_set = settings.concepts, settings.steering_set
-    spare = spare_columns(settings)
-    config: dict = {}
-    if concepts is not None:
-        config[CONFIG_KEY] = {**_stored(concepts), "layers": list(concepts.layers), "spare": spare}
-    if steers(settings):
-        config[STEERING_KEY] = {
-            "version": 2,
-            "steering": _stored(steering_set) if steering_set is not None else None,
-            "spare": spare,
-            "vectors": settings.steer_vectors,
-        }
-    if settings.saes:
-        config[FEATURES_KEY] = {
-            "saes": [
-                {"path": str(sae.folder), "sha256": sae.sha256, "top": sae_top(sae, settings)} for sae in settings.saes
-            ]
-        }
-    return config
-
-
-def spare_columns(settings: EngineSettings) -> int:
-    """Columns for live concepts: they need readouts (a concept set)."""
-    return settings.spare_concepts if settings.concepts is not None else 0
-
-
-def steers(settings: EngineSettings) -> bool:
-    return settings.steering and (settings.concepts is not None or settings.steering_set is not None)
-
-
-def _stored(concept_set: ConceptSet) -> dict:
-    """A content-addressed copy of the set under $SALIENCE_HOME: its path and file digest."""
-    digest = concept_set.digest()
-    folder = build_folder_once(
-        salience_home() / "concept-sets" / digest[:24], lambda out: concept_set.save(out / "concepts.safetensors")
-    )
-    path = folder / "concepts.safetensors"
-    return {"path": str(path), "sha256": file_digest(path)}
 
 
 @contextlib.contextmanager

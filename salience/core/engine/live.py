@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from salience.core.engine import launch
 from salience.core.engine.settings import EngineSettings
+from salience.core.engine.tap_config import spare_columns, steers
 from salience.core.engine.transport import readouts_with_output
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.live import ConceptTable, ConceptView, LiveConcept, VectorColumns, check_vectors
@@ -176,7 +176,7 @@ async def install_probes(
             settings.concepts,
             settings.data_parallel_size,
             readouts_with_output(settings, cpu),
-            launch.spare_columns(settings),
+            spare_columns(settings),
         )
         log.info(
             "readouts on",
@@ -186,11 +186,11 @@ async def install_probes(
                 "transport": "step output" if readouts.with_output else "fetched",
             },
         )
-    if launch.steers(settings):
+    if steers(settings):
         directions = Directions(
             settings.concepts,
             settings.steering_set,
-            spare=launch.spare_columns(settings),
+            spare=spare_columns(settings),
             vectors=settings.steer_vectors,
         )
         steering = await _install_steering(llm, directions)
