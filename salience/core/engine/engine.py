@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from salience.core.engine import launch, settings_checks
+from salience.core.engine import launch, settings_checks, vllm_args
 from salience.core.engine.checks import RequestChecks
 from salience.core.engine.feature_steering import resolve_features
 from salience.core.engine.generation import Generation
@@ -103,8 +103,8 @@ class Engine(Passes):
         settings_checks.check(settings)
         env = launch.process_environment(settings, cpu)
         vision = await asyncio.to_thread(Vision.load, settings.model)
-        compiled = launch.compiled(settings)
-        args = launch.engine_args(settings, cpu, vision, compiled)
+        compiled = vllm_args.compiled(settings)
+        args = vllm_args.engine_args(settings, cpu, vision, compiled)
 
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.loggers import PrometheusStatLogger
