@@ -17,21 +17,20 @@ VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR): what a first start compiles. The m
 conversion and the concept set are built once per SALIENCE_HOME and are not in either time.
 
     .venv/bin/python -m tools.bench_startup [--repeats 3] [--configs default,fastest,eager,traced] [--cold]
+        [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
-from tools.bench_lmql import free_port, health_ok, listening
+if not __package__:  # run as `python tools/bench_startup.py`: the checkout is not on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.harness import Report, Server, arguments, fresh_caches, rotations, salience_serve, say, serve
 
 CONFIGS = {  # key: (description, flags, environment)
     "default": ("default: compiled, readouts + steering", [], {}),
@@ -41,94 +40,61 @@ CONFIGS = {  # key: (description, flags, environment)
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     key: str
     name: str
     flags: list[str]
     env: dict[str, str]
-    listening: list[float] = field(default_factory=list)
-    ready: list[float] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Start:
-    listening: float
-    ready: float
-
-
-def start_once(config: Config, env: dict[str, str], timeout: float = 1800) -> Start:
-    """Start the server, time it to listening and to ready, then stop it (SIGTERM, waited for)."""
-    port = free_port()
-    command = [sys.executable, "-m", "salience", "serve", "--lmtp-port", str(port), "--no-grpc", *config.flags]
-    with tempfile.NamedTemporaryFile("w", prefix=f"bench_startup-{config.key}-", suffix=".log", delete=False) as log:
-        began = time.monotonic()
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ | env)
-    heard = None
-    last = began
-    try:
-        while True:
-            now = time.monotonic()
-            if process.poll() is not None:
-                raise RuntimeError(f"{config.key}: the server exited with {process.returncode} (log: {log.name})")
-            if now - began > timeout:
-                raise TimeoutError(f"{config.key}: not ready after {timeout:.0f} s (log: {log.name})")
-            if heard is None and listening(port):
-                heard = now - began
-            if heard is not None and health_ok(port):
-                ready = time.monotonic() - began
-                break
-            if now - last > 30:
-                last = now
-                print(f"    {config.key}: starting, {now - began:.0f} s so far", file=sys.stderr)
-            time.sleep(0.05)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=120)
-    os.unlink(log.name)
-    return Start(heard, ready)
+def start_once(config: Config, env: dict[str, str]) -> Server:
+    """Start the server, time it to listening and to ready (polled every 50 ms), then stop it."""
+    with serve(config.key, salience_serve(*config.flags), env=env, poll=0.05, quiet=True) as server:
+        return server
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = arguments(__doc__)
     parser.add_argument("--configs", default="default,fastest,eager,traced")
     parser.add_argument("--cold", action="store_true", help="first start each with empty compile caches")
     args = parser.parse_args()
     keys = args.configs.split(",")
-    unknown = [key for key in keys if key not in CONFIGS]
-    if unknown:
+    if unknown := [key for key in keys if key not in CONFIGS]:
         parser.error(f"unknown configurations {unknown}; known: {list(CONFIGS)}")
     configs = [Config(key, *CONFIGS[key]) for key in keys]
+    report = Report("bench_startup", args)
+    samples = report.samples
 
-    cold: dict[str, Start] = {}
+    cold: dict[str, float] = {}
     if args.cold:
         for config in configs:
             with tempfile.TemporaryDirectory(prefix="bench_startup-cache-") as cache:
-                fresh = {"VLLM_CACHE_ROOT": f"{cache}/vllm", "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor"}
-                cold[config.key] = start_once(config, config.env | fresh)
-            print(f"  {config.key}: first start {cold[config.key].ready:.1f} s", file=sys.stderr)
+                cold[config.key] = start_once(config, config.env | fresh_caches(cache)).ready
+            samples.series[f"{config.key} first start"] = [cold[config.key]]
+            say(f"  {config.key}: first start {cold[config.key]:.1f} s")
     # One untimed start each: it fills the compile caches when --cold did not.
     for config in configs:
         start_once(config, config.env)
-    for round_ in range(args.repeats):
-        shift = round_ % len(configs)
-        for config in configs[shift:] + configs[:shift]:
-            timed = start_once(config, config.env)
-            config.listening.append(timed.listening)
-            config.ready.append(timed.ready)
-            print(f"  round {round_ + 1}: {config.key} ready in {timed.ready:.1f} s", file=sys.stderr)
+    for _, config in rotations(configs, args.repeats):
+        timed = start_once(config, config.env)
+        samples.add(
+            f"{config.key} listening in {timed.listening:.1f} s, ready in {timed.ready:.1f} s",
+            {f"{config.key} listening": timed.listening, f"{config.key} ready": timed.ready},
+        )
 
-    base = statistics.median(configs[0].ready)
-    print(f"\nwarm starts, median of {args.repeats} (listening: the port accepts; ready: /health 200)\n")
-    first = " first start |" if cold else ""
-    print(f"| configuration | listening | ready | runs | ready / {configs[0].key} |{first}")
-    print("|---|---:|---:|---|---:|" + ("---:|" if cold else ""))
+    columns = [("configuration", ""), ("listening s", "{:.1f}"), ("ready s", "{:.1f}"), ("runs", "")]
+    columns += [(f"ready / {keys[0]}", "{:.2f}")] + ([("first start s", "{:.0f}")] if cold else [])
+    table = report.table(
+        f"warm starts, median of {args.repeats} (listening: the port accepts; ready: /health 200)", *columns
+    )
+    base = samples.median(f"{keys[0]} ready")
     for config in configs:
-        ready, heard = statistics.median(config.ready), statistics.median(config.listening)
-        runs = ", ".join(f"{r:.1f}" for r in config.ready)
-        row = f"| {config.name} | {heard:.1f} s | {ready:.1f} s | {runs} | {ready / base:.2f} |"
-        print(row + (f" {cold[config.key].ready:.0f} s |" if cold else ""))
+        ready = samples.median(f"{config.key} ready")
+        runs = ", ".join(f"{r:.1f}" for r in samples.series[f"{config.key} ready"])
+        first = [cold[config.key]] if cold else []
+        table.add(config.name, samples.median(f"{config.key} listening"), ready, runs, ready / base, *first)
+    report.emit()
 
 
 if __name__ == "__main__":
