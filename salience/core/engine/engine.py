@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from salience.core.engine import launch, settings_checks, vllm_args
+from salience.core.engine import environment, launch, settings_checks, vllm_args
 from salience.core.engine.checks import RequestChecks
 from salience.core.engine.feature_steering import resolve_features
 from salience.core.engine.generation import Generation
@@ -99,25 +99,13 @@ class Engine(Passes):
     async def start(cls, settings: EngineSettings) -> Engine:
         """Load the model and warm it up; only then is the engine ready to serve."""
         started = time.monotonic()
-        cpu = launch.is_cpu()
+        cpu = environment.is_cpu()
         settings_checks.check(settings)
-        env = launch.process_environment(settings, cpu)
+        env = environment.process_environment(settings, cpu)
         vision = await asyncio.to_thread(Vision.load, settings.model)
         compiled = vllm_args.compiled(settings)
         args = vllm_args.engine_args(settings, cpu, vision, compiled)
-
-        from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.metrics.loggers import PrometheusStatLogger
-
-        what = "loading and compiling the model (a first start compiles; later ones reuse the cache)"
-        # vLLM's processes read these at start; scoped so the next engine starts clean.
-        with launch.environment(env):
-            # Loading takes tens of seconds, compiling minutes: keep the event loop free (health
-            # checks). The engine core sends its stats back with its outputs, so the Prometheus
-            # logger lives in this process (registering into prometheus_client's default
-            # registry) whichever process layout runs the worker.
-            async with launch.progress(what if compiled else "loading the model"):
-                llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[PrometheusStatLogger])
+        llm = await launch.start_vllm(args, env, compiled)
         engine = cls(llm, settings, vision)
         engine.compiled = compiled
         try:

@@ -1,31 +1,45 @@
-"""Starting vLLM: its engine arguments, the environment its processes read, and the
-choice between compiled and eager readouts."""
+"""Launching vLLM: its AsyncLLM started from the engine arguments (vllm_args.py) in the process
+environment they need (environment.py), logging progress while it loads: a first compile takes
+minutes, and a silent start looks hung."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
-from salience.core.engine.settings import EngineSettings
-from salience.errors import ModelError
+from salience.core.engine import environment
 
-__all__ = [
-    "environment",
-    "is_cpu",
-    "process_environment",
-    "progress",
-    "split_cores",
-]
+if TYPE_CHECKING:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+__all__ = ["start_vllm"]
 
 log = logging.getLogger(__name__)
 
 
+async def start_vllm(args: AsyncEngineArgs, env: dict[str, str], compiled: bool) -> AsyncLLM:
+    """vLLM's engine for `args`, started with `env` set (`compiled`: what the progress lines say)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    what = "loading and compiling the model (a first start compiles; later ones reuse the cache)"
+    # vLLM's processes read these at start; scoped so the next engine starts clean.
+    with environment.scoped(env):
+        # Loading takes tens of seconds, compiling minutes: keep the event loop free (health
+        # checks). The engine core sends its stats back with its outputs, so the Prometheus
+        # logger lives in this process (registering into prometheus_client's default
+        # registry) whichever process layout runs the worker.
+        async with _progress(what if compiled else "loading the model"):
+            return await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[PrometheusStatLogger])
+
+
 @contextlib.asynccontextmanager
-async def progress(what: str, every: float = 15.0) -> AsyncIterator[None]:
+async def _progress(what: str, every: float = 15.0) -> AsyncIterator[None]:
     """Log a line every `every` seconds while the body runs: a first compile takes minutes."""
     started = time.monotonic()
 
@@ -39,52 +53,3 @@ async def progress(what: str, every: float = 15.0) -> AsyncIterator[None]:
         yield
     finally:
         ticker.cancel()
-
-
-def process_environment(settings: EngineSettings, cpu: bool) -> dict[str, str]:
-    """What vLLM's processes read from the environment at start, for these settings."""
-    multiprocess = settings.multiprocess if settings.multiprocess is not None else not cpu
-    multiprocess = multiprocess or settings.data_parallel_size > 1  # DP engines are processes
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
-    if settings.ray_address is not None:
-        env["RAY_ADDRESS"] = settings.ray_address  # vLLM's ray.init() joins the cluster it names
-    if cpu:
-        env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
-        ranks = settings.tensor_parallel_size * settings.pipeline_parallel_size * settings.data_parallel_size
-        on_ray = settings.distributed_executor_backend == "ray"  # workers on Ray nodes: not bound
-        if ranks > 1 and not on_ray and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            # vllm-cpu binds each rank (DP x PP x TP on this node) to a NUMA node; on one node
-            # it refuses to start unless told which cores each rank gets.
-            env["VLLM_CPU_OMP_THREADS_BIND"] = split_cores(ranks)
-            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-    return env
-
-
-def is_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
-@contextlib.contextmanager
-def environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def split_cores(ranks: int) -> str:
-    """The allowed cores in `ranks` contiguous groups, in VLLM_CPU_OMP_THREADS_BIND's syntax ("0|1")."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < ranks:
-        raise ModelError(f"{ranks} ranks (tensor x pipeline parallel) need {ranks} cores; {len(cores)} are available")
-    size = len(cores) // ranks
-    groups = [cores[i * size : (i + 1) * size] for i in range(ranks)]
-    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
