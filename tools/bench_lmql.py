@@ -13,49 +13,27 @@ outputs out) and of the server's child processes (Salience's vLLM engine core: s
 model). Wall time that none of them spent on a CPU is waiting: the wire, and each side
 waiting for the other.
 
-    .venv/bin/python -m tools.bench_lmql [--repeats 3]
+    .venv/bin/python -m tools.bench_lmql [--repeats 3] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import socket
-import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
+if not __package__:  # run as `python tools/bench_lmql.py`: the checkout is not on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from tools.harness import Report, Server, arguments, listens, rotations, salience_serve, say, serve
 from tools.lmql_env import client_python
 
 SUITE = Path(__file__).with_name("lmql_suite.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launched(stack: ExitStack, name: str, command: list[str], ready, timeout: float = 1800) -> int:
-    """Start a server, stop it when `stack` closes, and wait until `ready()` holds."""
-    log = stack.enter_context(open(Path("/tmp") / f"bench_lmql-{name.split()[0]}.log", "w"))  # noqa: SIM115
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    stack.callback(lambda: (process.terminate(), process.wait(timeout=120)))
-    started = time.monotonic()
-    while not ready():
-        if process.poll() is not None:
-            raise RuntimeError(f"{name} exited with {process.returncode} (log: {log.name})")
-        if time.monotonic() - started > timeout:
-            raise TimeoutError(f"{name}: not ready after {timeout:.0f} s")
-        time.sleep(1)
-    print(f"  {name}: ready in {time.monotonic() - started:.0f} s", file=sys.stderr)
-    return process.pid
+SPENT = ("client cpu", "server cpu", "engine cpu", "wall")  # per server and run: where the time went
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
@@ -83,89 +61,79 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return used.get(pid, 0.0), sum(seconds for p, seconds in used.items() if descends(p))
 
 
-def health_ok(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+def suite(python: Path, model: Path, server: Server, served: str) -> dict:
+    """One run of the suite in LMQL's environment against `server`: its JSON line."""
+    command = [str(python), str(SUITE), server.address, served, str(model)]
+    run = subprocess.run(command, capture_output=True, text=True, check=False)
+    if run.returncode != 0:
+        raise RuntimeError(f"the suite failed against {server.name}:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-
-    print("the LMQL environment (built once) and the default model", file=sys.stderr)
+    args = arguments(__doc__).parse_args()
+    report = Report("bench_lmql", args)
+    samples = report.samples
+    say("the LMQL environment (built once) and the default model")
     python = client_python()
     model = ensure_default_model()
-    ours, theirs = free_port(), free_port()
-    servers = {
-        "salience": (f"127.0.0.1:{ours}", DEFAULT_MODEL_NAME),
-        "lmql serve-model": (f"127.0.0.1:{theirs}", str(model)),
-    }
-    times: dict[str, dict[str, list[float]]] = {name: {} for name in servers}
-    # Per server and run: client CPU, the server process's CPU, its children's CPU, wall.
-    spent: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in servers}
-    pids: dict[str, int] = {}
     answers: dict[str, set[str]] = {}
+    queries: list[str] = []
     with ExitStack() as stack:
-        print("starting both servers", file=sys.stderr)
-        serve = [sys.executable, "-m", "salience", "serve", "--lmtp-port", str(ours), "--no-grpc"]
-        pids["salience"] = launched(stack, "salience", serve, lambda: health_ok(ours))
+        say("starting both servers")
+        ours = stack.enter_context(serve("salience", salience_serve()))
         # `lmql serve-model`, by the interpreter: the environment was built elsewhere and moved
-        # into place, so its console scripts name the wrong Python.
-        lmql = [str(python), "-m", "lmql.cli", "serve-model", str(model), "--port", str(theirs), "--static"]
-        pids["lmql serve-model"] = launched(stack, "lmql serve-model", lmql, lambda: listening(theirs))
+        # into place, so its console scripts name the wrong Python. It answers once it listens.
+        lmql = [str(python), "-m", "lmql.cli", "serve-model", str(model), "--port", "{port}", "--static"]
+        theirs = stack.enter_context(serve("lmql serve-model", lmql, probe=listens))
+        servers = {"salience": (ours, DEFAULT_MODEL_NAME), "lmql serve-model": (theirs, str(model))}
+        for server, served in servers.values():  # LMQL's server loads its model on the first request: not timed
+            suite(python, model, server, served)
+        for _, name in rotations(list(servers), args.repeats):
+            server, served = servers[name]
+            own, children = cpu_seconds(server.process.pid)
+            run = suite(python, model, server, served)
+            own_after, children_after = cpu_seconds(server.process.pid)
+            results = run["queries"]
+            queries = list(results)
+            wall = sum(seconds for _, seconds in results.values())
+            spent = (run["cpu_seconds"], own_after - own, children_after - children, wall)
+            values = {f"{name} {query}": seconds for query, (_, seconds) in results.items()}
+            samples.add(
+                f"{name:17} {wall:6.2f} s", values | {f"{name} {kind}": v for kind, v in zip(SPENT, spent, strict=True)}
+            )
+            for query, (answer, _) in results.items():
+                answers.setdefault(query, set()).add(json.dumps(answer))
 
-        def suite(name: str) -> dict[str, list]:
-            endpoint, served = servers[name]
-            command = [str(python), str(SUITE), endpoint, served, str(model)]
-            run = subprocess.run(command, capture_output=True, text=True, check=False)
-            if run.returncode != 0:
-                raise RuntimeError(f"the suite failed against {name}:\n{run.stderr[-3000:]}")
-            return json.loads(run.stdout.strip().splitlines()[-1])
-
-        names = list(servers)
-        for name in names:  # LMQL's server loads its model on the first request: not timed
-            suite(name)
-        for repeat in range(args.repeats):
-            for name in names[repeat % 2 :] + names[: repeat % 2]:
-                own, children = cpu_seconds(pids[name])
-                run = suite(name)
-                own_after, children_after = cpu_seconds(pids[name])
-                results = run["queries"]
-                wall = sum(seconds for _, seconds in results.values())
-                spent[name].append((run["cpu_seconds"], own_after - own, children_after - children, wall))
-                for query, (answer, seconds) in results.items():
-                    times[name].setdefault(query, []).append(seconds)
-                    answers.setdefault(query, set()).add(json.dumps(answer))
-                print(f"  run {repeat + 1} {name:17} {wall:6.2f} s", file=sys.stderr)
-
-    print(f"\n{DEFAULT_MODEL_NAME}, the LMQL suite one query after another, median of {args.repeats}\n")
-    print("| query | salience s | lmql serve-model s | speed-up | same answer | answer |\n|---|---:|---:|---:|---|---|")
-    for query in times["salience"]:
-        a, b = (statistics.median(times[name][query]) for name in servers)
-        same = "yes" if len(answers[query]) == 1 else "NO"
-        shown = " / ".join(sorted(answers[query]))[:60].replace("|", "\\|").replace("\n", "\\n")
-        print(f"| {query} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {same} | {shown} |")
-    ta, tb = (sum(statistics.median(v) for v in times[name].values()) for name in servers)
-    every = all(len(v) == 1 for v in answers.values())
-    print(f"| **all 8** | **{ta:.2f}** | **{tb:.2f}** | **{tb / ta:.2f}x** | {'yes' if every else 'NO'} | |")
-    print(
-        "\nWhere a suite run's time goes (medians; wall: the eight queries; CPU seconds of each process while"
-        " they ran)\n\n| server | wall s | LMQL client | server process | engine processes |"
-        " waiting (wall - all CPU) |\n|---|---:|---:|---:|---:|---:|"
+    names = list(servers)
+    table = report.table(
+        f"{DEFAULT_MODEL_NAME}, the LMQL suite one query after another, median of {args.repeats}",
+        ("query", ""),
+        *((f"{name} s", "{:.2f}") for name in names),
+        ("speed-up", "{:.2f}x"),
+        ("same answer", ""),
+        ("answer", ""),
     )
-    for name in servers:
-        client, own, children, wall = (statistics.median(column) for column in zip(*spent[name], strict=True))
-        waiting = max(0.0, wall - client - own - children)
-        print(f"| {name} | {wall:.2f} | {client:.2f} | {own:.2f} | {children:.2f} | {waiting:.2f} |")
+    for query in queries:
+        a, b = (samples.median(f"{name} {query}") for name in names)
+        same = "yes" if len(answers[query]) == 1 else "NO"
+        table.add(query, a, b, b / a, same, " / ".join(sorted(answers[query]))[:60])
+    ta, tb = (sum(samples.median(f"{name} {query}") for query in queries) for name in names)
+    every = all(len(v) == 1 for v in answers.values())
+    table.add(f"all {len(queries)}", ta, tb, tb / ta, "yes" if every else "NO", "")
+    where = report.table(
+        "Where a suite run's time goes (medians; wall: the eight queries; CPU seconds of each process while they ran)",
+        ("server", ""),
+        ("wall s", "{:.2f}"),
+        ("LMQL client", "{:.2f}"),
+        ("server process", "{:.2f}"),
+        ("engine processes", "{:.2f}"),
+        ("waiting (wall - all CPU)", "{:.2f}"),
+    )
+    for name in names:
+        client, own, children, wall = (samples.median(f"{name} {kind}") for kind in SPENT)
+        where.add(name, wall, client, own, children, max(0.0, wall - client - own - children))
+    report.emit()
 
 
 if __name__ == "__main__":

@@ -7,19 +7,19 @@ same requests then go to LMQL's own server (transformers backend, its own
 environment) on the same model. Every stream masks EOS with logit_bias, which
 all three honour, so each produces exactly M tokens.
 
-    .venv/bin/python tools/bench_lmtp.py [--streams 1,4,16] [--tokens 64] [--lmql]
+    .venv/bin/python -m tools.bench_lmtp [--streams 1,4,16] [--tokens 64] [--repeats 3] [--lmql] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
-import statistics
-import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
+
+if not __package__:  # run as `python tools/bench_lmtp.py`: the checkout is not on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from salience.core.models.home import configure_environment
 from salience.logs import setup_logging
@@ -37,10 +37,8 @@ from salience.core.serving.status import ServerStatus  # noqa: E402
 from salience.lmtp.app import make_app  # noqa: E402
 from salience.lmtp.client import LmtpClient  # noqa: E402
 from salience.lmtp.session import LmtpConfig  # noqa: E402
-
-
-def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
-    return [[1, *((97 * i + 31 * j) % (vocab - 100) + 50 for j in range(length - 1))] for i in range(n)]
+from tools.harness import Report, arguments, listens, prompts, rotations, say, serve  # noqa: E402
+from tools.lmql_env import server_python  # noqa: E402
 
 
 async def run_direct(engine: Engine, batch: list[list[int]], tokens: int, bias: dict[int, float]) -> int:
@@ -65,61 +63,23 @@ async def run_lmtp(url: str, model: str, batch: list[list[int]], tokens: int, bi
         await client.close()
 
 
-async def timed(work) -> tuple[float, int]:
-    started = time.perf_counter()
-    produced = await work
-    return time.perf_counter() - started, produced
-
-
-def lmql_server_python() -> Path:
-    """LMQL 0.7.3 with its transformers backend (CPU torch), in an environment of its own."""
-    from salience.core.models.atomic import build_folder_once
-    from salience.core.models.home import salience_home
-
-    def build(folder: Path) -> None:
-        import venv
-
-        venv.EnvBuilder(with_pip=True).create(folder)
-        pip = [folder / "bin" / "python", "-m", "pip", "install", "--disable-pip-version-check"]
-        subprocess.run([*pip, "torch==2.13.0"], check=True)
-        subprocess.run(
-            [*pip, "-c", "/dev/stdin", "lmql==0.7.3", "transformers==4.57.6", "accelerate"],
-            input=b"torch==2.13.0\n",
-            check=True,
-        )
-
-    return build_folder_once(salience_home() / "venvs" / "lmql0.7.3-server-torch2.13.0", build) / "bin" / "python"
-
-
-async def wait_for_port(port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            return
-        except OSError:
-            await asyncio.sleep(1)
-    raise TimeoutError(f"nothing listens on {port} after {timeout:.0f} s")
-
-
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--model", type=Path, help="model folder (default: the embedded SmolLM2)")
     parser.add_argument("--streams", default="1,4,16")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lmql", action="store_true", help="also measure `lmql serve-model` on the same model")
     args = parser.parse_args()
     model = args.model or ensure_default_model()
     name = DEFAULT_MODEL_NAME if args.model is None else model.name
     counts = [int(n) for n in args.streams.split(",")]
+    report = Report("bench_lmtp", args)
+    samples = report.samples
 
-    print(f"loading {name} ...", file=sys.stderr)
+    say(f"loading {name} ...")
     engine = await Engine.start(EngineSettings(model=model, served_model_name=name, max_model_len=2048))
-    eos = engine.tokenizer.eos_token_id
-    bias = {eos: -100.0}
+    bias = {engine.tokenizer.eos_token_id: -100.0}
     status = ServerStatus(name)
     status.ready(engine)
     runner = web.AppRunner(make_app(status, LmtpConfig()))
@@ -127,61 +87,50 @@ async def main() -> None:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     url = f"ws://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/"
+    kinds = {
+        "engine": lambda batch: run_direct(engine, batch, args.tokens, bias),
+        "LMTP": lambda batch: run_lmtp(url, name, batch, args.tokens, bias),
+    }
 
-    rows = []
+    async def measure(kind: str, n: int, batch: list[list[int]]) -> None:
+        started = time.perf_counter()
+        produced = await kinds[kind](batch)
+        seconds = time.perf_counter() - started
+        assert produced == n * args.tokens, f"{kind}: {produced} tokens, expected {n * args.tokens}"
+        samples.add(f"N={n} {kind:6} {produced / seconds:7.1f} tok/s", {f"N={n} {kind} s": seconds})
+
     for n in counts:
-        batch = prompts(n, args.prompt_tokens, engine.vocab_size)
-        direct, lmtp = [], []
-        for repeat in range(args.repeats):
-            order = [("direct", direct), ("lmtp", lmtp)][:: 1 if repeat % 2 == 0 else -1]
-            for kind, times in order:
-                work = (
-                    run_direct(engine, batch, args.tokens, bias)
-                    if kind == "direct"
-                    else run_lmtp(url, name, batch, args.tokens, bias)
-                )
-                seconds, produced = await timed(work)
-                assert produced == n * args.tokens, f"{kind}: {produced} tokens, expected {n * args.tokens}"
-                times.append(seconds)
-                print(f"  N={n} {kind:6} run {repeat + 1}: {produced / seconds:7.1f} tok/s", file=sys.stderr)
-        total = n * args.tokens
-        rows.append((n, total / statistics.median(direct), total / statistics.median(lmtp)))
-
-    lmql_rows = {}
-    if args.lmql:
-        python = lmql_server_python()
-        port = 18000 + os.getpid() % 1000
-        server = subprocess.Popen(
-            [python, "-m", "lmql.cli", "serve-model", str(model), "--static", "--port", str(port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            await wait_for_port(port, 600)
-            lmql_url = f"http://127.0.0.1:{port}/"
-            await run_lmtp(lmql_url, str(model), prompts(1, 8, engine.vocab_size), 2, bias)  # load and warm up
+        batch = prompts(n, args.prompt_tokens, engine.vocab_size - 100)
+        for _, kind in rotations(list(kinds), args.repeats):
+            await measure(kind, n, batch)
+    if args.lmql:  # started once Salience's rounds are done, and alone on the cores then
+        command = [str(server_python()), "-m", "lmql.cli", "serve-model", str(model), "--static", "--port", "{port}"]
+        with ExitStack() as stack:  # started in a thread: the engine's event loop keeps running
+            lmql = serve("lmql serve-model", command, probe=listens, timeout=600)
+            lmql_url = f"http://{(await asyncio.to_thread(stack.enter_context, lmql)).address}/"
+            await run_lmtp(lmql_url, str(model), prompts(1, 8, engine.vocab_size - 100), 2, bias)  # load, warm up
+            kinds["lmql serve-model"] = lambda batch: run_lmtp(lmql_url, str(model), batch, args.tokens, bias)
             for n in counts:
-                batch = prompts(n, args.prompt_tokens, engine.vocab_size)
-                times = []
-                for repeat in range(args.repeats):
-                    seconds, produced = await timed(run_lmtp(lmql_url, str(model), batch, args.tokens, bias))
-                    times.append(seconds)
-                    print(f"  N={n} lmql   run {repeat + 1}: {produced / seconds:7.1f} tok/s", file=sys.stderr)
-                lmql_rows[n] = n * args.tokens / statistics.median(times)
-        finally:
-            server.terminate()
-            server.wait()
-
+                batch = prompts(n, args.prompt_tokens, engine.vocab_size - 100)
+                for _ in range(args.repeats):
+                    await measure("lmql serve-model", n, batch)
     await runner.cleanup()
     engine.shutdown()
-    print(f"\n{name}, prompt {args.prompt_tokens} tokens, {args.tokens} tokens per stream, median of {args.repeats}")
-    header = f"{'streams':>7} {'engine tok/s':>13} {'LMTP tok/s':>11} {'LMTP/engine':>12}"
-    print(header + (f" {'lmql serve-model tok/s':>23} {'Salience/LMQL':>14}" if lmql_rows else ""))
-    for n, direct_rate, lmtp_rate in rows:
-        line = f"{n:>7} {direct_rate:>13.1f} {lmtp_rate:>11.1f} {lmtp_rate / direct_rate:>12.3f}"
-        if n in lmql_rows:
-            line += f" {lmql_rows[n]:>23.1f} {lmtp_rate / lmql_rows[n]:>14.2f}"
-        print(line)
+
+    columns = [("streams", "{}"), *((f"{kind} tok/s", "{:.1f}") for kind in kinds), ("LMTP / engine", "{:.3f}")]
+    if args.lmql:
+        columns.append(("Salience / LMQL", "{:.2f}"))
+    table = report.table(
+        f"{name}, prompt {args.prompt_tokens} tokens, {args.tokens} tokens per stream, median of {args.repeats}",
+        *columns,
+    )
+    for n in counts:
+        rates = {kind: n * args.tokens / samples.median(f"N={n} {kind} s") for kind in kinds}
+        ratios = [rates["LMTP"] / rates["engine"]]
+        if args.lmql:
+            ratios.append(rates["LMTP"] / rates["lmql serve-model"])
+        table.add(n, *rates.values(), *ratios)
+    report.emit()
 
 
 if __name__ == "__main__":
