@@ -53,17 +53,6 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         add_group(serve)
 
 
-def _logging(serve: argparse.ArgumentParser) -> None:
-    serve.add_argument_group("logging").add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="logs are logfmt lines on stderr, vLLM's processes included; libraries speak from WARNING, "
-        "less the warnings about settings Salience chooses on purpose (eager mode, whole-prompt prefill); "
-        "debug shows everything (default: %(default)s)",
-    )
-
-
 def _model(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("model")
     group.add_argument(
@@ -359,6 +348,17 @@ def _features(serve: argparse.ArgumentParser) -> None:
         default=32,
         metavar="N",
         help="features per token the graph keeps of each SAE (default: %(default)s)",
+    )
+
+
+def _logging(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument_group("logging").add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="logs are logfmt lines on stderr, vLLM's processes included; libraries speak from WARNING, "
+        "less the warnings about settings Salience chooses on purpose (eager mode, whole-prompt prefill); "
+        "debug shows everything (default: %(default)s)",
     )
 
 
