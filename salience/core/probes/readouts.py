@@ -112,7 +112,7 @@ class ReadoutHub:
         llm: AsyncLLM, concepts: ConceptSet, engines: int = 1, with_output: bool = False, spare: int = 0
     ) -> ReadoutHub:
         """Set the workers up and return the hub. `with_output` needs the engine core to run
-        readout_scheduler.ReadoutScheduler (launch.engine_args); `spare`: the taps' columns for
+        readout_scheduler.ReadoutScheduler (vllm_args.engine_args); `spare`: the taps' columns for
         live concepts (live.py)."""
         per_engine = await each_engine(llm, engines, "salience_readout_setup", (with_output,))
         if any(answers != per_engine[0] for answers in per_engine):
