@@ -5,21 +5,23 @@ One `salience serve` on the default model (compiled, readouts on). The examples 
 of each side of the built-in set's `french` concept (salience/concept_specs/default), defined
 under another name and deleted after each define. Each phase is repeated; medians are printed.
 
-    .venv/bin/python -m tools.bench_define [--streams 8] [--examples 48] [--repeats 3]
+    .venv/bin/python -m tools.bench_define [--streams 8] [--examples 48] [--repeats 3] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
+if not __package__:  # run as `python tools/bench_define.py`: the checkout is not on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from salience.lmtp.client import LmtpClient
-from tools.bench_readout import Server, _eos, prompts, start, stop
+from tools.bench_readout import _eos
+from tools.harness import Report, arguments, prompts, salience_serve, serve
 
 SPEC = Path(__file__).resolve().parent.parent / "salience" / "concept_specs" / "default" / "french.jsonl"
 
@@ -40,7 +42,7 @@ class Load:
         self._stop = asyncio.Event()
 
     async def run(self) -> None:
-        await asyncio.gather(*(self._stream(prompt) for prompt in prompts(self.n, 64)))
+        await asyncio.gather(*(self._stream(prompt) for prompt in prompts(self.n, 64, 40000)))
 
     async def _stream(self, prompt: list[int]) -> None:
         client = await LmtpClient.connect(self.url)
@@ -73,10 +75,9 @@ async def define(url: str, name: str, positive: list[str], negative: list[str]) 
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--examples", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--baseline-seconds", type=float, default=10.0)
     args = parser.parse_args()
 
@@ -86,42 +87,41 @@ async def main() -> None:
     configure_environment()
     eos = _eos(ensure_default_model())
     positive, negative = examples(args.examples)
-    server = Server("default", [], 19900)
-    await start(server, DEFAULT_MODEL_NAME)
-    alone, loaded, before, during = [], [], [], []
-    try:
+    report = Report("bench_define", args)
+    samples = report.samples
+    with serve("default", salience_serve("--max-model-len", "2048")) as server:
         await define(server.url, "warmup", positive, negative)
-        for repeat in range(args.repeats):
-            alone.append(await define(server.url, f"alone{repeat}", positive, negative))
+        for repeat in range(args.repeats):  # the phases in this order: the load starts after the idle define
+            alone = await define(server.url, f"alone{repeat}", positive, negative)
             load = Load(server.url, DEFAULT_MODEL_NAME, args.streams, eos)
             task = asyncio.create_task(load.run())
             await asyncio.sleep(2.0)  # every stream under way
             mark = time.perf_counter()
             await asyncio.sleep(args.baseline_seconds)
             defining = time.perf_counter()
-            loaded.append(await define(server.url, f"loaded{repeat}", positive, negative))
+            loaded = await define(server.url, f"loaded{repeat}", positive, negative)
             done = time.perf_counter()
-            before.append(load.rate(mark, defining))
-            during.append(load.rate(defining, done))
             load.stop()
             await task
-            print(
-                f"  run {repeat + 1}: define alone {alone[-1]:.1f} s, beside {args.streams} streams "
-                f"{loaded[-1]:.1f} s; streams {before[-1]:.1f} tok/s before, {during[-1]:.1f} during",
-                file=sys.stderr,
+            before, during = load.rate(mark, defining), load.rate(defining, done)
+            samples.add(
+                f"define alone {alone:.1f} s, beside {args.streams} streams {loaded:.1f} s; "
+                f"streams {before:.1f} tok/s before, {during:.1f} during",
+                {"define alone s": alone, "define loaded s": loaded, "before tok/s": before, "during tok/s": during},
             )
-    finally:
-        stop(server)
-    median = statistics.median
-    print(
-        f"\n{DEFAULT_MODEL_NAME}, a live concept from {args.examples} + {args.examples} examples, "
-        f"median of {args.repeats}\n\n| | value |\n|---|---:|\n"
-        f"| define, server idle | {median(alone):.1f} s |\n"
-        f"| define, beside {args.streams} generating streams | {median(loaded):.1f} s |\n"
-        f"| the streams before the define | {median(before):.1f} tok/s |\n"
-        f"| the streams during the define | {median(during):.1f} tok/s |\n"
-        f"| during / before | {median(during) / median(before):.2f} |"
+    table = report.table(
+        f"{DEFAULT_MODEL_NAME}, a live concept from {args.examples} + {args.examples} examples, "
+        f"median of {args.repeats}",
+        ("", ""),
+        ("value", "{:.2f}"),
+        ("unit", ""),
     )
+    table.add("define, server idle", samples.median("define alone s"), "s")
+    table.add(f"define, beside {args.streams} generating streams", samples.median("define loaded s"), "s")
+    table.add("the streams before the define", samples.median("before tok/s"), "tok/s")
+    table.add("the streams during the define", samples.median("during tok/s"), "tok/s")
+    table.add("during / before", samples.median("during tok/s") / samples.median("before tok/s"), "")
+    report.emit()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ if not __package__:  # run as `python tools/bench_lmql.py`: the checkout is not 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from tools.harness import Report, Server, arguments, listens, rotations, salience_serve, say, serve
+from tools.harness import HOST, Report, Server, arguments, listens, rotations, salience_serve, say, serve
 from tools.lmql_env import client_python
 
 SUITE = Path(__file__).with_name("lmql_suite.py")
@@ -63,7 +63,7 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
 
 def suite(python: Path, model: Path, server: Server, served: str) -> dict:
     """One run of the suite in LMQL's environment against `server`: its JSON line."""
-    command = [str(python), str(SUITE), server.address, served, str(model)]
+    command = [str(python), str(SUITE), f"{HOST}:{server.port}", served, str(model)]
     run = subprocess.run(command, capture_output=True, text=True, check=False)
     if run.returncode != 0:
         raise RuntimeError(f"the suite failed against {server.name}:\n{run.stderr[-3000:]}")

@@ -37,7 +37,7 @@ from salience.core.serving.status import ServerStatus  # noqa: E402
 from salience.lmtp.app import make_app  # noqa: E402
 from salience.lmtp.client import LmtpClient  # noqa: E402
 from salience.lmtp.session import LmtpConfig  # noqa: E402
-from tools.harness import Report, arguments, listens, prompts, rotations, say, serve  # noqa: E402
+from tools.harness import HOST, Report, arguments, listens, prompts, rotations, say, serve  # noqa: E402
 from tools.lmql_env import server_python  # noqa: E402
 
 
@@ -107,7 +107,7 @@ async def main() -> None:
         command = [str(server_python()), "-m", "lmql.cli", "serve-model", str(model), "--static", "--port", "{port}"]
         with ExitStack() as stack:  # started in a thread: the engine's event loop keeps running
             lmql = serve("lmql serve-model", command, probe=listens, timeout=600)
-            lmql_url = f"http://{(await asyncio.to_thread(stack.enter_context, lmql)).address}/"
+            lmql_url = f"http://{HOST}:{(await asyncio.to_thread(stack.enter_context, lmql)).port}/"
             await run_lmtp(lmql_url, str(model), prompts(1, 8, engine.vocab_size - 100), 2, bias)  # load, warm up
             kinds["lmql serve-model"] = lambda batch: run_lmtp(lmql_url, str(model), batch, args.tokens, bias)
             for n in counts:

@@ -25,8 +25,8 @@ are started one after another (a first start compiles, which is reported) and th
 another is measured; every idle engine spins on the cores, so `--ways` picks fewer (each server
 a way needs is started, and the default one always) for a quieter comparison.
 
-    .venv/bin/python tools/bench_readout.py [--streams 1,8,16] [--tokens 64] [--repeats 3] [--warm]
-        [--sae DIR] [--ways fastest,idle,readouts,probabilities,monitors,eager,unspared,residual,sae]
+    .venv/bin/python -m tools.bench_readout [--streams 1,8,16] [--tokens 64] [--repeats 3] [--warm]
+        [--sae DIR] [--ways fastest,idle,readouts,probabilities,monitors,eager,unspared,residual,sae] [--json PATH]
 
 `--warm` skips the start with empty compile caches (the first start's cost).
 """
@@ -35,21 +35,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
+if not __package__:  # run as `python tools/bench_readout.py`: the checkout is not on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from salience.lmtp.client import LmtpClient
+from tools.harness import (
+    Report,
+    Samples,
+    Server,
+    arguments,
+    fresh_caches,
+    prompts,
+    rotations,
+    salience_serve,
+    say,
+    serve,
+)
 
 CONFIGS = {  # the servers, by key: name and flags
     "fastest": ("compiled, no readouts", ["--no-readouts"]),
@@ -81,51 +89,6 @@ EXTRA = (
 
 
 @dataclass
-class Server:
-    name: str
-    flags: list[str]
-    port: int
-    process: subprocess.Popen | None = None
-    start_seconds: float = 0.0
-    env: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/"
-
-
-async def start(server: Server, model_name: str, timeout: float = 1800) -> None:
-    """Start one server and wait for /health; prints a progress line every 30 s."""
-    command = [sys.executable, "-m", "salience", "serve", "--lmtp-port", str(server.port), "--no-grpc"]
-    command += ["--max-model-len", "2048", *server.flags]
-    env = os.environ | server.env
-    server.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    started = time.monotonic()
-    last = started
-    async with aiohttp.ClientSession() as http:
-        while time.monotonic() - started < timeout:
-            if server.process.poll() is not None:
-                raise RuntimeError(f"{server.name}: the server exited with {server.process.returncode}")
-            with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(f"http://127.0.0.1:{server.port}/health") as response:
-                    if response.status == 200:
-                        server.start_seconds = time.monotonic() - started
-                        print(f"  {server.name}: ready in {server.start_seconds:.0f} s", file=sys.stderr)
-                        return
-            if time.monotonic() - last > 30:
-                last = time.monotonic()
-                print(f"  {server.name}: starting, {last - started:.0f} s so far", file=sys.stderr)
-            await asyncio.sleep(1)
-    raise TimeoutError(f"{server.name}: not ready after {timeout:.0f} s")
-
-
-def stop(server: Server) -> None:
-    if server.process is not None and server.process.poll() is None:
-        server.process.send_signal(signal.SIGTERM)
-        server.process.wait(timeout=120)
-
-
-@dataclass
 class Way:
     """One way of driving a server: whether every generated token asks for its readout, the fields
     every GENERATE adds, and what it measured."""
@@ -135,7 +98,6 @@ class Way:
     server: Server
     reads: bool
     fields: dict = field(default_factory=dict)
-    rates: dict[int, list[float]] = field(default_factory=dict)
 
 
 def ways(keys: list[str], running: dict[str, Server], concepts: list[str], layers: list[int]) -> list[Way]:
@@ -161,32 +123,22 @@ def ways(keys: list[str], running: dict[str, Server], concepts: list[str], layer
     return out
 
 
-@contextlib.asynccontextmanager
-async def servers(
-    configs: dict[str, tuple[str, list[str]]], model_name: str, cache: str, warm: bool
-) -> AsyncIterator[tuple[dict[str, Server], float]]:
-    """The servers, ready; and how long the default one took to start with empty compile caches
-    (its measured start then reuses what that start compiled), unless `warm`."""
-    base = 19000 + os.getpid() % 500 * 4
-    running = {key: Server(name, flags, base + i) for i, (key, (name, flags)) in enumerate(configs.items())}
-    fresh = {"TORCHINDUCTOR_CACHE_DIR": f"{cache}/torchinductor", "VLLM_CACHE_ROOT": f"{cache}/vllm"}
-    cold = Server("default, empty compile cache", [], base + len(running), env=fresh)
+def start(
+    stack: ExitStack, configs: dict[str, tuple[str, list[str]]], cache: str, warm: bool
+) -> tuple[dict[str, Server], float]:
+    """The servers, ready, one after another (stopped when `stack` closes); and how long the default
+    one took to start with empty compile caches (its measured start then reuses what that start
+    compiled), unless `warm`."""
+    fresh = fresh_caches(cache)
+    cold = 0.0
     if not warm:
-        running["default"].env = fresh
-    try:
-        if not warm:
-            await start(cold, model_name)
-            stop(cold)
-        for server in running.values():
-            await start(server, model_name)
-        yield running, cold.start_seconds
-    finally:
-        for server in [cold, *running.values()]:
-            stop(server)
-
-
-def prompts(n: int, length: int) -> list[list[int]]:
-    return [[1, *((97 * i + 31 * j) % 40000 + 50 for j in range(length - 1))] for i in range(n)]
+        with serve("default, empty compile cache", salience_serve("--max-model-len", "2048"), env=fresh) as first:
+            cold = first.ready
+    running = {}
+    for key, (name, flags) in configs.items():
+        env = fresh if key == "default" and not warm else None
+        running[key] = stack.enter_context(serve(name, salience_serve("--max-model-len", "2048", *flags), env=env))
+    return running, cold
 
 
 async def run(way: Way, model: str, batch: list[list[int]], tokens: int, eos: int) -> tuple[float, int, int]:
@@ -217,11 +169,10 @@ async def run(way: Way, model: str, batch: list[list[int]], tokens: int, eos: in
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--streams", default="1,8,16")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warm", action="store_true", help="no start with empty compile caches")
     parser.add_argument("--sae", help="the SAE folder (default: a random 8x top-32 SAE at layer 15)")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"the ways to drive, of {','.join(WAYS)}")
@@ -231,79 +182,76 @@ async def main() -> None:
     if unknown := [key for key in keys if key not in WAYS]:
         parser.error(f"unknown ways {unknown}; known: {', '.join(WAYS)}")
 
-    from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+    from salience.core.models.default_model import ensure_default_model
     from salience.core.models.home import configure_environment
 
     configure_environment()
     eos = _eos(ensure_default_model())
-    with tempfile.TemporaryDirectory() as cache:
+    report = Report("bench_readout", args)
+    with tempfile.TemporaryDirectory() as cache, ExitStack() as stack:
         needed = {WAYS[key][0] for key in keys} | {"default"}  # the default one answers the manifest
         configs = {key: config for key, config in CONFIGS.items() if key in needed}
         if "sae" in configs:
             configs["sae"] = (configs["sae"][0], ["--sae", args.sae or _random_sae(Path(cache) / "sae")])
-        print(f"starting {len(configs)} servers on the default model, one after another", file=sys.stderr)
-        async with servers(configs, DEFAULT_MODEL_NAME, cache, args.warm) as (running, cold):
-            client = await LmtpClient.connect(running["default"].url)
-            manifest = (await client.request("MODEL_INFO"))["model_info"]["readout_manifest"]
-            await client.close()
-            driven = ways(keys, running, manifest["concepts"], manifest["layers"])
-            await measure(driven, counts, args, eos)
-    report(running, driven, counts, args, cold)
+        say(f"starting {len(configs)} servers on the default model, one after another")
+        running, cold = start(stack, configs, cache, args.warm)
+        client = await LmtpClient.connect(running["default"].url)
+        manifest = (await client.request("MODEL_INFO"))["model_info"]["readout_manifest"]
+        await client.close()
+        driven = ways(keys, running, manifest["concepts"], manifest["layers"])
+        await measure(driven, counts, args, eos, report.samples)
+    tabulate(report, running, driven, counts, args, cold)
+    report.emit()
 
 
-async def measure(driven: list[Way], counts: list[int], args: argparse.Namespace, eos: int) -> None:
+async def measure(driven: list[Way], counts: list[int], args: argparse.Namespace, eos: int, samples: Samples) -> None:
     from salience.core.models.default_model import DEFAULT_MODEL_NAME
 
     for way in driven:  # the first request of each pays for lazy initialisation
-        await run(way, DEFAULT_MODEL_NAME, prompts(1, 8), 4, eos)
+        await run(way, DEFAULT_MODEL_NAME, prompts(1, 8, 40000), 4, eos)
     for n in counts:
-        batch = prompts(n, args.prompt_tokens)
-        for repeat in range(args.repeats):
-            shift = repeat % len(driven)
-            for way in driven[shift:] + driven[:shift]:
-                seconds, produced, read = await run(way, DEFAULT_MODEL_NAME, batch, args.tokens, eos)
-                expected = n * args.tokens
-                assert produced == expected, f"{way.name}: {produced} tokens, expected {expected}"
-                if way.reads:
-                    assert read == expected, f"{way.name}: {read} readouts, expected {expected}"
-                way.rates.setdefault(n, []).append(produced / seconds)
-                print(f"  N={n:<3} {way.name:30} run {repeat + 1}: {produced / seconds:7.1f} tok/s", file=sys.stderr)
+        batch = prompts(n, args.prompt_tokens, 40000)
+        for _, way in rotations(driven, args.repeats):
+            seconds, produced, read = await run(way, DEFAULT_MODEL_NAME, batch, args.tokens, eos)
+            expected = n * args.tokens
+            assert produced == expected, f"{way.name}: {produced} tokens, expected {expected}"
+            if way.reads:
+                assert read == expected, f"{way.name}: {read} readouts, expected {expected}"
+            samples.add(
+                f"N={n:<3} {way.name:30} {produced / seconds:7.1f} tok/s", {f"N={n} {way.key}": produced / seconds}
+            )
 
 
-def report(
-    running: dict[str, Server], driven: list[Way], counts: list[int], args: argparse.Namespace, cold: float
+def tabulate(
+    report: Report,
+    running: dict[str, Server],
+    driven: list[Way],
+    counts: list[int],
+    args: argparse.Namespace,
+    cold: float,
 ) -> None:
     from salience.core.models.default_model import DEFAULT_MODEL_NAME
 
-    print(
-        f"\n{DEFAULT_MODEL_NAME}, LMTP, greedy, {args.prompt_tokens}-token prompts, {args.tokens} tokens per stream, "
-        f"median of {args.repeats}; readouts on every generated token, every layer"
+    samples = report.samples
+    keys = {w.key for w in driven}
+    extra = [(title, a, b) for title, a, b in EXTRA if a in keys and b in keys]
+    table = report.table(
+        f"{DEFAULT_MODEL_NAME}, LMTP, greedy, {args.prompt_tokens}-token prompts, {args.tokens} tokens per stream, "
+        f"median of {args.repeats}; readouts on every generated token, every layer",
+        ("streams", "{}"),
+        *((f"{w.name} tok/s", "{:.1f}") for w in driven),
+        *((f"{w.name} / {driven[0].name}", "{:.2f}") for w in driven[1:]),
+        *((title, "{:.2f}") for title, _, _ in extra),
     )
-    by_key = {w.key: w for w in driven}
-    extra = [(title, by_key[a], by_key[b]) for title, a, b in EXTRA if a in by_key and b in by_key]
-    names = " | ".join(f"{w.name} tok/s" for w in driven)
-    ratios = " | ".join(f"{w.name} / {driven[0].name}" for w in driven[1:])
-    titles = "".join(f" | {title}" for title, _, _ in extra)
-    print(f"\n| streams | {names} | {ratios}{titles} |")
-    print("|---:" * (2 * len(driven) + len(extra)) + "|")
     for n in counts:
-        rates = [statistics.median(w.rates[n]) for w in driven]
-        cells = (
-            " | ".join(f"{r:.1f}" for r in rates)
-            + " | "
-            + " | ".join(f"{paired(w.rates[n], driven[0].rates[n]):.2f}" for w in driven[1:])
-        )
-        more = "".join(f" | {paired(a.rates[n], b.rates[n]):.2f}" for _, a, b in extra)
-        print(f"| {n} | {cells}{more} |")
-    starts = ", ".join(f"{s.name} {s.start_seconds:.0f} s" for s in running.values())
+        rates = [samples.median(f"N={n} {w.key}") for w in driven]
+        ratios = [samples.paired(f"N={n} {w.key}", f"N={n} {driven[0].key}") for w in driven[1:]]
+        table.add(n, *rates, *ratios, *(samples.paired(f"N={n} {a}", f"N={n} {b}") for _, a, b in extra))
+    for key, server in running.items():
+        samples.series[f"{key} ready s"] = [server.ready]
+    starts = ", ".join(f"{s.name} {s.ready:.0f} s" for s in running.values())
     first = f"default with empty compile caches {cold:.0f} s; then " if cold else ""
-    print(f"\nstart to ready: {first}{starts}")
-
-
-def paired(a: list[float], b: list[float]) -> float:
-    """The median over rounds of a / b: each round times every way once, back to back, so a drift
-    in the machine's speed over the run (a neighbour, thermal state) cancels within a round."""
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+    report.text(f"start to ready: {first}{starts}")
 
 
 def _random_sae(folder: Path) -> str:

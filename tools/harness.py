@@ -92,13 +92,9 @@ class Server:
     ready: float = 0.0  # seconds from launch until the probe passed
 
     @property
-    def address(self) -> str:
-        return f"{HOST}:{self.port}"
-
-    @property
     def url(self) -> str:
         """The LMTP WebSocket (Salience serves it at / on its port)."""
-        return f"ws://{self.address}/"
+        return f"ws://{HOST}:{self.port}/"
 
     def tail(self, lines: int = 20) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
