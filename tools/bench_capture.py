@@ -8,23 +8,25 @@ with Python has) and the same layers of the default model, in float32:
 - Salience: `salience.capture` through the compiled engine in this process (prefill-only requests
   asking for residual rows, --batch at a time), shards written to a temporary folder.
 
-Both are loaded once; the runs alternate, and the median of --repeats gives tokens/s and the ratio.
+Both are loaded once; the runs alternate (which goes first alternates too), and the median of
+--repeats gives tokens/s and the ratio.
 
-    .venv/bin/python -m tools.bench_capture [--documents 256] [--layers 15] [--batch 16] [--repeats 3]
+    .venv/bin/python -m tools.bench_capture [--documents 256] [--layers 15] [--batch 16] [--repeats 3] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import importlib
 import inspect
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+if not __package__:  # run as `python tools/bench_capture.py`: the checkout is not on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from salience.core.models.home import configure_environment
 from salience.logs import setup_logging
@@ -33,6 +35,8 @@ configure_environment()  # before torch and vLLM are imported: their caches live
 setup_logging()  # and vLLM's processes log quietly
 
 import torch  # noqa: E402
+
+from tools.harness import Report, arguments, rotations, say  # noqa: E402
 
 
 def stdlib_documents(count: int, max_chars: int = 2000) -> list[str]:
@@ -69,11 +73,10 @@ def transformers_capture(model, tokenizer, texts: list[str], layers: list[int], 
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--documents", type=int, default=256)
     parser.add_argument("--layers", default="15")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -85,14 +88,14 @@ async def main() -> None:
     model_dir = ensure_default_model()
     layers = parse_layers(args.layers)
     texts = stdlib_documents(args.documents)
-    print(f"{len(texts)} documents, layers {list(layers)}; loading both sides", file=sys.stderr)
+    say(f"{len(texts)} documents, layers {list(layers)}; loading both sides")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     tokenizer.padding_side = "right"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
     source = await EngineSource.start(model_dir, layers, max_model_len=2048)
-    rates: dict[str, list[float]] = {"transformers": [], "salience capture": []}
+    report = Report("bench_capture", args)
     try:
         with tempfile.TemporaryDirectory() as folder:
             corpus = Path(folder) / "corpus.jsonl"
@@ -100,28 +103,28 @@ async def main() -> None:
             options = CaptureOptions(layers=layers, batch=args.batch, shard_tokens=1 << 20)
             await capture(corpus, Path(folder) / "warm", source, DEFAULT_MODEL_NAME, options)  # warm-up
             transformers_capture(hf, tokenizer, texts[: args.batch], list(layers), args.batch)
-            for repeat in range(args.repeats):
+            for repeat, side in rotations(["transformers", "salience capture"], args.repeats):
                 started = time.perf_counter()
-                tokens = transformers_capture(hf, tokenizer, texts, list(layers), args.batch)
-                rates["transformers"].append(tokens / (time.perf_counter() - started))
-                started = time.perf_counter()
-                writer = await capture(corpus, Path(folder) / f"run{repeat}", source, DEFAULT_MODEL_NAME, options)
-                rates["salience capture"].append(writer.tokens_done / (time.perf_counter() - started))
-                print(
-                    f"  run {repeat + 1}: transformers {rates['transformers'][-1]:.0f} tok/s, "
-                    f"salience {rates['salience capture'][-1]:.0f} tok/s",
-                    file=sys.stderr,
-                )
+                if side == "transformers":
+                    tokens = transformers_capture(hf, tokenizer, texts, list(layers), args.batch)
+                else:
+                    out = Path(folder) / f"run{repeat}"
+                    tokens = (await capture(corpus, out, source, DEFAULT_MODEL_NAME, options)).tokens_done
+                rate = tokens / (time.perf_counter() - started)
+                report.samples.add(f"{side} {rate:.0f} tok/s", {f"{side} tok/s": rate})
     finally:
         await source.close()
-    hf_rate, ours = (statistics.median(rates[k]) for k in ("transformers", "salience capture"))
-    print(
-        f"\n{DEFAULT_MODEL_NAME}, {len(texts)} stdlib docstrings, layers {list(layers)}, float32, "
-        f"batches of {args.batch}, median of {args.repeats}\n"
+    hf_rate, ours = (report.samples.median(f"{side} tok/s") for side in ("transformers", "salience capture"))
+    table = report.table(
+        f"{DEFAULT_MODEL_NAME}, {len(texts)} stdlib docstrings, layers {list(layers)}, float32, "
+        f"batches of {args.batch}, median of {args.repeats}",
+        ("", ""),
+        ("tokens/s", "{:.0f}"),
+        ("ratio", "{:.2f}"),
     )
-    print("| | tokens/s | ratio |\n|---|---:|---:|")
-    print(f"| transformers, padded batches, output_hidden_states | {hf_rate:.0f} | 1.00 |")
-    print(f"| salience capture (compiled engine, shards written) | {ours:.0f} | {ours / hf_rate:.2f} |")
+    table.add("transformers, padded batches, output_hidden_states", hf_rate, 1.0)
+    table.add("salience capture (compiled engine, shards written)", ours, ours / hf_rate)
+    report.emit()
 
 
 if __name__ == "__main__":

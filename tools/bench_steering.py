@@ -16,21 +16,23 @@ repeated. Reported: median tokens/s of each, steered / unsteered on the same eng
 target is >= 0.90), and both against `--no-steering`. With readouts, every generated token
 also asks for its readout, in every kind.
 
-    .venv/bin/python tools/bench_steering.py [--streams 1,8,16] [--tokens 64] [--repeats 5] [--readouts]
-    .venv/bin/python tools/bench_steering.py --model DIR --concepts FILE --tokens 4 --repeats 1   # a smoke run
+    .venv/bin/python -m tools.bench_steering [--streams 1,8,16] [--tokens 64] [--repeats 5] [--readouts] [--json PATH]
+    .venv/bin/python -m tools.bench_steering --model DIR --concepts FILE --tokens 4 --repeats 1   # a smoke run
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import statistics
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
+if not __package__:  # run as `python tools/bench_steering.py`: the checkout is not on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from salience.core.models.home import configure_environment
+from tools.harness import Report, arguments, prompts, rotations, say
 
 configure_environment()  # before anything imports vllm or torch
 
@@ -39,10 +41,9 @@ UNSTEERED = "default server, unsteered"
 STEERED = "default server, steered"
 
 
-def prompts(n: int, length: int, batch: int, vocab: int) -> list[list[int]]:
-    """n prompts no other batch shares (a prefix-cache hit would skip the prefill)."""
-    span = min(vocab, 30050) - 50
-    return [[1, *((97 * i + 31 * j + 7919 * batch) % span + 50 for j in range(length - 1))] for i in range(n)]
+def span(vocab: int) -> int:
+    """The prompts' token ids: below 30050 on any model."""
+    return min(vocab, 30050) - 50
 
 
 async def run(engine, batch: list[list[int]], tokens: int, steer, readouts: bool) -> tuple[float, int]:
@@ -61,11 +62,10 @@ async def run(engine, batch: list[list[int]], tokens: int, steer, readouts: bool
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, repeats=5)
     parser.add_argument("--streams", default="1,8,16", help="stream counts, each measured in turn")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--readouts", action="store_true", help="every generated token asks for its readout")
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--model", type=Path, help="model folder (default: the embedded model)")
@@ -89,7 +89,7 @@ async def main() -> None:
         model=model, served_model_name=name, max_model_len=2048, concepts=concepts, compile=not args.eager
     )
     mode = "eager" if args.eager else "compiled"
-    print(f"starting two engines ({mode}) on {name}: --no-steering, then the default", file=sys.stderr)
+    say(f"starting two engines ({mode}) on {name}: --no-steering, then the default")
     plain = await Engine.start(replace(settings, steering=False))
     engine = await Engine.start(settings)
     direction = args.direction or concepts.concepts[min(1, len(concepts.concepts) - 1)]
@@ -99,40 +99,40 @@ async def main() -> None:
     ]
     kinds = [(NO_STEERING, plain, ()), (UNSTEERED, engine, ()), (STEERED, engine, steer)]
     counts = [int(n) for n in args.streams.split(",")]
-    rates: dict[tuple[int, str], list[float]] = {(n, kind): [] for n in counts for kind, _, _ in kinds}
+    report = Report("bench_steering", args)
+    samples = report.samples
     try:
         for n, (_, server, interventions) in enumerate(kinds):  # lazy initialisation, every path
-            await run(server, prompts(1, 8, -1 - n, server.vocab_size), 4, interventions, args.readouts)
+            await run(server, prompts(1, 8, span(server.vocab_size), -1 - n), 4, interventions, args.readouts)
         for streams in counts:
-            for repeat in range(args.repeats):
-                for i, (kind, server, interventions) in enumerate(kinds[repeat % 3 :] + kinds[: repeat % 3]):
-                    batch = prompts(streams, args.prompt_tokens, 1000 * streams + 3 * repeat + i, server.vocab_size)
-                    seconds, produced = await run(server, batch, args.tokens, interventions, args.readouts)
-                    expected = streams * args.tokens
-                    assert produced == expected, f"{kind}: {produced} tokens, expected {expected}"
-                    rate = produced / seconds
-                    rates[streams, kind].append(rate)
-                    print(f"  N={streams:<3} {kind:28} run {repeat + 1}: {rate:7.1f} tok/s", file=sys.stderr)
+            for i, (_, (kind, server, interventions)) in enumerate(rotations(kinds, args.repeats)):
+                batch = prompts(streams, args.prompt_tokens, span(server.vocab_size), 1000 * streams + i)
+                seconds, produced = await run(server, batch, args.tokens, interventions, args.readouts)
+                expected = streams * args.tokens
+                assert produced == expected, f"{kind}: {produced} tokens, expected {expected}"
+                rate = produced / seconds
+                samples.add(f"N={streams:<3} {kind:28} {rate:7.1f} tok/s", {f"N={streams} {kind}": rate})
     finally:
         engine.shutdown()
         plain.shutdown()
 
     also = "; readouts on every generated token" if args.readouts else ""
-    print(
-        f"\n{name}, core engines ({mode}), greedy streams, {args.prompt_tokens}-token prompts, {args.tokens} tokens "
+    table = report.table(
+        f"{name}, core engines ({mode}), greedy streams, {args.prompt_tokens}-token prompts, {args.tokens} tokens "
         f"each, median of {args.repeats}; steered: add {args.value:g} x {direction!r} at layer {layer}, every "
-        f"position{also}"
-    )
-    print(
-        "\n| streams | --no-steering tok/s | unsteered tok/s | steered tok/s | steered / unsteered "
-        "| unsteered / --no-steering | steered / --no-steering |\n|---:|---:|---:|---:|---:|---:|---:|"
+        f"position{also}",
+        ("streams", "{}"),
+        ("--no-steering tok/s", "{:.1f}"),
+        ("unsteered tok/s", "{:.1f}"),
+        ("steered tok/s", "{:.1f}"),
+        ("steered / unsteered", "{:.2f}"),
+        ("unsteered / --no-steering", "{:.2f}"),
+        ("steered / --no-steering", "{:.2f}"),
     )
     for streams in counts:
-        fastest, unsteered, steered = (statistics.median(rates[streams, k]) for k in (NO_STEERING, UNSTEERED, STEERED))
-        print(
-            f"| {streams} | {fastest:.1f} | {unsteered:.1f} | {steered:.1f} | {steered / unsteered:.2f} "
-            f"| {unsteered / fastest:.2f} | {steered / fastest:.2f} |"
-        )
+        fastest, unsteered, steered = (samples.median(f"N={streams} {k}") for k in (NO_STEERING, UNSTEERED, STEERED))
+        table.add(streams, fastest, unsteered, steered, steered / unsteered, unsteered / fastest, steered / fastest)
+    report.emit()
 
 
 if __name__ == "__main__":
