@@ -11,17 +11,25 @@ On the two CPU cores of the development machine TP=2, PP=2 and DP=2 give each ra
 one core where TP=1's single worker has both, so the ratios measure communication and scheduling overhead
 more than speedup; docs/scaling.md says what they imply for real nodes.
 
-    flock /tmp/salience-cpu.lock .venv/bin/python tools/bench_scale.py [--streams 8] [--tokens 64] [--eager]
+    flock /tmp/salience-cpu.lock .venv/bin/python -m tools.bench_scale [--streams 8] [--tokens 64] [--eager]
+        [--repeats 3] [--json PATH]
+
+The layouts are not rotated within a round: each starts its own engines on the same cores, so
+they run one after another.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import time
 from pathlib import Path
+
+if not __package__:  # run as `python tools/bench_scale.py`: the checkout is not on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.harness import Report, Samples, arguments, say
 
 LAYOUTS = {
     "TP=1": {},
@@ -67,8 +75,8 @@ def even_heads_twin(model: Path) -> Path:
     return build_folder_once(salience_home() / "bench-models" / f"{model.name}-8-heads", build)
 
 
-async def measure(name: str, layout: dict, args: argparse.Namespace) -> tuple[float, float]:
-    """(start seconds, generated tokens/s) for one layout."""
+async def measure(name: str, layout: dict, args: argparse.Namespace, samples: Samples) -> None:
+    """Start seconds and generated tokens/s of each batch, for one layout, into `samples`."""
     from salience.cli import _default_concepts
     from salience.core.engine.engine import Engine
     from salience.core.engine.requests import SamplingOptions
@@ -103,42 +111,43 @@ async def measure(name: str, layout: dict, args: argparse.Namespace) -> tuple[fl
             return len(events)
 
         await asyncio.gather(*(stream(i, -1) for i in range(2)))  # warm: first requests of each batch shape
-        rates = []
+        samples.series[f"{name} start s"] = [start_seconds]
+        say(f"{name}: started in {start_seconds:.0f} s")
         for batch in range(args.repeats):
             began = time.monotonic()
             tokens = sum(await asyncio.gather(*(stream(i, batch) for i in range(args.streams))))
-            rates.append(tokens / (time.monotonic() - began))
-            print(f"  {name} batch {batch + 1}: {rates[-1]:.1f} tokens/s", file=sys.stderr, flush=True)
-        return start_seconds, statistics.median(rates)
+            rate = tokens / (time.monotonic() - began)
+            samples.add(f"{name} {rate:.1f} tokens/s", {f"{name} tok/s": rate})
     finally:
         engine.shutdown()
 
 
 async def main(args: argparse.Namespace) -> int:
-    results = {}
-    for name in args.layouts.split(","):
-        start_seconds, rate = await measure(name, LAYOUTS[name], args)
-        results[name] = rate
-        print(f"{name}: started in {start_seconds:.0f} s, {rate:.1f} tokens/s", flush=True)
-    base = results.get("TP=1")
-    print(
-        f"\n{args.streams} streams x {args.tokens} tokens, readout of every generated token, median of {args.repeats}, "
-        f"{'eager' if args.eager else 'compiled'}"
+    report = Report("bench_scale", args)
+    names = args.layouts.split(",")
+    for name in names:
+        await measure(name, LAYOUTS[name], args, report.samples)
+    rates = {name: report.samples.median(f"{name} tok/s") for name in names}
+    base = rates.get("TP=1")
+    table = report.table(
+        f"{args.streams} streams x {args.tokens} tokens, readout of every generated token, median of {args.repeats}, "
+        f"{'eager' if args.eager else 'compiled'}",
+        ("layout", ""),
+        ("tokens/s", "{:.1f}"),
+        ("vs TP=1", "{:.2f}"),
     )
-    print(f"{'layout':8} {'tokens/s':>9} {'vs TP=1':>8}")
-    for name, rate in results.items():
-        ratio = f"{rate / base:.2f}" if base else "-"
-        print(f"{name:8} {rate:9.1f} {ratio:>8}")
+    for name, rate in rates.items():
+        table.add(name, rate, rate / base if base else None)
+    report.emit()
     return 0
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, of " + ", ".join(LAYOUTS))
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per stream")
-    parser.add_argument("--repeats", type=int, default=3, help="batches per layout; the median counts")
     parser.add_argument("--eager", action="store_true")
     return parser.parse_args(argv)
 
