@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import signal
 import socket
 import statistics
@@ -120,7 +121,7 @@ def serve(
     """
     port = free_port()
     argv = [part.replace("{port}", str(port)) for part in command]
-    handle, path = tempfile.mkstemp(prefix=f"bench-{name.split()[0]}-", suffix=".log")
+    handle, path = tempfile.mkstemp(prefix=f"bench-{re.sub(r'[^A-Za-z0-9]+', '-', name)}-", suffix=".log")
     with os.fdopen(handle, "w") as log:
         began = time.monotonic()
         # A session of its own: a kill reaches the engine processes it spawns too.
