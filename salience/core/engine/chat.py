@@ -1,0 +1,144 @@
+"""Chat prompts: messages rendered to token ids by the served model's chat template, through
+transformers' own `apply_chat_template`, so a client that sends messages gets the ids
+`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` gives for them.
+
+The template is the model's own, as transformers reads it from the folder (chat_template.jinja,
+or tokenizer_config.json's `chat_template`), unless `--chat-template FILE` overrides it; it is
+resolved once, when the engine starts (`Engine.chat`). Messages reach the template in the form
+vLLM's OpenAI server gives them, so that both servers render a request alike: text parts joined
+with newlines for a template that reads content as a string, developer messages as system ones
+for a template that does not name the developer role.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+
+from salience.core.engine.chat_messages import ChatMessage, ContentPart, ImagePart
+from salience.errors import FailedPrecondition, InvalidArgument
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["ChatRenderer", "ChatTemplate", "load_chat_template"]
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A Jinja chat template and the file it came from."""
+
+    text: str
+    source: str
+
+
+def load_chat_template(path: Path) -> ChatTemplate:
+    """A --chat-template file, read and compiled now: a bad file must not wait for the model."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"--chat-template {path}: cannot read it ({exc})") from None
+    try:
+        _compile_jinja_template(text)  # as apply_chat_template will, with transformers' extensions
+    except jinja2.TemplateSyntaxError as exc:
+        raise InvalidArgument(f"--chat-template {path}: line {exc.lineno}: {exc.message}") from None
+    return ChatTemplate(text=text, source=str(path))
+
+
+class ChatRenderer:
+    """One template for one tokenizer. `vision`: the model reads images (the refusal of an image
+    part says why it is refused)."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, override: ChatTemplate | None = None, *, vision: bool = False
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._vision = vision
+        self.template: str | None = override.text if override is not None else _own_template(tokenizer)
+        self._text_as_string = True
+        self._developer_role = False
+        if self.template is not None:
+            from vllm.renderers.hf import _detect_content_format, _detect_developer_role_support
+
+            self._text_as_string = _detect_content_format(self.template, default="string") == "string"
+            self._developer_role = _detect_developer_role_support(self.template)
+
+    @property
+    def has_template(self) -> bool:
+        return self.template is not None
+
+    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> tuple[int, ...]:
+        """The conversation's token ids. With the generation prompt (the default) they end where the
+        assistant's reply begins: its first token is at position len(ids)."""
+        if self.template is None:
+            raise FailedPrecondition(
+                "this model has no chat template: start the server with --chat-template FILE, or send token ids"
+            )
+        from vllm.renderers.hf import _consolidate_system_messages, _convert_developer_to_system
+
+        conversation = [self._as_dict(message, f"messages[{i}]") for i, message in enumerate(messages)]
+        if not self._developer_role and any(m["role"] == "developer" for m in conversation):
+            conversation = _consolidate_system_messages(_convert_developer_to_system(conversation))
+        try:
+            ids = self._tokenizer.apply_chat_template(
+                conversation,
+                chat_template=self.template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+            )
+        except jinja2.TemplateError as exc:  # the template's own raise_exception: alternation, roles it refuses
+            raise InvalidArgument(f"the chat template refused the messages: {exc}") from None
+        return tuple(ids)
+
+    def appends(self, messages: Sequence[ChatMessage]) -> bool:
+        """Whether adding messages[-1] only appends tokens: the rendering of messages[:-1] (with the
+        generation prompt when messages[-1] is the assistant's reply to them) is a prefix of the
+        rendering of `messages`. A session that keeps a conversation's tokens can add a turn only
+        then; a template that rewrites earlier turns (drops an earlier reply's reasoning, say)
+        must be rendered whole every turn."""
+        if len(messages) < 2:
+            raise ValueError("appends compares the renderings of messages[:-1] and messages: give two or more")
+        earlier = self.render(messages[:-1], add_generation_prompt=messages[-1].role == "assistant")
+        later = self.render(messages, add_generation_prompt=False)
+        return later[: len(earlier)] == earlier
+
+    def _as_dict(self, message: ChatMessage, where: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": message.role, "content": self._content(message.content, f"{where}.content")}
+        if message.name is not None:
+            out["name"] = message.name
+        if message.tool_call_id is not None:
+            out["tool_call_id"] = message.tool_call_id
+        return out
+
+    def _content(self, content: str | tuple[ContentPart, ...], where: str) -> str | list[dict[str, str]]:
+        if isinstance(content, str):
+            return content
+        for i, part in enumerate(content):
+            if isinstance(part, ImagePart):
+                why = (
+                    "images in chat messages are not supported yet: send token ids, with the images attached"
+                    if self._vision
+                    else "this model reads only text"
+                )
+                raise InvalidArgument(f"{where}[{i}] is an image, and {why}")
+        texts = [part.text for part in content]
+        if self._text_as_string:
+            return "\n".join(texts)
+        return [{"type": "text", "text": text} for text in texts]
+
+
+def _own_template(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The template transformers would use (None without one, or with several and no default)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    try:
+        return tokenizer.get_chat_template()
+    except ValueError:
+        return None
