@@ -68,6 +68,13 @@ def _model(serve: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="another model name requests may use (repeatable)",
     )
+    group.add_argument(
+        "--chat-template",
+        type=Path,
+        metavar="FILE",
+        help="a Jinja chat template to render chat messages with, in place of the model's own; a model without "
+        "one takes messages only with it (docs/lmtp.md#chat-messages) (default: the model's own, from its folder)",
+    )
 
 
 def _network(serve: argparse.ArgumentParser) -> None:
@@ -363,6 +370,7 @@ def _logging(serve: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from salience.core.engine.chat import load_chat_template
     from salience.core.engine.settings import EngineSettings
     from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
     from salience.core.models.folders import inspect_model_folder
@@ -372,6 +380,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     _check_counts(args)  # first: a bad limit must not wait for the model
     saes = _load_saes(args.sae)
+    chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     lmtp_limits = ConnectionLimits(
         max_message_bytes=args.lmtp_max_message_bytes, max_frame_bytes=args.lmtp_max_frame_bytes
     )
@@ -385,6 +394,7 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = EngineSettings(
         model=folder.path,
         served_model_name=name,
+        chat_template=chat_template,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib,

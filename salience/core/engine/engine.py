@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from salience.core.engine import environment, launch, settings_checks, vllm_args
+from salience.core.engine.chat import ChatRenderer
 from salience.core.engine.checks import RequestChecks
 from salience.core.engine.feature_steering import resolve_features
 from salience.core.engine.generation import Generation
@@ -70,6 +71,7 @@ class Engine(Passes):
         self.hidden_size: int = model_config.get_hidden_size()
         self.max_logprobs: int = settings.max_logprobs
         self.tokenizer = llm.get_tokenizer()
+        self.chat = ChatRenderer(self.tokenizer, settings.chat_template, vision=vision is not None)
         self.readouts: ReadoutHub | None = None
         self.steering: Directions | None = None  # what requests may steer along; None: no steering
         self.saes: list[ServedSAE] = []  # the sparse autoencoders the taps encode with (--sae)

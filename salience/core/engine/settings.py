@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from salience.core.probes.concepts import ConceptSet
 
 if TYPE_CHECKING:
+    from salience.core.engine.chat import ChatTemplate
     from salience.core.features.sae import SparseAutoencoder
 
 __all__ = ["EngineSettings"]
@@ -25,6 +26,7 @@ class EngineSettings:
 
     model: Path
     served_model_name: str
+    chat_template: ChatTemplate | None = None  # --chat-template, in place of the model's own (chat.py)
     max_model_len: int | None = None
     dtype: str | None = None  # None: float32 on CPU, the model's own on GPU
     kv_cache_gib: float = 2.0  # CPU only: KV cache size
