@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from salience.lmtp.fields import INT_LIMIT, TYPES, valid_request_id
+from salience.lmtp.fields import ALTERNATIVES, INT_LIMIT, TYPES, valid_request_id
 from salience.lmtp.messages import ClientMessage, ModelInfo
 
 __all__ = [
@@ -88,6 +88,13 @@ def parse_client_line(line: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> 
     missing = sorted(name for name in required if data.get(name) is None)
     if missing:
         raise LmtpError(f"{kind}: missing field {missing[0]!r}", **where)
+    if kind in ALTERNATIVES:
+        first, other = ALTERNATIVES[kind]
+        given = [name for name in (first, other) if data.get(name) is not None]
+        if not given:
+            raise LmtpError(f"{kind}: missing field {first!r} (or {other!r})", **where)
+        if len(given) > 1:
+            raise LmtpError(f"{kind}: give {first!r} or {other!r}, not both", **where)
     try:
         fields = {name: readers[name](value, name) for name, value in data.items() if value is not None}
     except ValueError as exc:

@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from salience import request_ids
+from salience.core.engine.chat_messages import ChatMessage, parse_messages
 from salience.core.engine.requests import FeatureRequest, ImageBlock, ResidualRequest
 from salience.core.probes.calibration import Monitor, parse_monitors
 from salience.core.probes.steering import Intervention
@@ -41,7 +42,7 @@ from salience.lmtp.messages import (
     Tokenize,
 )
 
-__all__ = ["INT_LIMIT", "READOUT_FORMATS", "TYPES", "valid_request_id"]
+__all__ = ["ALTERNATIVES", "INT_LIMIT", "READOUT_FORMATS", "TYPES", "valid_request_id"]
 
 INT_LIMIT = 2**63
 
@@ -104,6 +105,14 @@ def _tokens(value: Any, name: str) -> tuple[int, ...]:
         if type(token) is not int or token < 0 or token >= INT_LIMIT:
             raise ValueError(f"{name}[{i}] must be a non-negative integer token id, got {_show(token)}")
     return tuple(value)
+
+
+def _messages(value: Any, name: str) -> tuple[ChatMessage, ...]:
+    """OpenAI's chat messages, their shape checked; the model's chat template renders them (streams.py)."""
+    try:
+        return parse_messages(value, name)
+    except InvalidArgument as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _bias(value: Any, name: str) -> Mapping[int, float]:
@@ -212,6 +221,7 @@ READOUT_FORMATS = ("raw", "probability")
 _GENERATE: dict[str, _Reader] = {
     "stream_id": _int,
     "prompt": _tokens,
+    "messages": _messages,
     "model": _str,
     "max_tokens": lambda v, n: _int(v, n, 1),
     "temperature": _number,
@@ -239,6 +249,7 @@ _GENERATE: dict[str, _Reader] = {
 _SCORE: dict[str, _Reader] = {
     "stream_id": _int,
     "prompt": _tokens,
+    "messages": _messages,
     "scored": _tokens,
     "model": _str,
     "top_logprobs": lambda v, n: _int(v, n, 0),
@@ -325,8 +336,8 @@ _DEFINE_CONCEPT: dict[str, _Reader] = {
 }
 _SESSION_ID = {"stream_id": _int, "session_id": _str}
 TYPES: dict[str, tuple[type, dict[str, _Reader], frozenset[str]]] = {
-    "GENERATE": (Generate, _GENERATE, frozenset({"stream_id", "prompt"})),
-    "SCORE": (Score, _SCORE, frozenset({"stream_id", "prompt", "scored"})),
+    "GENERATE": (Generate, _GENERATE, frozenset({"stream_id"})),
+    "SCORE": (Score, _SCORE, frozenset({"stream_id", "scored"})),
     # LMQL sends {"stream_id", "model", "data": {"model": ...}}.
     "MODEL_INFO": (ModelInfo, {"stream_id": _int, "model": _str, "data": lambda v, n: v}, frozenset()),
     "CANCEL": (Cancel, {"stream_id": _int}, frozenset({"stream_id"})),
@@ -355,3 +366,5 @@ TYPES: dict[str, tuple[type, dict[str, _Reader], frozenset[str]]] = {
         frozenset({"stream_id", "data", "mime"}),
     ),
 }
+# Fields of which a message holds exactly one: the prompt as token ids, or as chat messages.
+ALTERNATIVES: dict[str, tuple[str, str]] = {"GENERATE": ("prompt", "messages"), "SCORE": ("prompt", "messages")}

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from salience.core.engine.chat_messages import ChatMessage
 from salience.core.engine.requests import FeatureRequest, ImageBlock, ResidualRequest
 from salience.core.probes.calibration import Monitor
 from salience.core.probes.steering import Intervention
@@ -42,8 +43,11 @@ def _empty() -> Mapping[int, float]:
 
 @dataclass(frozen=True, kw_only=True)
 class Generate:
+    """A prompt as token ids, or as chat `messages` the model's chat template renders (one of the two)."""
+
     stream_id: int
-    prompt: tuple[int, ...]
+    prompt: tuple[int, ...] = ()
+    messages: tuple[ChatMessage, ...] | None = None
     model: str | None = None
     max_tokens: int = 16
     temperature: float = 1.0
@@ -71,9 +75,12 @@ class Generate:
 
 @dataclass(frozen=True, kw_only=True)
 class Score:
+    """As Generate, `prompt` or `messages`; `scored` follows the prompt (with messages: the reply)."""
+
     stream_id: int
-    prompt: tuple[int, ...]
     scored: tuple[int, ...]
+    prompt: tuple[int, ...] = ()
+    messages: tuple[ChatMessage, ...] | None = None
     model: str | None = None
     top_logprobs: int = 0
     text: bool = False

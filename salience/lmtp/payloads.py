@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import math
+from collections.abc import Sequence
 
 from salience.core.engine.detokenizer import TextStream
 from salience.core.engine.requests import Features, FinishReason, SamplingOptions, ScoredToken, TokenEvent
@@ -14,6 +15,7 @@ from salience.lmtp.messages import Generate, SessionGenerate
 
 __all__ = [
     "finish_reason",
+    "prompt_ids_payload",
     "prompt_payloads",
     "sampling_options",
     "session_payload",
@@ -106,6 +108,12 @@ def token_payload(
         payload["position"] = token.position
         payload["monitors"] = [event.as_dict() for event in token.monitors]
     return payload
+
+
+def prompt_ids_payload(stream_id: int, prompt: Sequence[int]) -> dict:
+    """The prompt the chat template rendered from a request's messages, the stream's first payload:
+    the client learns the ids its positions count in, and that the reply begins at their length."""
+    return {"stream_id": stream_id, "prompt_ids": list(prompt)}
 
 
 def prompt_payloads(stream_id: int, prompt: tuple[int, ...], readouts: dict, rows: dict[str, dict]) -> list[dict]:

@@ -48,11 +48,17 @@ def emit_all(emit: Emit, many: Iterable[dict]) -> None:
         emit(payload)
 
 
+def prompt_of(engine: Engine, request: Generate | Score) -> tuple[int, ...]:
+    """The request's prompt: its token ids, or its messages rendered by the model's chat template."""
+    return request.prompt if request.messages is None else engine.chat.render(request.messages)
+
+
 async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit) -> None:
     """Tokens as the engine makes them, the prompt's readouts with the first."""
     stream_id = request.stream_id
+    prompt = prompt_of(engine, request)
     generation = engine.generate(
-        request.prompt,
+        prompt,
         payloads.sampling_options(request),
         request_id=stream.request_id,
         readout_ranges=request.readout,
@@ -62,16 +68,16 @@ async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit
         residual=request.residual,
         features=request.features,
     )
+    if request.messages is not None:
+        emit(payloads.prompt_ids_payload(stream_id, prompt))
     await stream.attach(generation)
-    text = TextStream(engine.tokenizer, request.prompt) if request.text else None
+    text = TextStream(engine.tokenizer, prompt) if request.text else None
     ended = False
     async with generation:
         async for event in generation:
-            if event.position == len(request.prompt):  # first event: prompt readouts are in
-                prompt = payloads.prompt_payloads(
-                    stream_id, request.prompt, generation.prompt_readouts, generation.prompt_rows
-                )
-                emit_all(emit, prompt)
+            if event.position == len(prompt):  # first event: prompt readouts are in
+                read = payloads.prompt_payloads(stream_id, prompt, generation.prompt_readouts, generation.prompt_rows)
+                emit_all(emit, read)
             ended = event.finish_reason is not None
             finish = payloads.finish_reason(event.finish_reason, event.stopped_by)
             token = payloads.token_payload(stream_id, event, finish, top=True, text=text, readout=bool(request.readout))
@@ -83,7 +89,9 @@ async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit
 
 async def score(stream: Stream, engine: Engine, request: Score, emit: Emit) -> None:
     """The prompt's readouts and the continuation's scores, from one prefill pass."""
-    prompt, continuation = engine.checks.scoring(request.prompt, request.scored)
+    prompt, continuation = engine.checks.scoring(prompt_of(engine, request), request.scored)
+    if request.messages is not None:
+        emit(payloads.prompt_ids_payload(request.stream_id, prompt))
     # `generated` positions are the scored ones, as if the model had generated them.
     steer = engine.resolve_steer(request.steer, len(prompt)).interventions
     scored = []
@@ -112,9 +120,9 @@ async def score(stream: Stream, engine: Engine, request: Score, emit: Emit) -> N
             return
         readouts = {p: r for p, r in scores.readouts.items() if p < len(prompt)}
         rows = {field: {p: r for p, r in taken.items() if p < len(prompt)} for field, taken in scores.rows.items()}
-        emit_all(emit, payloads.prompt_payloads(request.stream_id, request.prompt, readouts, rows))
+        emit_all(emit, payloads.prompt_payloads(request.stream_id, tuple(prompt), readouts, rows))
         scored = [scores.at(p) for p in range(len(prompt), len(ids))]
-    text = TextStream(engine.tokenizer, request.prompt) if request.text else None
+    text = TextStream(engine.tokenizer, prompt) if request.text else None
     scored_payloads = [
         payloads.token_payload(
             request.stream_id,

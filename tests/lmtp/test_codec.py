@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from salience.core.engine.chat_messages import ChatMessage, ImagePart, TextPart
 from salience.core.engine.requests import ImageBlock
 from salience.core.probes.steering import Intervention, Op
 from salience.lmtp.codec import LmtpError, msg_frame, parse_client_line, parse_server_line, token_frame
@@ -68,6 +69,48 @@ VALID = [
     ('TOKENIZE {"stream_id": 7, "text": "héllo"}', Tokenize(stream_id=7, text="héllo")),
     ('DETOKENIZE {"stream_id": 8, "tokens": [1, 2]}', Detokenize(stream_id=8, tokens=(1, 2))),
     ('GENERATE {"prompt": [1], "stream_id": 9, "logit_bias": null}', Generate(stream_id=9, prompt=(1,))),
+    # Chat messages in place of the prompt: the server renders them with the model's chat template.
+    (
+        'GENERATE {"stream_id": 19, "messages": [{"role": "system", "content": "Be brief."}, '
+        '{"role": "user", "content": "Hi", "name": "ann"}], "max_tokens": 4}',
+        Generate(
+            stream_id=19,
+            messages=(
+                ChatMessage(role="system", content="Be brief."),
+                ChatMessage(role="user", content="Hi", name="ann"),
+            ),
+            max_tokens=4,
+        ),
+    ),
+    (
+        'GENERATE {"stream_id": 20, "prompt": null, "messages": [{"role": "user", "content": [{"type": "text", '
+        '"text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}}]}]}',
+        Generate(
+            stream_id=20,
+            messages=(
+                ChatMessage(
+                    role="user",
+                    content=(TextPart(text="What is this?"), ImagePart(url="data:image/png;base64,iVBO")),
+                ),
+            ),
+        ),
+    ),
+    (
+        'SCORE {"stream_id": 21, "messages": [{"role": "developer", "content": "Answer yes or no."}, '
+        '{"role": "user", "content": "Is water wet?"}, {"role": "assistant", "content": "Yes."}, '
+        '{"role": "tool", "content": "{}", "tool_call_id": "c1"}], "scored": [5, 6], "readout": [[0, 99]]}',
+        Score(
+            stream_id=21,
+            messages=(
+                ChatMessage(role="developer", content="Answer yes or no."),
+                ChatMessage(role="user", content="Is water wet?"),
+                ChatMessage(role="assistant", content="Yes."),
+                ChatMessage(role="tool", content="{}", tool_call_id="c1"),
+            ),
+            scored=(5, 6),
+            readout=((0, 99),),
+        ),
+    ),
     ('OPEN_SESSION {"stream_id": 10, "model": "NAME"}', OpenSession(stream_id=10, model="NAME")),
     (
         'FORK_SESSION {"stream_id": 11, "session_id": "s", "at_position": 4}',
@@ -158,6 +201,38 @@ INVALID = [
     ('GENERATE {"stream_id": true, "prompt": [1]}', None, "stream_id must be an integer"),
     ('GENERATE {"stream_id": 3, "prompt": [1], "text": 1}', 3, "text must be true or false"),
     ('SCORE {"stream_id": 3, "prompt": [1]}', 3, "missing field 'scored'"),
+    ('GENERATE {"stream_id": 3, "messages": null}', 3, "GENERATE: missing field 'prompt' (or 'messages')"),
+    ('SCORE {"stream_id": 3, "scored": [1]}', 3, "SCORE: missing field 'prompt' (or 'messages')"),
+    (
+        'GENERATE {"stream_id": 3, "prompt": [1], "messages": [{"role": "user", "content": "Hi"}]}',
+        3,
+        "GENERATE: give 'prompt' or 'messages', not both",
+    ),
+    ('SCORE {"stream_id": 3, "messages": [{"role": "user", "content": "Hi"}]}', 3, "missing field 'scored'"),
+    ('GENERATE {"stream_id": 3, "messages": []}', 3, "GENERATE: messages must hold at least one message"),
+    ('GENERATE {"stream_id": 3, "messages": {"role": "user"}}', 3, "messages must be a list of messages"),
+    (
+        'GENERATE {"stream_id": 3, "messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}',
+        3,
+        'GENERATE: messages[1].role must be one of system, developer, user, assistant, tool, got "bot"',
+    ),
+    ('GENERATE {"stream_id": 3, "messages": [{"role": "user"}]}', 3, "messages[0].content must be a string or"),
+    (
+        'SCORE {"stream_id": 3, "scored": [1], "messages": [{"role": "user", "content": [{"type": "audio"}]}]}',
+        3,
+        'SCORE: messages[0].content[0] must be a text part or an image_url part, got type "audio"',
+    ),
+    (
+        'GENERATE {"stream_id": 3, "messages": [{"role": "user", "content": [{"type": "image_url", '
+        '"image_url": {"url": "https://example.com/cat.png"}}]}]}',
+        3,
+        "messages[0].content[0].image_url.url is an http(s) URL, and the server fetches nothing",
+    ),
+    (
+        'GENERATE {"stream_id": 3, "messages": [{"role": "assistant", "content": "", "tool_calls": []}]}',
+        3,
+        "messages[0]: unknown field 'tool_calls'",
+    ),
     ('CANCEL {"stream_id": "a"}', None, "stream_id must be an integer"),
     ("GENERATE \xff\xfe", None, "not valid JSON"),
     ('SESSION_GENERATE {"stream_id": 3, "session_id": "s"}', 3, "missing field 'offset'"),
@@ -270,6 +345,7 @@ fields = st.sampled_from(
         "top_logprobs",
         "model",
         "scored",
+        "messages",
         "text",
         "top_k",
     ]
