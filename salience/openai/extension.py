@@ -1,0 +1,128 @@
+"""The `salience` object of an OpenAI request (`extra_body` in the SDK): what it asks of the engine.
+
+    "salience": {
+      "readouts": {"format": "raw" | "probability", "over": "prompt" | "completion" | "all"},
+      "features": {"k": 8, "sae": "name", "over": "prompt" | "completion" | "all"},
+      "monitors": [{"concept": "code", "above": 0.9, "action": "stop"}, ...],
+      "steer": [{"direction": "french", "layers": 15, "value": 8}, ...]
+    }
+
+Every part is optional, and so is the object: without it a request is a plain OpenAI request.
+`monitors` and `steer` are LMTP's, read by the core's own parsers (calibration.parse_monitors,
+steering_json.parse_interventions) so their rules live once; `readouts` and `features` name
+spans of the request (`over`) instead of LMTP's absolute position ranges, which a chat client
+cannot know before the template is rendered. What depends on the served concepts and SAEs
+(names, layers, k) is the engine's check, as for LMTP. See responses.py for what comes back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from salience.core.engine.requests import FeatureRequest
+from salience.core.probes.calibration import Monitor, parse_monitors
+from salience.core.probes.steering import Intervention
+from salience.core.probes.steering_json import parse_interventions
+from salience.openai.errors import bad_request, naming
+
+__all__ = ["FORMATS", "SPANS", "Extension", "Features", "Readouts", "parse_extension"]
+
+FORMATS = ("raw", "probability")  # what a readout value is: as LMTP's readout_format
+SPANS = ("prompt", "completion", "all")
+_FIELDS = ("readouts", "features", "monitors", "steer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Readouts:
+    format: str = "raw"
+    over: str = "completion"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Features:
+    k: int
+    sae: str | None = None  # None: the only SAE served
+    over: str = "completion"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Extension:
+    readouts: Readouts | None = None
+    features: Features | None = None
+    monitors: tuple[Monitor, ...] = ()
+    steer: tuple[Intervention, ...] = ()
+
+    def engine_arguments(self, prompt_len: int, max_tokens: int) -> dict[str, Any]:
+        """Engine.generate's keyword arguments for a prompt of `prompt_len` tokens."""
+        readouts, features = self.readouts, self.features
+        return {
+            "readout_ranges": (_span(readouts.over, prompt_len, max_tokens),) if readouts else (),
+            "probabilities": readouts is not None and readouts.format == "probability",
+            "features": FeatureRequest(
+                sae=features.sae, k=features.k, ranges=(_span(features.over, prompt_len, max_tokens),)
+            )
+            if features
+            else None,
+            "monitors": self.monitors,
+            "steer": self.steer,
+        }
+
+    @property
+    def per_token(self) -> bool:
+        """Whether each completion token carries an entry (`salience.tokens`, beside logprobs)."""
+        covered = [part.over for part in (self.readouts, self.features) if part is not None]
+        return bool(self.monitors) or any(over != "prompt" for over in covered)
+
+
+def _span(over: str, prompt_len: int, max_tokens: int) -> tuple[int, int]:
+    end = prompt_len + max_tokens
+    return {"prompt": (0, prompt_len), "completion": (prompt_len, end), "all": (0, end)}[over]
+
+
+def parse_extension(value: Any, name: str = "salience") -> Extension:
+    """The object's parts, or a 400 naming the field at fault (`salience.monitors`, ...)."""
+    if not isinstance(value, dict):
+        raise bad_request(f"{name} must be an object with any of {', '.join(_FIELDS)}", name)
+    unknown = sorted(set(value) - set(_FIELDS))
+    if unknown:
+        listed = ", ".join(unknown)
+        raise bad_request(f"{name}: unknown field(s) {listed}; known: {', '.join(_FIELDS)}", f"{name}.{unknown[0]}")
+    parts: dict[str, Any] = {}
+    if value.get("readouts") is not None:
+        parts["readouts"] = _readouts(value["readouts"], f"{name}.readouts")
+    if value.get("features") is not None:
+        parts["features"] = _features(value["features"], f"{name}.features")
+    if value.get("monitors") is not None:
+        with naming(f"{name}.monitors"):
+            parts["monitors"] = parse_monitors(value["monitors"])
+    if value.get("steer") is not None:
+        with naming(f"{name}.steer", fields={"steer": f"{name}."}):
+            parts["steer"] = parse_interventions(value["steer"])
+    return Extension(**parts)
+
+
+def _choice(part: dict, key: str, options: tuple[str, ...], default: str, where: str) -> str:
+    chosen = part.get(key, default)
+    if chosen not in options:
+        raise bad_request(f"{where}.{key} must be one of {', '.join(options)}, got {chosen!r}", f"{where}.{key}")
+    return chosen
+
+
+def _readouts(value: Any, where: str) -> Readouts:
+    if not isinstance(value, dict) or set(value) - {"format", "over"}:
+        raise bad_request(f'{where} must be {{"format": "raw" | "probability", "over": {" | ".join(SPANS)}}}', where)
+    return Readouts(
+        format=_choice(value, "format", FORMATS, "raw", where), over=_choice(value, "over", SPANS, "completion", where)
+    )
+
+
+def _features(value: Any, where: str) -> Features:
+    if not isinstance(value, dict) or set(value) - {"k", "sae", "over"} or "k" not in value:
+        raise bad_request(f'{where} must be {{"k": K, "sae"?: NAME, "over"?: {" | ".join(SPANS)}}}', where)
+    k, sae = value["k"], value.get("sae")
+    if type(k) is not int or k < 1:
+        raise bad_request(f"{where}.k must be an integer >= 1, got {k!r}", f"{where}.k")
+    if sae is not None and not isinstance(sae, str):
+        raise bad_request(f"{where}.sae must name an SAE", f"{where}.sae")
+    return Features(k=k, sae=sae, over=_choice(value, "over", SPANS, "completion", where))

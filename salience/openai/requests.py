@@ -1,0 +1,302 @@
+"""OpenAI requests, sans I/O: a JSON body in, a typed `ApiRequest` out, or an ApiError naming the field.
+
+Both endpoints read the same sampling fields into one dataclass, so the code that runs them
+does not care which one it serves. What is checked here is OpenAI's contract (types, and the
+ranges OpenAI documents: temperature 0..2, penalties -2..2, logit_bias -100..100, at most 4 stop
+strings, n 1..128); what depends on the model (vocabulary, context, --max-logprobs) is the core
+engine's check, run by `run.py` under the name of the field it is about.
+
+Fields are OpenAI's contract, not a superset: an unknown top-level field is a 400 ("Unrecognized
+request argument supplied"), as OpenAI's own server answers, never silently ignored. Fields
+that do not change the output (`user`, `metadata`, `store`, ...) are accepted and ignored;
+fields asking for what this server does not do (`tools`, `response_format`, `echo`, ...) are a
+400 naming them, unless they carry their neutral value (`tools: []`, `echo: false`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import orjson
+
+from salience.core.engine.chat_messages import ChatMessage, parse_messages
+from salience.openai.errors import bad_request, naming
+from salience.openai.extension import Extension, parse_extension
+
+__all__ = ["CHAT", "COMPLETION", "ApiRequest", "Sampling", "parse_chat", "parse_completion"]
+
+CHAT, COMPLETION = "chat_completion", "completion"  # the endpoints, as metrics name their streams
+INT64 = 2**63
+MAX_STOP = 4  # stop strings, as OpenAI allows
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, OpenAI's bound (the server's --max-logprobs may be lower)
+MAX_COMPLETION_LOGPROBS = 5  # the completions endpoint's integer logprobs, OpenAI's bound
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How every choice of a request decodes; choice i of n>1 with a seed uses seed + i (as vLLM)."""
+
+    max_tokens: int | None = None  # None: chat, up to the context; completions default to 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    logit_bias: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApiRequest:
+    """One request to either endpoint. `prompts`: the completions endpoint's (each a text or token
+    ids; a list of them is a batch, n choices each); `messages`: chat's."""
+
+    kind: str  # CHAT or COMPLETION
+    model: str
+    messages: tuple[ChatMessage, ...] = ()
+    prompts: tuple[str | tuple[int, ...], ...] = ()
+    sampling: Sampling = field(default_factory=Sampling)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    salience: Extension | None = None
+
+
+# ---- readers: value and field name in, typed value out, or a 400 naming the field ------------
+
+
+def _show(value: Any) -> str:
+    text = orjson.dumps(value).decode() if isinstance(value, (dict, list, str, int, float, bool)) else "?"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _number(low: float, high: float) -> Callable[[Any, str], float]:
+    def read(value: Any, name: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise bad_request(f"{name} must be a number, got {_show(value)}", name)
+        if not low <= value <= high:
+            raise bad_request(f"{name} must be in [{low:g}, {high:g}], got {value}", name)
+        return float(value)
+
+    return read
+
+
+def _int(low: int, high: int) -> Callable[[Any, str], int]:
+    def read(value: Any, name: str) -> int:
+        if type(value) is not int:
+            raise bad_request(f"{name} must be an integer, got {_show(value)}", name)
+        if not low <= value <= high:
+            raise bad_request(f"{name} must be in [{low}, {high}], got {value}", name)
+        return value
+
+    return read
+
+
+def _bool(value: Any, name: str) -> bool:
+    if type(value) is not bool:
+        raise bad_request(f"{name} must be true or false, got {_show(value)}", name)
+    return value
+
+
+def _str(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise bad_request(f"{name} must be a string, got {_show(value)}", name)
+    return value
+
+
+def _stop(value: Any, name: str) -> tuple[str, ...]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request(f"{name} must be a non-empty string or a list of them", name)
+    if len(stops) > MAX_STOP:
+        raise bad_request(f"{name} holds {len(stops)} strings; at most {MAX_STOP} are allowed", name)
+    return tuple(stops)
+
+
+def _logit_bias(value: Any, name: str) -> Mapping[int, float]:
+    if not isinstance(value, dict):
+        raise bad_request(f"{name} must be an object of token id -> bias, got {_show(value)}", name)
+    bias = {}
+    for key, amount in value.items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= INT64:
+            raise bad_request(f"{name} key {key!r} is not a token id", name)
+        bias[int(key)] = _number(-100, 100)(amount, f"{name}[{key}]")
+    return MappingProxyType(bias)
+
+
+def _stream_options(value: Any, name: str) -> bool:
+    """Whether the stream ends with a usage chunk. `include_obfuscation` is accepted and has no
+    effect: this server pads nothing."""
+    if not isinstance(value, dict) or set(value) - {"include_usage", "include_obfuscation"}:
+        raise bad_request(f'{name} must be {{"include_usage": bool, "include_obfuscation": bool}}', name)
+    for key, flag in value.items():
+        if flag is not None:
+            _bool(flag, f"{name}.{key}")
+    return bool(value.get("include_usage"))
+
+
+def _prompts(value: Any, name: str) -> tuple[str | tuple[int, ...], ...]:
+    """A text, a list of texts, token ids, or a list of token-id lists (OpenAI's four forms)."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and value and all(type(t) is int for t in value):
+        return (_token_ids(value, name),)
+    if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+        return tuple(value)
+    if isinstance(value, list) and value and all(isinstance(p, list) for p in value):
+        return tuple(_token_ids(p, f"{name}[{i}]") for i, p in enumerate(value))
+    raise bad_request(f"{name} must be a text, a list of texts, token ids, or a list of token-id lists", name)
+
+
+def _token_ids(value: list, name: str) -> tuple[int, ...]:
+    if not value or not all(type(t) is int and 0 <= t < INT64 for t in value):
+        raise bad_request(f"{name} must be a non-empty list of token ids (integers >= 0)", name)
+    return tuple(value)
+
+
+def _messages(value: Any, name: str) -> tuple[ChatMessage, ...]:
+    with naming(name):  # core's one reader of messages, whichever wire they came on
+        return parse_messages(value, name)
+
+
+def _extension(value: Any, name: str) -> Extension:
+    return parse_extension(value, name)
+
+
+_Reader = Callable[[Any, str], Any]
+_SAMPLING: dict[str, _Reader] = {
+    "model": _str,
+    "temperature": _number(0, 2),
+    "top_p": _number(0, 1),
+    "seed": _int(-INT64, INT64 - 1),
+    "stop": _stop,
+    "n": _int(1, MAX_N),
+    "logit_bias": _logit_bias,
+    "presence_penalty": _number(-2, 2),
+    "frequency_penalty": _number(-2, 2),
+    "stream": _bool,
+    "stream_options": _stream_options,
+    "salience": _extension,
+}
+_CHAT: dict[str, _Reader] = {
+    **_SAMPLING,
+    "messages": _messages,
+    "max_tokens": _int(1, INT64 - 1),
+    "max_completion_tokens": _int(1, INT64 - 1),
+    "logprobs": _bool,
+    "top_logprobs": _int(0, MAX_TOP_LOGPROBS),
+}
+_COMPLETION: dict[str, _Reader] = {
+    **_SAMPLING,
+    "prompt": _prompts,
+    "max_tokens": _int(1, INT64 - 1),
+    "logprobs": _int(0, MAX_COMPLETION_LOGPROBS),
+}
+# Accepted, with no effect on what is generated.
+_IGNORED = frozenset(
+    {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention"}
+)
+# OpenAI's, asking for what this server does not do: refused unless neutral (the SDKs and LangChain
+# send some of these with their neutral value).
+_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "tools": lambda v: v == [],
+    "functions": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "function_call": lambda v: v == "none",
+    "parallel_tool_calls": lambda v: isinstance(v, bool),
+    "response_format": lambda v: v == {"type": "text"},
+    "modalities": lambda v: v == ["text"],
+    "audio": lambda v: False,
+    "prediction": lambda v: False,
+    "web_search_options": lambda v: False,
+    "reasoning_effort": lambda v: False,
+    "verbosity": lambda v: False,
+    "moderation": lambda v: False,
+    "prompt_cache_options": lambda v: False,
+}
+_NEUTRAL_COMPLETION: dict[str, Callable[[Any], bool]] = {
+    "echo": lambda v: v is False,
+    "suffix": lambda v: v == "",
+    "best_of": lambda v: v == 1,
+}
+
+
+def _fields(data: Any, readers: dict[str, _Reader], neutral: dict[str, Callable[[Any], bool]]) -> dict[str, Any]:
+    """The body's known fields read, null ones left out (null means the default, as in OpenAI's API)."""
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    for name, value in data.items():
+        if name in readers or name in _IGNORED or value is None:
+            continue
+        if name not in neutral:
+            raise bad_request(f"Unrecognized request argument supplied: {name}", name)
+        if not neutral[name](value):
+            raise bad_request(f"{name} is not supported by this server", name)
+    if data.get("model") is None:
+        raise bad_request("you must provide a model parameter", "model")
+    return {name: readers[name](value, name) for name, value in data.items() if name in readers and value is not None}
+
+
+def _sampling(fields: dict[str, Any], max_tokens: int | None) -> Sampling:
+    n, seed = fields.get("n", 1), fields.get("seed")
+    if seed is not None and seed + n - 1 >= INT64:  # choice i decodes with seed + i
+        raise bad_request(f"seed must be below 2**63 - {n - 1} with n = {n}", "seed")
+    names = ("temperature", "top_p", "stop", "logit_bias", "presence_penalty", "frequency_penalty")
+    return Sampling(max_tokens=max_tokens, n=n, seed=seed, **{k: fields[k] for k in names if k in fields})
+
+
+def _streaming(fields: dict[str, Any]) -> dict[str, Any]:
+    stream = fields.get("stream", False)
+    if "stream_options" in fields and not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    return {"stream": stream, "include_usage": fields.get("stream_options", False)}
+
+
+def _load(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"the request body is not valid JSON ({exc})") from None
+
+
+def parse_chat(body: bytes) -> ApiRequest:
+    """A `POST /v1/chat/completions` body."""
+    fields = _fields(_load(body), _CHAT, _NEUTRAL)
+    if "messages" not in fields:
+        raise bad_request("messages is required", "messages")
+    if "top_logprobs" in fields and not fields.get("logprobs"):
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    return ApiRequest(
+        kind=CHAT,
+        model=fields["model"],
+        messages=fields["messages"],
+        sampling=_sampling(fields, fields.get("max_completion_tokens", fields.get("max_tokens"))),
+        logprobs=fields.get("logprobs", False),
+        top_logprobs=fields.get("top_logprobs", 0),
+        salience=fields.get("salience"),
+        **_streaming(fields),
+    )
+
+
+def parse_completion(body: bytes) -> ApiRequest:
+    """A `POST /v1/completions` body."""
+    fields = _fields(_load(body), _COMPLETION, {**_NEUTRAL_COMPLETION})
+    if "prompt" not in fields:
+        raise bad_request("prompt is required", "prompt")
+    return ApiRequest(
+        kind=COMPLETION,
+        model=fields["model"],
+        prompts=fields["prompt"],
+        sampling=_sampling(fields, fields.get("max_tokens", 16)),
+        logprobs="logprobs" in fields,
+        top_logprobs=fields.get("logprobs", 0),
+        salience=fields.get("salience"),
+        **_streaming(fields),
+    )
