@@ -2,7 +2,7 @@
 
 They live in prometheus_client's default registry, where vLLM's PrometheusStatLogger
 puts its engine metrics (`vllm:*`), so one scrape of `GET /metrics` returns both.
-Frontends pass their name (`lmtp_ws`, `lmtp_tcp`, `grpc`) as the `frontend` label;
+Frontends pass their name (`lmtp_ws`, `lmtp_tcp`, `grpc`, `openai`) as the `frontend` label;
 nothing here knows a socket. Session gauges are read from the live SessionStores at
 scrape time rather than kept in step with every append. Core reports streams and sessions
 through the observer interface of core/serving/observers.py, which this module subscribes
@@ -37,9 +37,14 @@ __all__ = [
     "exposition",
 ]
 
-FRONTENDS = ("lmtp_ws", "lmtp_tcp", "grpc")
+FRONTENDS = ("lmtp_ws", "lmtp_tcp", "grpc", "openai")
 _LMTP_KINDS = ("generate", "score", "session_generate")
-_KINDS = {"lmtp_ws": _LMTP_KINDS, "lmtp_tcp": _LMTP_KINDS, "grpc": ("session_generate",)}
+_KINDS = {
+    "lmtp_ws": _LMTP_KINDS,
+    "lmtp_tcp": _LMTP_KINDS,
+    "grpc": ("session_generate",),
+    "openai": ("completion", "chat_completion"),  # one stream per HTTP request, whatever its n
+}
 
 STREAMS_STARTED = Counter(
     "salience_streams_started",

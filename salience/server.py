@@ -84,7 +84,8 @@ async def serve(settings: EngineSettings, options: ServeOptions) -> None:
     await runner.setup()
     site = web.TCPSite(runner, options.host, options.lmtp_port)
     await site.start()
-    log.info("listening", extra={"lmtp": f"ws://{options.host}:{options.lmtp_port}/", "phase": "loading"})
+    where = f"{options.host}:{options.lmtp_port}"
+    log.info("listening", extra={"lmtp": f"ws://{where}/", "openai": f"http://{where}/v1", "phase": "loading"})
     metrics_runner = None
     if options.metrics_port is not None:
         metrics_runner = web.AppRunner(make_metrics_app(), access_log=None, handle_signals=False)

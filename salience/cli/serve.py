@@ -35,8 +35,9 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         "serve",
         help="load a model and serve it",
         description="Load one model into vLLM and serve it to many clients: LMTP over a WebSocket "
-        "(docs/lmtp.md), beside GET /health, GET /metrics and the browser page (docs/ui.md), and the "
-        "salience.v1 gRPC service (docs/grpc.md), with concept readouts, steering and SAE features.",
+        "(docs/lmtp.md) and the OpenAI API over HTTP (docs/openai.md) on one port, beside GET /health, "
+        "GET /metrics and the browser page (docs/ui.md), and the salience.v1 gRPC service (docs/grpc.md), "
+        "with concept readouts, steering and SAE features.",
     )
     for add_group in (
         _model,
@@ -85,8 +86,8 @@ def _network(serve: argparse.ArgumentParser) -> None:
         type=int,
         default=8080,
         metavar="PORT",
-        help="the LMTP WebSocket at /, GET /health, GET /metrics (Prometheus; behind the token when one is set) "
-        "and the browser page at /ui/ (default: %(default)s)",
+        help="the LMTP WebSocket at /, the OpenAI API at /v1/ (docs/openai.md), GET /health, GET /metrics "
+        "(Prometheus; behind the token when one is set) and the browser page at /ui/ (default: %(default)s)",
     )
     group.add_argument(
         "--lmtp-tcp-port",

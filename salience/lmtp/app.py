@@ -1,4 +1,5 @@
-"""The aiohttp application: LMTP over WebSocket at `/`, `GET /health`, `GET /metrics`, and the page at `/ui/`."""
+"""The aiohttp application: LMTP over WebSocket at `/`, the OpenAI API at `/v1/` (salience.openai),
+`GET /health`, `GET /metrics`, and the page at `/ui/`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import Phase, ServerStatus
 from salience.errors import InvalidArgument
 from salience.lmtp.session import OVERSIZED_FRAME, LmtpConfig, LmtpSession
+from salience.openai import app as openai_app
 from salience.ui import UI_PATH, add_routes
 
 __all__ = ["LMTP_CONFIG", "STATUS", "make_app", "make_metrics_app", "serve_session"]
@@ -181,8 +183,9 @@ async def _close_sockets(app: web.Application) -> None:
 
 
 def make_app(status: ServerStatus, config: LmtpConfig, sessions: SessionStore | None = None) -> web.Application:
-    """The app; `sessions` is shared with the other frontends (by default the app has its own)."""
-    app = web.Application()
+    """The app; `sessions` is shared with the other frontends (by default the app has its own).
+    An HTTP body (the OpenAI API's) may be as large as an LMTP message."""
+    app = web.Application(client_max_size=config.limits.max_message_bytes)
     app[STATUS] = status
     app[LMTP_CONFIG] = config
     app[SESSIONS] = sessions if sessions is not None else SessionStore(status.serving_engine)
@@ -191,6 +194,7 @@ def make_app(status: ServerStatus, config: LmtpConfig, sessions: SessionStore | 
     app.router.add_get("/", lmtp_websocket)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_endpoint)
+    openai_app.add_routes(app, status, config.tokens)
     add_routes(app)
     app.on_shutdown.append(_close_sockets)
     return app

@@ -1,0 +1,173 @@
+"""An OpenAI request run on the core engine: prompts to token ids, each choice a generation, and
+the generations' events as each choice's Steps (choices.py).
+
+Model-dependent checks are the core's (the vocabulary, the context, --max-logprobs, concepts and
+SAEs); they run here under the name of the request field they are about, so a 400 names its
+`param` without a second copy of any check. Every choice is one engine request: with n > 1 (or
+a batch of prompts) they run side by side, and the prefix cache serves their shared prompt.
+Leaving `steps` early (a stop string, a client gone, an error) closes every generation, which
+aborts its request in vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+
+from salience.core.engine.engine import Engine
+from salience.core.engine.generation import Generation
+from salience.core.engine.requests import SamplingOptions
+from salience.openai.choices import Choice, Step
+from salience.openai.errors import naming
+from salience.openai.readings import Readings, layout
+from salience.openai.requests import CHAT, ApiRequest
+from salience.openai.responses import usage
+from salience.openai.tokens import TokenText, token_text
+
+__all__ = ["Run", "prompt_ids"]
+
+# Request fields whose name starts the core's messages about them (`top_p must be ...`,
+# `features.k must be ...`), and the prefix of their param.
+_FIELDS = {
+    **{name: "" for name in ("temperature", "top_p", "seed", "logit_bias", "prompt")},
+    **{name: "salience." for name in ("steer", "features")},
+}
+
+
+def prompt_ids(engine: Engine, request: ApiRequest) -> list[tuple[int, ...]]:
+    """Each prompt's token ids: chat's messages through the model's template; the completions
+    endpoint's texts tokenized as vLLM's server does (with the tokenizer's special tokens)."""
+    if request.kind == CHAT:
+        with naming("messages"):
+            return [engine.chat.render(request.messages)]
+    prompts = []
+    for i, prompt in enumerate(request.prompts):
+        param = "prompt" if len(request.prompts) == 1 else f"prompt[{i}]"
+        with naming(param, fields={"prompt": ""}):
+            if isinstance(prompt, str):
+                prompt = tuple(engine.tokenizer.encode(prompt))
+            prompts.append(tuple(engine.checks.tokens(param, prompt)))
+    return prompts
+
+
+class Run:
+    """A request's choices, started on the engine (`start`); `steps` runs them, `close` ends them."""
+
+    def __init__(self, request: ApiRequest, prompts: Sequence[tuple[int, ...]], pieces: TokenText) -> None:
+        self._request = request
+        self._prompts = prompts
+        self.pieces = pieces
+        self.choices: list[Choice] = []
+        self.layout: dict | None = None  # the readout layout, when the extension asked for readouts
+        self._generations: list[Generation] = []
+        self._ran: set[int] = set()  # the generations `_choice` entered, and so closes
+
+    @classmethod
+    async def start(
+        cls, engine: Engine, request: ApiRequest, prompts: Sequence[tuple[int, ...]], request_id: str
+    ) -> Run:
+        """Every choice checked and submitted, or none: a refused one (a 400) closes the others."""
+        run = cls(request, prompts, token_text(engine.tokenizer))
+        try:
+            run._submit(engine, request_id)
+        except BaseException:
+            await run.close()
+            raise
+        run.layout = layout(request.salience, run._generations[0].concepts)
+        return run
+
+    def _submit(self, engine: Engine, request_id: str) -> None:
+        request, sampling, ext = self._request, self._request.sampling, self._request.salience
+        with naming("top_logprobs" if request.kind == CHAT else "logprobs"):
+            engine.checks.top_k(request.top_logprobs)
+        single = len(self._prompts) * sampling.n == 1
+        for p, prompt in enumerate(self._prompts):
+            max_tokens = sampling.max_tokens or max(engine.max_model_len - len(prompt), 1)
+            with naming("messages" if request.kind == CHAT else "prompt"):
+                engine.checks.room(len(prompt), max_tokens, "max_tokens")
+            extra = ext.engine_arguments(len(prompt), max_tokens) if ext is not None else {}
+            for j in range(sampling.n):
+                index = p * sampling.n + j
+                options = SamplingOptions(
+                    max_tokens=max_tokens,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    seed=None if sampling.seed is None else sampling.seed + j,
+                    logit_bias=sampling.logit_bias,
+                    presence_penalty=sampling.presence_penalty,
+                    frequency_penalty=sampling.frequency_penalty,
+                    logprobs=request.top_logprobs,
+                )
+                with naming("salience" if ext is not None else None, fields=_FIELDS):
+                    generation = engine.generate(
+                        prompt, options, request_id=request_id if single else f"{request_id}-{index}", **extra
+                    )
+                self._generations.append(generation)
+                readings = Readings(ext, generation.concepts, self.pieces) if ext is not None else None
+                self.choices.append(Choice(index, engine.tokenizer, prompt, sampling.stop, readings))
+
+    async def close(self) -> None:
+        """Let go of the generations `steps` never ran (a refused choice, a client gone before
+        they started): their ids, concepts and rows. Those it ran closed themselves."""
+        for i, generation in enumerate(self._generations):
+            if i not in self._ran:
+                await generation.cancel()  # never submitted: it frees what it registered
+                await generation.aclose()
+
+    async def steps(self) -> AsyncIterator[tuple[int, Step]]:
+        """(choice index, step) as the choices make them: in order within a choice, interleaved
+        across choices."""
+        if len(self.choices) == 1:
+            async with contextlib.aclosing(self._choice(0)) as steps:
+                async for step in steps:
+                    yield 0, step
+            return
+        queue: asyncio.Queue[tuple[int, Step | None, Exception | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async with contextlib.aclosing(self._choice(i)) as steps:
+                    async for step in steps:
+                        queue.put_nowait((i, step, None))
+                queue.put_nowait((i, None, None))
+            except Exception as exc:  # the consumer raises it
+                queue.put_nowait((i, None, exc))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.choices))]
+        try:
+            running = len(tasks)
+            while running:
+                i, step, error = await queue.get()
+                if error is not None:
+                    raise error
+                if step is None:
+                    running -= 1
+                    continue
+                yield self.choices[i].index, step
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _choice(self, i: int) -> AsyncIterator[Step]:
+        generation, choice = self._generations[i], self.choices[i]
+        prompt = self._prompts[i // self._request.sampling.n]
+        self._ran.add(i)
+        async with generation:
+            async for event in generation:
+                step = choice.push(event)
+                if choice.tokens == 1 and choice.readings is not None:  # the prompt's rows are in
+                    step.prompt = choice.readings.prompt(prompt, generation.prompt_readouts, generation.prompt_rows)
+                yield step
+                if step.finish is not None and event.finish_reason is None:  # a stop string: abort the rest
+                    return
+            if choice.finish is None:  # cancelled after its last token went out
+                yield choice.end(generation.finish_reason)
+
+    def usage(self) -> dict:
+        """Tokens counted as OpenAI counts them: each prompt once, every choice's completion."""
+        n = self._request.sampling.n
+        cached = sum(self._generations[p * n].cached_tokens or 0 for p in range(len(self._prompts)))
+        completion = sum(choice.tokens for choice in self.choices)
+        return usage(sum(map(len, self._prompts)), completion, cached)
