@@ -123,9 +123,10 @@ class Chunks:
                 lists, self._offsets[index] = self._logprobs.completion_lists([event], self._offsets.get(index, 0))
         choice["logprobs"] = lists
         choice["finish_reason"] = finish
-        extension = _choice_extension([step.entry] if step.entry is not None else None, step.prompt, step.end)
-        if extension is not None:
-            choice["salience"] = extension
+        if step.entry is not None or step.prompt or step.end:  # only with the extension
+            choice["salience"] = _choice_extension(
+                [step.entry] if step.entry is not None else None, step.prompt, step.end
+            )
         return self._chunk(choice)
 
     def usage(self, counts: dict) -> bytes:
