@@ -1,8 +1,10 @@
-"""`salience repl`: type a prompt, watch the text stream in.
+"""`salience repl`: type a question (or a prompt), watch the reply stream in.
 
-Parameters follow the prompt as `key=value` pairs, as in LMQL's own client
+On a model with a chat template each line is the user's turn in a conversation the REPL keeps
+and sends whole as GENERATE `messages` (repl_chat.py); `/raw` makes each line a prompt the model
+continues. Parameters follow the line as `key=value` pairs, as in LMQL's own client
 (`Hello there max_tokens=5 temperature=1.2`); values are read as JSON where
-they parse, never evaluated. The prompt is tokenized by the server (TOKENIZE),
+they parse, never evaluated. The server renders messages and tokenizes prompts (TOKENIZE),
 so no tokenizer is needed here. Ctrl-C stops the running stream (CANCEL) and
 keeps the REPL; Ctrl-D leaves. Line editing and history come from readline.
 
@@ -25,17 +27,27 @@ from typing import Any
 from salience.core.models.home import salience_home
 from salience.core.probes.calibration import calibrated
 from salience.lmtp.client import LmtpClient, LmtpStreamError
+from salience.lmtp.repl_chat import CHAT_COMMANDS, ChatMode, Reply, is_end_of_turn
 from salience.lmtp.repl_features import FeatureView, choose_features, feature_lines
 from salience.lmtp.repl_parsing import parse_line, parse_monitor, parse_steer
+from salience.lmtp.repl_readouts import ReadoutView, choose_readout, readout_summary, readout_table
 
 __all__ = ["run_repl"]
 
 HELP = """\
-  PROMPT [key=value ...]     generate from PROMPT (e.g. max_tokens=32 temperature=0 top_k=40 seed=1)
+  TEXT [key=value ...]       chat mode: your turn in the conversation, the reply streams in; plain
+                             completion: a prompt the model continues. Parameters may follow
+                             (e.g. max_tokens=32 temperature=0 top_k=40 seed=1)
+  /chat                      chat mode (the REPL starts in it where the model has a chat template)
+  /raw                       plain completion (the conversation is kept for /chat)
+  /system [TEXT|off]         show, set or drop the system message (sent first with every turn)
+  /reset                     start the conversation over (the system message stays)
+  /history                   the conversation so far
   /score PROMPT || CONT      logprob of each token of CONT after PROMPT
   /top K                     show the K most likely alternatives of each generated token (0: off)
   /readout                   show every token's concept probabilities (0.00-1.00), each concept at
-                             its recommended layer (a calibrated concept set; docs/readouts.md)
+                             its recommended layer (a calibrated concept set; docs/readouts.md); in
+                             chat mode the reply's tokens, then each concept's mean and max over them
   /readout raw [LAYER]       show every token's raw readouts at LAYER (default: the deepest read)
   /readout off               stop showing readouts
   /features [K] [SAE]        show every token's K most active SAE features (default 5) at the SAE's
@@ -57,7 +69,8 @@ HELP = """\
   /concepts                  every concept the server reads, live or loaded, with its validation
   /save FILE                 write the served concepts, live ones included, as a concept-set file
                              (salience serve --concepts FILE serves them again)
-  /set key=value ...         change the defaults for every generation
+  /set key=value ...         change the defaults for every generation (max_tokens=256 in chat mode,
+                             64 in plain completion; temperature=0)
   /info                      what the server serves
   /help, /quit               this text; leave (Ctrl-D works too)
   Ctrl-C stops the running generation."""
@@ -67,10 +80,11 @@ class Repl:
     def __init__(self, client: LmtpClient, loop: asyncio.AbstractEventLoop) -> None:
         self.client = client
         self.loop = loop
-        self.defaults: dict[str, Any] = {"max_tokens": 64, "temperature": 0.0}
+        # max_tokens, unless /set, is the mode's (ChatMode.max_tokens): a reply runs longer than a completion.
+        self.defaults: dict[str, Any] = {"temperature": 0.0}
         self.top = 0
-        # What readouts are shown: None (off), ("probability", None), or ("raw", the layer shown).
-        self.readout: tuple[str, int | None] | None = None
+        self.chat = ChatMode()
+        self.readout: ReadoutView | None = None  # None: readouts are not shown
         self.steer: list[dict] = []  # sent with every GENERATE and SCORE
         self.monitors: list[dict] = []  # sent with every GENERATE
         self.features: FeatureView | None = None  # asked for with every GENERATE and SCORE
@@ -87,8 +101,12 @@ class Repl:
         command, _, rest = line.partition(" ")
         if command in ("/quit", "/exit"):
             return False
+        if self.chat.template is None:  # the model was loading when the REPL started: ask again
+            self.learn_template()
         if command == "/help":
             print(HELP)
+        elif command in CHAT_COMMANDS:
+            print(self.chat.command(command, rest.strip()))
         elif command == "/top":
             self.top = int(rest or 0)
         elif command == "/readout":
@@ -110,7 +128,8 @@ class Repl:
             self.save(rest.strip())
         elif command == "/set":
             self.defaults.update(parse_line("x " + rest)[1])
-            print(" ".join(f"{k}={json.dumps(v)}" for k, v in self.defaults.items()))
+            defaults = {"max_tokens": self.chat.max_tokens} | self.defaults
+            print(" ".join(f"{k}={json.dumps(v)}" for k, v in defaults.items()))
         elif command == "/info":
             print(json.dumps(self.run(self.client.request("MODEL_INFO"))["model_info"], indent=2))
         elif command == "/score":
@@ -120,9 +139,16 @@ class Repl:
             else:
                 self.stream("SCORE", prompt.rstrip(), {"scored_text": continuation.strip(" ")})
         else:
-            prompt, params = parse_line(line)
-            self.stream("GENERATE", prompt, params)
+            text, params = parse_line(line)
+            self.stream("GENERATE", text, params, chat=self.chat.on)
         return True
+
+    def learn_template(self) -> None:
+        """Whether the model has a chat template, from MODEL_INFO; says so once it knows. Not
+        knowing yet (the model loads, MODEL_INFO fails) leaves the line to run as plain completion."""
+        with contextlib.suppress(LmtpStreamError):
+            if self.chat.learn(self.run(self.client.request("MODEL_INFO"))["model_info"]):
+                print(self.chat.describe())
 
     def manifest(self) -> dict | None:
         if self._manifest is None:
@@ -184,28 +210,8 @@ class Repl:
             self.readout = None
             return
         manifest = self.manifest()
-        if not manifest:
-            print("[error] the server has no concept set: it reads nothing out")
-            return
-        mode, _, layer_arg = arg.partition(" ")
-        if mode == "":
-            if not all(manifest.get("concept_info") or [None]):
-                print("[error] the concept set has no calibration: use /readout raw [LAYER]")
-                return
-            self.readout = ("probability", None)
-            layers = ", ".join(f"{i['name']}@{i['recommended_layer']}" for i in manifest["concept_info"])
-            print(f"concept probabilities, each at its recommended layer: {layers}")
-            return
-        if mode != "raw" or (layer_arg and not layer_arg.strip().isdigit()):
-            print(f"[error] /readout takes nothing, 'raw [LAYER]' or 'off', not {arg!r}")
-            return
-        layers = manifest["layers"]
-        layer = int(layer_arg) if layer_arg.strip() else layers[-1]
-        if layer not in layers:
-            print(f"[error] layer {layer} is not read out; the concept set reads layers {layers}")
-            return
-        self.readout = ("raw", layer)
-        print(f"raw readouts at layer {layer} of {', '.join(manifest['concepts'])}")
+        self.readout = choose_readout(arg, manifest)
+        print(self.readout.header(manifest))
 
     def set_features(self, arg: str) -> None:
         if arg == "off":
@@ -240,9 +246,10 @@ class Repl:
         for intervention in self.steer:
             print(json.dumps(intervention))
 
-    def stream(self, kind: str, prompt: str, params: dict[str, Any]) -> None:
+    def stream(self, kind: str, prompt: str, params: dict[str, Any], *, chat: bool = False) -> None:
+        """Run one GENERATE or SCORE to its end; `chat`: `prompt` is the user's turn."""
         stream_id = self.client.next_stream_id()
-        task = self.loop.create_task(self._stream(kind, stream_id, prompt, params))
+        task = self.loop.create_task(self._stream(kind, stream_id, prompt, params, chat))
         # Ctrl-C as a loop callback, not a KeyboardInterrupt: raised inside whichever task
         # happened to run (the connection's reader, say), it would kill that task.
         cancels: set[asyncio.Task] = set()
@@ -259,18 +266,22 @@ class Repl:
     async def _tokens(self, text: str) -> list[int]:
         return (await self.client.request("TOKENIZE", text=text))["tokens"]
 
-    async def _stream(self, kind: str, stream_id: int, prompt: str, params: dict[str, Any]) -> None:
-        fields: dict[str, Any] = {"prompt": await self._tokens(prompt), "text": True}
+    async def _stream(self, kind: str, stream_id: int, prompt: str, params: dict[str, Any], chat: bool) -> None:
+        fields: dict[str, Any] = {"text": True}
+        if chat:  # the server renders the conversation and sends its ids first (prompt_ids)
+            fields["messages"] = self.chat.conversation.messages(prompt)
+        else:
+            fields["prompt"] = await self._tokens(prompt)
         if kind == "SCORE":
             fields["scored"] = await self._tokens(params["scored_text"])
             fields["top_logprobs"] = self.top
         else:
-            fields |= self.defaults | params
+            fields |= {"max_tokens": self.chat.max_tokens} | self.defaults | params
             fields.setdefault("top_logprobs", self.top)
         if self.readout is not None:
             self._manifest = await self._read_manifest()  # the concepts this stream will read
             fields["readout"] = [[0, 2**31]]  # every position: the prompt's and the generated ones
-            if self.readout[0] == "probability":
+            if self.readout.probability:
                 fields["readout_format"] = "probability"
         if self.steer:
             fields["steer"] = self.steer
@@ -281,7 +292,7 @@ class Repl:
         payloads = []
         async for payload in self.client.stream(kind, stream_id=stream_id, **fields):
             payloads.append(payload)
-            if kind == "GENERATE" and not self.top:
+            if kind == "GENERATE" and not self.top and not (chat and is_end_of_turn(payload)):
                 print(payload.get("text", ""), end="", flush=True)
         scored = [p for p in payloads if "token" in p and not p.get("prompt")]
         if kind == "SCORE" or self.top:
@@ -295,35 +306,31 @@ class Repl:
                 f"[monitor {event['monitor']} {event['action']}: {event['concept']} at layer {event['layer']}, "
                 f"position {event['position']}: p={event['probability']:.3f}]"
             )
+        reply = Reply.of(payloads) if chat else None
+        if reply is not None and (note := self.chat.add(prompt, reply)):
+            print(note)
+        # In chat mode the per-token views cover the reply: the rendered conversation before it is
+        # the template's and the earlier turns', and the end-of-turn token is not the reply's.
+        start = reply.start if reply is not None else 0
+        shown = [p for p in payloads if p.get("position", 0) >= start and not (chat and is_end_of_turn(p))]
         if self.readout is not None:
-            await self._print_readouts([p for p in payloads if "readout" in p])
+            await self._print_readouts([p for p in shown if "readout" in p], summary=chat)
         if self.features is not None:
-            rows = [p for p in payloads if "features" in p]
+            rows = [p for p in shown if "features" in p]
             texts = await asyncio.gather(*(self.client.request("DETOKENIZE", tokens=[p["token"]]) for p in rows))
             print(self.features.header() + ":")
             print("\n".join(feature_lines(rows, [t["text"] for t in texts])))
 
-    async def _print_readouts(self, rows: list[dict]) -> None:
+    async def _print_readouts(self, rows: list[dict], *, summary: bool) -> None:
         """One line per position: its token and each concept's value, at the chosen layer (raw) or
-        at each concept's recommended layer (probabilities)."""
+        at each concept's recommended layer (probabilities); `summary`: then a line per concept."""
         manifest = self.manifest()
         assert manifest is not None and self.readout is not None
-        concepts, layers = manifest["concepts"], manifest["layers"]
-        mode, layer = self.readout
-        if mode == "probability":
-            columns = [
-                layers.index(i["recommended_layer"]) * len(concepts) + k for k, i in enumerate(manifest["concept_info"])
-            ]
-        else:
-            columns = [layers.index(layer) * len(concepts) + k for k in range(len(concepts))]
-        texts = await asyncio.gather(*(self.client.request("DETOKENIZE", tokens=[p["token"]]) for p in rows))
-        widths = [max(10, len(c) + 2) for c in concepts]
-        print(f"{'pos':>5}  {'token':<14}" + "".join(f"{c:>{w}}" for c, w in zip(concepts, widths, strict=True)))
-        for payload, text in zip(rows, texts, strict=True):
-            values = [payload["readout"][c] for c in columns]
-            shape = ".2f" if mode == "probability" else ".4g"
-            cells = "".join(f"{v:>{w}{shape}}" for v, w in zip(values, widths, strict=True))
-            print(f"{payload['position']:>5}  {text['text']!r:<14}" + cells)
+        replies = await asyncio.gather(*(self.client.request("DETOKENIZE", tokens=[p["token"]]) for p in rows))
+        texts = [reply["text"] for reply in replies]
+        print("\n".join(readout_table(self.readout, manifest, rows, texts)))
+        if summary:
+            print("\n".join(readout_summary(self.readout, manifest, rows, texts)))
 
 
 def _describe(payload: dict) -> str:
@@ -355,10 +362,11 @@ def run_repl(url: str) -> int:
         return 2
     repl = Repl(client, loop)
     try:
-        name = repl.run(client.request("MODEL_INFO"))["model_info"]
+        info = repl.run(client.request("MODEL_INFO"))["model_info"]
     except LmtpStreamError as exc:
-        name = f"<{exc}>"
-    print(f"connected to {url} ({name['model'] if isinstance(name, dict) else name}); /help for commands")
+        info = f"<{exc}>"
+    mode = f"{repl.chat.describe()}; " if repl.chat.learn(info) else ""
+    print(f"connected to {url} ({info['model'] if isinstance(info, dict) else info}); {mode}/help for commands")
     _setup_readline()
     try:
         while True:

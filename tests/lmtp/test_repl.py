@@ -1,9 +1,11 @@
-"""`salience repl` driven through a real pseudo-terminal against the tiny model's server."""
+"""`salience repl` driven through a real pseudo-terminal against the tiny model's server (no chat
+template: plain completion), and against the default model's (chat mode)."""
 
 from __future__ import annotations
 
 import asyncio
 import fcntl
+import itertools
 import os
 import pty
 import re
@@ -13,6 +15,7 @@ import sys
 import termios
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,8 +25,11 @@ from salience.core.engine.engine import Engine
 from salience.core.features.sae import load_sae
 from salience.core.probes.concepts import ConceptSet
 from salience.lmtp.client import LmtpClient
+from salience.lmtp.repl import Repl
+from salience.lmtp.repl_chat import ChatMode, Conversation, Reply, Turn
 from salience.lmtp.repl_features import choose_features
 from salience.lmtp.repl_parsing import parse_line, parse_monitor, parse_steer
+from salience.lmtp.repl_readouts import ReadoutView, choose_readout, readout_summary, readout_table
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
 from tests.inprocess import frontends
 from tests.lmtp.conftest import LmtpServer
@@ -356,6 +362,354 @@ async def test_repl_shows_each_tokens_top_features(sae_url: str) -> None:
         terminal.send("def max_tokens=1\r")
         out = await terminal.expect(r"\[\w+\]\s*\n.*>>> ")
         assert "features of SAE" not in out
+        terminal.send("/quit\r")
+        await asyncio.to_thread(terminal.process.wait, 30)
+        assert terminal.process.returncode == 0
+    finally:
+        terminal.close()
+
+
+def test_a_conversation_sends_every_turn_and_prints_its_history() -> None:
+    conversation = Conversation()
+    assert conversation.messages("Hi") == [{"role": "user", "content": "Hi"}]
+    assert conversation.history() == ["(no conversation yet)"]
+    conversation.system = "Be brief."
+    conversation.turns.append(Turn("Capital of France?", "Paris.\nA city."))
+    assert conversation.messages("And Italy?") == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "Paris.\nA city."},
+        {"role": "user", "content": "And Italy?"},
+    ]
+    assert conversation.history() == [
+        "system: Be brief.",
+        "user: Capital of France?",
+        "assistant: Paris.\n           A city.",  # a later line under the first
+    ]
+
+
+def _chat_payloads(finish: str, texts: tuple[str, ...] = ("Paris", ".")) -> list[dict]:
+    """A chat GENERATE's payloads as the server sends them: the rendered ids, a prompt readout row,
+    the reply's tokens, and (finish "stop") the end-of-turn token."""
+    payloads: list[dict] = [
+        {"stream_id": 1, "prompt_ids": [1, 2, 3, 4]},
+        {"stream_id": 1, "token": 4, "position": 3, "prompt": True, "finish_reason": None, "readout": [0.5]},
+    ]
+    for i, text in enumerate(texts):
+        payloads.append({"stream_id": 1, "token": 10 + i, "position": 4 + i, "text": text, "finish_reason": None})
+    if finish == "stop":
+        payloads.append({"stream_id": 1, "token": 2, "position": 4 + len(texts), "text": "<|im_end|>"})
+    payloads[-1]["finish_reason"] = finish
+    return payloads
+
+
+def test_a_reply_ends_before_the_end_of_turn_token() -> None:
+    reply = Reply.of(_chat_payloads("stop"))
+    assert (reply.start, reply.text, reply.finish, reply.kept) == (4, "Paris.", "stop", True)
+    assert [p["token"] for p in reply.tokens] == [10, 11]
+    assert Reply.of(_chat_payloads("length")).text == "Paris."  # cut short: every token is the reply's
+    monitor = Reply.of(_chat_payloads("monitor:code"))  # a monitor's stop token is the reply's too
+    assert monitor.text == "Paris." and monitor.kept
+    cancelled = Reply.of(_chat_payloads("cancelled"))
+    assert cancelled.kept and cancelled.text == "Paris."  # what was said stays
+    silent = Reply.of([{"stream_id": 1, "prompt_ids": [1, 2]}, {"stream_id": 1, "finish_reason": "cancelled"}])
+    assert (silent.start, silent.text, silent.kept) == (2, "", False)  # nothing said: the turn goes
+    assert Reply.of([{"stream_id": 1, "finish_reason": "cancelled"}]).start == 0  # cancelled before rendering
+
+
+def test_chat_mode_commands() -> None:
+    chat = ChatMode()
+    assert not chat.learn("<unavailable>") and chat.template is None  # the model is loading
+    assert chat.command("/chat", "") == "[error] the model is still loading"
+    assert chat.learn({"model": "m", "chat_template": True}) and chat.on and chat.max_tokens == 256
+    assert not chat.learn({"model": "m", "chat_template": False})  # learnt once
+    assert chat.describe().startswith("chat mode: each line is your turn")
+    assert chat.command("/raw", "").startswith("plain completion: each line is a prompt") and not chat.on
+    assert chat.max_tokens == 64
+    assert chat.command("/chat", "").startswith("chat mode") and chat.on
+    assert chat.command("/system", "") == "no system message (a chat template may add its own)"
+    assert chat.command("/system", "Be brief.") == "system: Be brief."
+    assert chat.command("/system", "") == "system: Be brief."
+    assert chat.add("Hi", Reply.of(_chat_payloads("stop"))) is None
+    assert chat.add("More", Reply.of(_chat_payloads("cancelled"))) == "[the partial reply stays in the conversation]"
+    assert chat.command("/history", "").splitlines() == [
+        "system: Be brief.",
+        "user: Hi",
+        "assistant: Paris.",
+        "user: More",
+        "assistant: Paris.",
+    ]
+    silent = Reply.of([{"stream_id": 1, "prompt_ids": [1]}, {"stream_id": 1, "finish_reason": "cancelled"}])
+    assert chat.add("Again", silent) == "[the turn is dropped]" and len(chat.conversation.turns) == 2
+    assert chat.command("/reset", "") == "conversation cleared (the system message stays)"
+    assert chat.conversation.turns == [] and chat.conversation.system == "Be brief."
+    assert chat.command("/system", "off") == "no system message (a chat template may add its own)"
+    assert chat.command("/reset", "") == "conversation cleared"
+
+    plain = ChatMode()
+    assert plain.learn({"model": "tiny"}) and not plain.on  # no chat_template field: an older server
+    assert plain.describe() == "plain completion: the model has no chat template"
+    assert plain.command("/chat", "").startswith("[error] the model has no chat template, so each line stays")
+    assert not plain.on
+
+
+# Two concepts read at layers 0 and 2: a row is [a@0, b@0, a@2, b@2].
+MANIFEST = {
+    "concepts": ["alpha", "beta"],
+    "layers": [0, 2],
+    "concept_info": [{"name": "alpha", "recommended_layer": 2}, {"name": "beta", "recommended_layer": 0}],
+}
+
+
+def test_a_reply_summary_has_each_concepts_mean_and_max() -> None:
+    rows = [
+        {"position": 7, "readout": [0.0, 0.1, 0.2, 0.9]},
+        {"position": 8, "readout": [0.0, 0.7, 0.6, 0.9]},
+        {"position": 9, "readout": [0.0, 0.7, 0.4, 0.9]},
+    ]
+    texts = ["The", " capital", " is"]
+    view = choose_readout("", MANIFEST)
+    assert view == ReadoutView("probability") and view.columns(MANIFEST) == [2, 1]
+    assert readout_table(view, MANIFEST, rows, texts)[1].split() == ["7", "'The'", "0.20", "0.10"]
+    assert readout_summary(view, MANIFEST, rows, texts) == [
+        "the reply's 3 tokens (positions 7-9), each concept's mean and largest probability:",
+        "  alpha  mean 0.40  max 0.60 at ' capital' (position 8)",
+        "  beta   mean 0.50  max 0.70 at ' capital' (position 8)",  # the first of equal maxima
+    ]
+    raw = choose_readout("raw", MANIFEST)
+    assert raw == ReadoutView("raw", 2) and raw.columns(MANIFEST) == [2, 3]
+    assert readout_summary(raw, MANIFEST, rows, texts)[0].endswith("mean and largest raw value at layer 2:")
+    assert readout_summary(view, MANIFEST, [], []) == ["no reply tokens were read out"]
+    for arg, manifest, message in (
+        ("two", MANIFEST, "/readout takes nothing, 'raw [LAYER]' or 'off', not 'two'"),
+        ("raw 1", MANIFEST, "layer 1 is not read out; the concept set reads layers [0, 2]"),
+        ("raw x", MANIFEST, "not 'raw x'"),
+        ("", MANIFEST | {"concept_info": None}, "the concept set has no calibration"),
+        ("", None, "the server has no concept set"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            choose_readout(arg, manifest)
+
+
+class ScriptedClient:
+    """In place of LmtpClient: answers as a server on a model with a chat template and MANIFEST's
+    concepts would, each stream with the next scripted payloads, and keeps what it was sent."""
+
+    def __init__(self, streams: list[list[dict]]) -> None:
+        self.streams = streams
+        self.sent: list[dict] = []
+        self._ids = itertools.count(1)
+
+    def next_stream_id(self) -> int:
+        return next(self._ids)
+
+    async def request(self, kind: str, **fields) -> dict:
+        if kind == "MODEL_INFO":
+            return {"model_info": {"model": "m", "chat_template": True, "readout_manifest": MANIFEST}}
+        if kind == "TOKENIZE":
+            return {"tokens": [5, 6]}
+        assert kind == "DETOKENIZE"
+        return {"text": f"<{fields['tokens'][0]}>"}
+
+    async def stream(self, kind: str, *, stream_id: int, **fields) -> AsyncIterator[dict]:
+        self.sent.append(fields)
+        for payload in self.streams.pop(0):
+            yield payload
+
+    async def cancel(self, stream_id: int) -> None:
+        raise AssertionError("nothing is cancelled here")
+
+
+def test_chat_mode_sends_the_conversation_and_shows_the_replys_readouts(capsys: pytest.CaptureFixture) -> None:
+    with_readouts = _chat_payloads("stop")
+    for payload, row in zip(
+        with_readouts[1:], ([0.1] * 4, [0.0, 0.3, 0.8, 0.0], [0.0, 0.5, 0.4, 0.0], [0.9] * 4), strict=True
+    ):
+        payload["readout"] = row  # the prompt's last position, the reply's two tokens, the end of turn
+    client = ScriptedClient([_chat_payloads("stop"), with_readouts, _chat_payloads("length")])
+    loop = asyncio.new_event_loop()
+    try:
+        repl = Repl(client, loop)  # type: ignore[arg-type]
+        repl.learn_template()
+        assert repl.chat.on and capsys.readouterr().out.startswith("chat mode")
+        repl.handle("Capital of France? max_tokens=8")
+        assert capsys.readouterr().out == "Paris.\n[stop]\n"  # no <|im_end|>
+        assert client.sent[0]["messages"] == [{"role": "user", "content": "Capital of France?"}]
+        assert client.sent[0]["max_tokens"] == 8 and "prompt" not in client.sent[0]
+        repl.handle("/readout")
+        repl.handle("And Italy?")
+        assert client.sent[1]["max_tokens"] == 256 and client.sent[1]["readout_format"] == "probability"
+        assert client.sent[1]["messages"][1:] == [
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And Italy?"},
+        ]
+        out = capsys.readouterr().out.splitlines()
+        table = out.index(next(line for line in out if line.lstrip().startswith("pos")))
+        assert [line.split()[:2] for line in out[table + 1 :]] == [
+            ["4", "'<10>'"],  # the reply's tokens only: not the prompt's, not the end of turn
+            ["5", "'<11>'"],
+            ["the", "reply's"],
+            ["alpha", "mean"],
+            ["beta", "mean"],
+        ]
+        assert out[-2:] == [
+            "  alpha  mean 0.60  max 0.80 at '<10>' (position 4)",
+            "  beta   mean 0.40  max 0.50 at '<11>' (position 5)",
+        ]
+        repl.handle("/readout off")
+        repl.handle("/raw")
+        repl.handle("Once upon a time")
+        assert client.sent[2]["prompt"] == [5, 6] and "messages" not in client.sent[2]
+        assert client.sent[2]["max_tokens"] == 64
+        assert capsys.readouterr().out.endswith("Paris.\n[length]\n")
+        assert len(repl.chat.conversation.turns) == 2  # a prompt is not a turn
+    finally:
+        loop.close()
+
+
+async def test_repl_without_a_chat_template_stays_plain(lmtp_server: LmtpServer) -> None:
+    terminal = Terminal([SALIENCE, "repl", lmtp_server.url.replace("http://", "ws://")])
+    try:
+        await terminal.expect(r"connected to .*\(tiny\); plain completion: the model has no chat template; /help")
+        await terminal.expect(">>> ")
+        terminal.send("/chat\r")
+        await terminal.expect(
+            r"\[error\] the model has no chat template, so each line stays a plain prompt "
+            r"\(start the server with --chat-template FILE to chat\)"
+        )
+        terminal.send("/set\r")
+        await terminal.expect(r"max_tokens=64 temperature=0\.0")
+        terminal.send("def hello max_tokens=3 ignore_eos=true\r")
+        await terminal.expect(r"\[length\]")
+        terminal.send("/history\r")
+        await terminal.expect(r"\(no conversation yet\)")  # a prompt is not a turn
+        terminal.send("/quit\r")
+        await asyncio.to_thread(terminal.process.wait, 30)
+        assert terminal.process.returncode == 0
+    finally:
+        terminal.close()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def chat_url(default_engine: Engine, default_model: Path) -> AsyncIterator[str]:
+    """The default model (SmolLM2, with its chat template) and its calibrated concept set."""
+    async with frontends(default_engine, default_model.name) as served:
+        yield served.ws
+
+
+@dataclass(frozen=True)
+class DirectReply:
+    start: int  # len(prompt_ids): the reply's first position
+    text: str  # without the end-of-turn token's
+    tokens: int  # the reply's tokens, the end-of-turn token not counted
+
+
+async def _direct_chat(url: str, messages: list[dict], max_tokens: int) -> DirectReply:
+    """The REPL's chat request made directly over LMTP, read without the REPL's code."""
+    client = await LmtpClient.connect(url)
+    try:
+        fields = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "text": True}
+        payloads = [p async for p in client.stream("GENERATE", **fields)]
+    finally:
+        await client.close()
+    assert "prompt_ids" in payloads[0]
+    tokens = [p for p in payloads if "token" in p]
+    if tokens[-1]["finish_reason"] == "stop":
+        assert tokens[-1]["text"] == "<|im_end|>"  # the default model's EOS ends the turn
+        tokens.pop()
+    return DirectReply(len(payloads[0]["prompt_ids"]), "".join(p["text"] for p in tokens), len(tokens))
+
+
+def _shown_reply(out: str, line: str) -> str:
+    """The reply as the terminal shows it: after the echoed line, up to the `[finish]` line."""
+    body = out.replace("\r\n", "\n").replace("\r", "")
+    body = body[body.index(line) + len(line) :]
+    return body.removeprefix("\n").rsplit("\n[", 1)[0]
+
+
+async def test_repl_chats_on_a_model_with_a_template(chat_url: str, default_engine: Engine) -> None:
+    assert default_engine.readouts is not None
+    concepts = list(default_engine.readouts.manifest.concepts)
+    question, follow_up = "What is the capital of France?", "And of Italy?"
+    terminal = Terminal([SALIENCE, "repl", chat_url])
+    try:
+        await terminal.expect(r"connected to .*; chat mode: each line is your turn .*/help for commands")
+        await terminal.expect(">>> ")
+        line = f"{question} max_tokens=48"
+        terminal.send(line + "\r")
+        out = await terminal.expect(r"\n\[(stop|length)\]")
+        first = await _direct_chat(chat_url, [{"role": "user", "content": question}], 48)
+        assert first.text.strip() and "<|im_end|>" not in out  # answered, and the end of turn not printed
+        assert _shown_reply(out, line) == first.text
+        await terminal.expect(">>> ")
+
+        terminal.send("/history\r")
+        out = (await terminal.expect(r"assistant: .*\n")).replace("\r", "")
+        assert f"user: {question}\nassistant: {first.text.splitlines()[0]}" in out
+
+        terminal.send("/readout\r")
+        await terminal.expect(r"concept probabilities, each at its recommended layer: ")
+        terminal.send(f"{follow_up} max_tokens=24\r")
+        summary = r"each concept's mean and largest probability:\s*\n" + r"(?:.*\n)" * len(concepts)
+        out = (await terminal.expect(r"\n\[(stop|length)\]\s*\n(?:.*\n)*?.*" + summary)).replace("\r", "")
+        turns = [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": follow_up},
+        ]
+        second = await _direct_chat(chat_url, turns, 24)  # the whole conversation was sent
+        lines = out.splitlines()
+        table = lines.index(next(line for line in lines if re.match(r"\s+pos\s+token\s", line)))
+        rows = [line.split() for line in lines[table + 1 : table + 1 + second.tokens]]
+        assert [int(row[0]) for row in rows] == list(range(second.start, second.start + second.tokens))
+        assert lines[table + 1 + second.tokens].startswith(f"the reply's {second.tokens} tokens (positions ")
+        for k, concept in enumerate(concepts):
+            shown = [row[len(row) - len(concepts) + k] for row in rows]
+            match = re.search(
+                rf"\n  {re.escape(concept)}\s+mean (\d\.\d\d)  max (\d\.\d\d) at .* \(position (\d+)\)\n", out
+            )
+            assert match, f"no summary line for {concept}:\n{out}"
+            mean, top, position = float(match[1]), match[2], int(match[3])
+            assert mean == pytest.approx(sum(map(float, shown)) / len(shown), abs=0.011)  # of rounded values
+            assert top == max(shown, key=float) == shown[position - second.start]
+        await terminal.expect(">>> ")
+
+        terminal.send("/readout off\r")
+        await terminal.expect(">>> ")  # typed before readline reads it, the story would be echoed twice
+        story = "Tell me a long story."
+        terminal.send(f"{story} max_tokens=1500 ignore_eos=true\r")
+        await terminal.expect(re.escape(story) + r".*\n.+", timeout=30)  # the reply is streaming
+        terminal.send("\x03")
+        await terminal.expect(r"\[cancelled\]\s*\n\[the partial reply stays in the conversation\]")
+        await terminal.expect(">>> ")
+        for _ in range(50):  # the abort may take a step to land
+            if default_engine.num_unfinished_requests() == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert default_engine.num_unfinished_requests() == 0
+        terminal.send("/history\r")
+        out = (await terminal.expect(rf"user: {re.escape(story)}\r?\nassistant: .*\n")).replace("\r", "")
+        assert re.findall(r"^user: (.*)$", out, re.M) == [question, follow_up, story]
+
+        terminal.send("/system Answer in one word.\r")
+        await terminal.expect(r"system: Answer in one word\.")
+        terminal.send("/reset\r")
+        await terminal.expect(r"conversation cleared \(the system message stays\)")
+        terminal.send("/history\r")
+        out = await terminal.expect(r"system: Answer in one word\.\s*\n.*>>> ")
+        assert "user:" not in out
+
+        terminal.send("/raw\r")
+        await terminal.expect(r"plain completion: each line is a prompt the model continues")
+        terminal.send("/set\r")
+        await terminal.expect(r"max_tokens=64 temperature=0\.0")
+        terminal.send("The capital of France is max_tokens=4 ignore_eos=true\r")
+        await terminal.expect(r"\[length\]")
+        terminal.send("/history\r")  # a prompt is not a turn
+        out = await terminal.expect(r"system: Answer in one word\.\s*\n.*>>> ")
+        assert "user:" not in out
+        terminal.send("/chat\r")
+        await terminal.expect(r"chat mode: each line is your turn")
         terminal.send("/quit\r")
         await asyncio.to_thread(terminal.process.wait, 30)
         assert terminal.process.returncode == 0
