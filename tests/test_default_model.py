@@ -3,27 +3,22 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 from transformers import AutoTokenizer
 
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import SamplingOptions
 from salience.core.models.atomic import build_folder_once
-from tests.conftest import start_engine
 from tests.reference import Reference, assert_logprobs_match
 
 TOL = 1e-4
 
 
-@pytest_asyncio.fixture(scope="module")
-async def engine(default_model: Path) -> AsyncIterator[Engine]:
-    engine = await start_engine(default_model, max_model_len=2048)
-    yield engine
-    engine.shutdown()
+@pytest.fixture(scope="module")
+def engine(default_engine: Engine) -> Engine:
+    return default_engine  # compiled, with the concept taps: as `salience serve` runs it
 
 
 @pytest.fixture(scope="module")

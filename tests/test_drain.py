@@ -20,6 +20,7 @@ from pathlib import Path
 
 import aiohttp
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -194,6 +195,7 @@ def vllm_sample(text: str, name: str) -> float:
     return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
+@pytest.mark.multiprocess
 async def test_drain_timeout_cancels_what_is_left_multiprocess(tiny_model: Path) -> None:
     """Also: vLLM's engine metrics reach the frontend's registry when the worker is a process of its own."""
     n, max_tokens = 4, 1000

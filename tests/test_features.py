@@ -320,6 +320,7 @@ async def test_an_sae_that_does_not_fit_the_model_is_refused_before_vllm_starts(
         await start_engine(tiny_model, concepts=tiny_concepts, saes=(twice, twice))
 
 
+@pytest.mark.multiprocess
 async def test_tensor_parallel_two_ranks_carry_residual_rows_and_features(
     tiny_model: Path, tiny_concepts: ConceptSet, tiny_reference: Reference, saes: dict[str, SparseAutoencoder]
 ) -> None:

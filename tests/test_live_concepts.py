@@ -34,7 +34,7 @@ GREEDY = SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True, logprob
 
 @pytest_asyncio.fixture(scope="module", params=["eager", "compiled"])
 async def engine(request: pytest.FixtureRequest, tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Engine]:
-    engine = await start_engine(
+    engine = await start_engine(  # a configuration of this module's own: not shared
         tiny_model,
         max_model_len=1024,
         concepts=tiny_concepts,

@@ -21,18 +21,16 @@ from salience.core.probes.steering import Intervention, Op
 from salience.grpc_frontend.client import AsyncSalienceClient
 from salience.lmtp.client import LmtpClient, LmtpStreamError
 from salience.lmtp.session import LmtpConfig
-from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, drop_live_concepts, start_engine
+from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, drop_live_concepts
 from tests.inprocess import Frontends, frontends
 
 PROMPT = [0, *range(100, 130)]
 ACCESS, OPERATOR = "access-token", "operator-token"
 
 
-@pytest_asyncio.fixture(scope="module")
-async def engine(tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Engine]:
-    engine = await start_engine(tiny_model, max_model_len=1024, concepts=tiny_concepts, spare_concepts=4)
-    yield engine
-    engine.shutdown()
+@pytest.fixture(scope="module")
+def engine(read_engine: Engine) -> Engine:
+    return read_engine
 
 
 @pytest_asyncio.fixture(scope="module")

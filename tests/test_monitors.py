@@ -343,19 +343,16 @@ async def test_bad_monitors_get_their_error_and_nothing_else_changes(served: Fro
     assert engine.num_unfinished_requests() == 0
 
 
-async def test_an_uncalibrated_set_says_so(tiny_model: Path, tiny_concepts: ConceptSet, tiny_engine: Engine) -> None:
+async def test_an_uncalibrated_set_says_so(tiny_engine: Engine, read_engine: Engine) -> None:
     with pytest.raises(InvalidArgument, match="no concept set loaded"):
         tiny_engine.calibration()
-    engine = await start_engine(tiny_model, max_model_len=512, concepts=tiny_concepts)
-    try:
-        assert engine.readouts.manifest.concept_info == (None,) * len(TINY_CONCEPTS)
-        with pytest.raises(InvalidArgument, match="no calibration for alpha, beta, gamma, delta, epsilon"):
-            engine.generate(PROMPTS[0], GREEDY, monitors=[Monitor(concept="alpha", above=0.5, action=Action.STOP)])
-        # Raw readouts are untouched.
-        events = [e async for e in engine.generate(PROMPTS[0], GREEDY, readout_ranges=[(20, 22)])]
-        assert events[0].readout is not None and not math.isnan(events[0].readout[0])
-    finally:
-        engine.shutdown()
+    engine = read_engine  # tiny_concepts: random vectors, never calibrated
+    assert engine.readouts.manifest.concept_info == (None,) * len(TINY_CONCEPTS)
+    with pytest.raises(InvalidArgument, match="no calibration for alpha, beta, gamma, delta, epsilon"):
+        engine.generate(PROMPTS[0], GREEDY, monitors=[Monitor(concept="alpha", above=0.5, action=Action.STOP)])
+    # Raw readouts are untouched.
+    events = [e async for e in engine.generate(PROMPTS[0], GREEDY, readout_ranges=[(20, 22)])]
+    assert events[0].readout is not None and not math.isnan(events[0].readout[0])
 
 
 async def _collect(stream) -> list[dict]:

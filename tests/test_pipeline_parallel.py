@@ -29,6 +29,8 @@ from tests.reference import (
 )
 from tests.test_steering import check_against_reference, steer
 
+pytestmark = pytest.mark.multiprocess
+
 PROMPTS = [[0, *range(60 + 11 * i, 90 + 11 * i)] for i in range(8)]
 GREEDY = SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
 

@@ -25,6 +25,8 @@ from salience.errors import ModelError
 from tests import test_pipeline_parallel as pp
 from tests.conftest import start_engine
 
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator:

@@ -14,6 +14,7 @@ from salience.core.engine.requests import SamplingOptions
 from salience.core.probes.concepts import ConceptSet
 from salience.errors import InvalidArgument, ModelError
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
+from tests.engines import EnginePool
 from tests.reference import (
     Reference,
     assert_readout_close,
@@ -32,10 +33,14 @@ def concepts(tiny_concepts: ConceptSet) -> ConceptSet:
 
 
 @pytest_asyncio.fixture(scope="module", params=["eager", "compiled"])
-async def engine(request: pytest.FixtureRequest, tiny_model: Path, concepts: ConceptSet) -> AsyncIterator[Engine]:
-    engine = await start_engine(tiny_model, max_model_len=1024, concepts=concepts, compile=request.param == "compiled")
-    yield engine
-    engine.shutdown()
+async def engine(
+    request: pytest.FixtureRequest, engines: EnginePool, tiny_model: Path, concepts: ConceptSet
+) -> AsyncIterator[Engine]:
+    compiled = request.param == "compiled"
+    async with engines.engine(
+        tiny_model, served_model_name="tiny", max_model_len=1024, concepts=concepts, compile=compiled
+    ) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
@@ -374,6 +379,7 @@ async def test_readouts_over_lmtp(engine: Engine, concepts: ConceptSet) -> None:
         await runner.cleanup()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 async def test_multiprocess_layout_and_chunked_prefill(
     tiny_model: Path, concepts: ConceptSet, reference: Reference, mode: str
@@ -404,6 +410,7 @@ async def test_multiprocess_layout_and_chunked_prefill(
         chunked.shutdown()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 async def test_tensor_parallel_two_ranks(
     tiny_model: Path, concepts: ConceptSet, reference: Reference, mode: str

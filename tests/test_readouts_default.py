@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 import torch
 
-from salience.cli import _default_concepts
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import SamplingOptions
 from salience.core.probes import fitting
@@ -21,18 +19,14 @@ from tests.reference import Reference, assert_readouts_close, probabilities, ref
 
 
 @pytest.fixture(scope="module")
-def concepts(default_model: Path) -> ConceptSet:
-    concept_set = ConceptSet.load(_default_concepts(default_model))
-    concept_set.check_model(default_model)
-    return concept_set
+def concepts(default_concepts: ConceptSet) -> ConceptSet:
+    return default_concepts
 
 
-@pytest_asyncio.fixture(scope="module")
-async def engine(default_model: Path, concepts: ConceptSet) -> AsyncIterator[Engine]:
+@pytest.fixture(scope="module")
+def engine(default_engine: Engine) -> Engine:
     # Compiled, as `salience serve` runs it by default; the eager path is proven on the tiny model.
-    engine = await start_engine(default_model, max_model_len=2048, concepts=concepts, compile=True)
-    yield engine
-    engine.shutdown()
+    return default_engine
 
 
 def test_default_set_has_recognisable_concepts(concepts: ConceptSet) -> None:

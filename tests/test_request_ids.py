@@ -13,19 +13,17 @@ import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
 
-from salience.core.probes.concepts import ConceptSet
+from salience.core.engine.engine import Engine
 from salience.lmtp.codec import LmtpError, parse_client_line, parse_server_line
 from salience.logs import LogfmtFormatter, RequestIdFilter
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
-from tests.conftest import start_engine
 from tests.inprocess import Frontends, frontends
 from tests.test_metrics import line, ws_stream
 
@@ -34,11 +32,9 @@ HEX32 = re.compile(r"[0-9a-f]{32}")
 
 
 @pytest_asyncio.fixture(scope="module")
-async def server(tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Frontends]:
-    engine = await start_engine(tiny_model, served_model_name="tiny", max_model_len=1024, concepts=tiny_concepts)
-    async with frontends(engine) as served:
+async def server(read_engine: Engine) -> AsyncIterator[Frontends]:
+    async with frontends(read_engine) as served:
         yield served
-    engine.shutdown()
 
 
 class Lines:

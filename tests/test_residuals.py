@@ -26,7 +26,7 @@ from salience.proto.salience.ext.v1 import extensions_pb2 as ext
 from salience.proto.salience.ext.v1 import extensions_pb2_grpc
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
-from tests.conftest import start_engine
+from tests.engines import EnginePool
 from tests.inprocess import frontends
 from tests.reference import Reference
 
@@ -35,12 +35,14 @@ GREEDY = SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 @pytest_asyncio.fixture(scope="module", params=["eager", "compiled"])
-async def engine(request: pytest.FixtureRequest, tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Engine]:
-    engine = await start_engine(
-        tiny_model, max_model_len=1024, concepts=tiny_concepts, compile=request.param == "compiled"
-    )
-    yield engine
-    engine.shutdown()
+async def engine(
+    request: pytest.FixtureRequest, engines: EnginePool, tiny_model: Path, tiny_concepts: ConceptSet
+) -> AsyncIterator[Engine]:
+    compiled = request.param == "compiled"
+    async with engines.engine(
+        tiny_model, served_model_name="tiny", max_model_len=1024, concepts=tiny_concepts, compile=compiled
+    ) as engine:
+        yield engine
 
 
 def assert_rows(rows: dict[int, np.ndarray], reference: Reference, ids: list[int], layers: tuple[int, ...]) -> None:

@@ -18,6 +18,7 @@ from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import MAX_INTERVENTIONS, Intervention, Op
 from salience.errors import InvalidArgument
 from tests.conftest import TINY_LAYERS, start_engine
+from tests.engines import EnginePool
 from tests.reference import (
     Reference,
     assert_logprobs_match,
@@ -32,12 +33,14 @@ GREEDY = SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True, logprob
 
 
 @pytest_asyncio.fixture(scope="module", params=["eager", "compiled"])
-async def engine(request: pytest.FixtureRequest, tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Engine]:
-    engine = await start_engine(
-        tiny_model, max_model_len=1024, concepts=tiny_concepts, compile=request.param == "compiled"
-    )
-    yield engine
-    engine.shutdown()
+async def engine(
+    request: pytest.FixtureRequest, engines: EnginePool, tiny_model: Path, tiny_concepts: ConceptSet
+) -> AsyncIterator[Engine]:
+    compiled = request.param == "compiled"
+    async with engines.engine(
+        tiny_model, served_model_name="tiny", max_model_len=1024, concepts=tiny_concepts, compile=compiled
+    ) as engine:
+        yield engine
 
 
 def steer(direction: str, layers, op: str, value: float = 0.0, **positions) -> Intervention:
@@ -315,6 +318,7 @@ async def test_a_steering_set_and_a_server_without_steering(
         off.shutdown()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 async def test_tensor_parallel_ranks_steer_alike(
     tiny_model: Path, tiny_concepts: ConceptSet, tiny_reference: Reference, mode: str

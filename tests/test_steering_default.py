@@ -3,17 +3,13 @@ what a person expects."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 
-from salience.cli import _default_concepts
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import SamplingOptions
 from salience.core.probes.concepts import ConceptSet
-from tests.conftest import start_engine
 from tests.reference import (
     Reference,
     assert_logprobs_match,
@@ -28,16 +24,14 @@ AFTER_SINK = ((1, 10_000),)
 
 
 @pytest.fixture(scope="module")
-def concepts(default_model: Path) -> ConceptSet:
-    return ConceptSet.load(_default_concepts(default_model))
+def concepts(default_concepts: ConceptSet) -> ConceptSet:
+    return default_concepts
 
 
-@pytest_asyncio.fixture(scope="module")
-async def engine(default_model: Path, concepts: ConceptSet) -> AsyncIterator[Engine]:
+@pytest.fixture(scope="module")
+def engine(default_engine: Engine) -> Engine:
     # Compiled, as `salience serve` runs it; the eager path is proven on the tiny model.
-    engine = await start_engine(default_model, max_model_len=2048, concepts=concepts, compile=True)
-    yield engine
-    engine.shutdown()
+    return default_engine
 
 
 @pytest.fixture(scope="module")

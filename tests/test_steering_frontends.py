@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -13,7 +12,6 @@ import pytest_asyncio
 
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import SamplingOptions
-from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import Intervention, Op
 from salience.grpc_frontend.client import AsyncSalienceClient
 from salience.lmtp.client import LmtpClient, LmtpStreamError
@@ -21,7 +19,7 @@ from salience.proto.salience.ext.v1 import extensions_pb2 as ext
 from salience.proto.salience.ext.v1 import extensions_pb2_grpc
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
-from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
+from tests.conftest import TINY_CONCEPTS, TINY_LAYERS
 from tests.inprocess import Frontends, frontends
 
 PROMPT = [0, *range(100, 130)]
@@ -29,11 +27,9 @@ FRENCH_LIKE = {"direction": "beta", "layers": [2], "op": "add", "value": 6.0, "p
 CORE = Intervention(direction="beta", layers=(2,), op=Op.ADD, value=6.0, prompt=True, generated=True)
 
 
-@pytest_asyncio.fixture(scope="module")
-async def engine(tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Engine]:
-    engine = await start_engine(tiny_model, max_model_len=1024, concepts=tiny_concepts)
-    yield engine
-    engine.shutdown()
+@pytest.fixture(scope="module")
+def engine(read_engine: Engine) -> Engine:
+    return read_engine
 
 
 @pytest_asyncio.fixture(scope="module")

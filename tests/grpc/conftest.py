@@ -5,18 +5,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest_asyncio
 
 from salience.auth import Tokens
 from salience.core.engine.engine import Engine
-from salience.core.probes.concepts import ConceptSet
 from salience.core.serving.sessions import SessionLimits, SessionStore
 from salience.core.serving.status import ServerStatus
 from salience.grpc_frontend.client import AsyncSalienceClient
 from salience.grpc_frontend.server import GrpcServer, start_grpc_server
-from tests.conftest import start_engine
 
 MODEL = "tiny"
 
@@ -37,10 +34,9 @@ ServerFactory = Callable[..., AbstractAsyncContextManager[Served]]
 
 
 @pytest_asyncio.fixture(scope="module")
-async def grpc_engine(tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Engine]:
-    engine = await start_engine(tiny_model, served_model_name=MODEL, max_model_len=1024, concepts=tiny_concepts)
-    yield engine
-    engine.shutdown()
+async def grpc_engine(read_engine: Engine) -> Engine:
+    assert read_engine.model_name == MODEL
+    return read_engine
 
 
 @pytest_asyncio.fixture(scope="module")

@@ -17,7 +17,7 @@ from salience.core.engine.requests import SamplingOptions
 from salience.core.serving.status import ServerStatus
 from salience.lmtp.app import make_app
 from salience.lmtp.session import LmtpConfig
-from tests.conftest import free_port, start_engine
+from tests.conftest import free_port
 from tools.lmql_env import client_python
 
 NAME = "SmolLM2-135M-Instruct"
@@ -25,8 +25,8 @@ SUITE = Path(__file__).parents[2] / "tools" / "lmql_suite.py"  # runs in LMQL's 
 
 
 @pytest_asyncio.fixture(scope="module")
-async def served(default_model: Path) -> AsyncIterator[tuple[Engine, str]]:
-    engine = await start_engine(default_model, served_model_name=NAME, max_model_len=2048)
+async def served(default_engine: Engine) -> AsyncIterator[tuple[Engine, str]]:
+    engine = default_engine
     status = ServerStatus(NAME)
     status.ready(engine)
     runner = web.AppRunner(make_app(status, LmtpConfig()))
@@ -35,7 +35,6 @@ async def served(default_model: Path) -> AsyncIterator[tuple[Engine, str]]:
     await web.TCPSite(runner, "127.0.0.1", port).start()
     yield engine, f"127.0.0.1:{port}"
     await runner.cleanup()
-    engine.shutdown()
 
 
 async def test_lmql_queries_and_score_agree_with_the_model(served, default_model: Path) -> None:

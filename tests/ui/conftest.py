@@ -18,14 +18,13 @@ import pytest_asyncio
 from aiohttp import web
 from playwright.async_api import Browser, Page, async_playwright, expect
 
-from salience.cli import _default_concepts
 from salience.core.engine.engine import Engine
 from salience.core.probes.concepts import ConceptSet
 from salience.core.serving.status import ServerStatus
 from salience.lmtp.app import make_app
 from salience.lmtp.codec import parse_server_line
 from salience.lmtp.session import LmtpConfig
-from tests.conftest import free_port, start_engine
+from tests.conftest import free_port
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "ui"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -44,17 +43,13 @@ CHROMIUM_ARGS = [
 
 
 @pytest.fixture(scope="module")
-def concepts(default_model: Path) -> ConceptSet:
-    # A plain fixture, so no event loop is running: on a cold cache the set is built with
-    # asyncio.run, as `salience serve` builds it.
-    return ConceptSet.load(_default_concepts(default_model))
+def concepts(default_concepts: ConceptSet) -> ConceptSet:
+    return default_concepts
 
 
-@pytest_asyncio.fixture(scope="module")
-async def engine(default_model: Path, concepts: ConceptSet) -> AsyncIterator[Engine]:
-    engine = await start_engine(default_model, max_model_len=2048, concepts=concepts)
-    yield engine
-    engine.shutdown()
+@pytest.fixture(scope="module")
+def engine(default_engine: Engine) -> Engine:
+    return default_engine
 
 
 async def serve(app: web.Application, port: int) -> web.AppRunner:
