@@ -25,9 +25,9 @@ from salience.core.engine.engine import Engine
 from salience.core.engine.settings import EngineSettings
 from salience.core.serving.sessions import SessionLimits, SessionStore
 from salience.core.serving.status import ServerStatus
-from salience.errors import InvalidArgument
 from salience.grpc_frontend.server import GrpcServer, start_grpc_server
 from salience.lmtp.app import make_app, make_metrics_app
+from salience.lmtp.config import check_tcp_auth
 from salience.lmtp.session import ConnectionLimits, LmtpConfig
 from salience.lmtp.tcp import start_tcp_server
 
@@ -69,14 +69,11 @@ async def serve(settings: EngineSettings, options: ServeOptions) -> None:
 
     status = ServerStatus(settings.served_model_name, {settings.model.name, *options.model_aliases})
     tokens = Tokens(options.auth_token, options.admin_token)
+    check_tcp_auth(options.auth_token, options.lmtp_tcp_port)
     if options.auth_token is None:
         log.warning("no auth token configured: every client that can reach the ports may use the server")
         if options.admin_token is None:
             log.warning("no admin token configured: every client may define, delete and save live concepts")
-    elif options.lmtp_tcp_port is not None:
-        raise InvalidArgument(
-            "--lmtp-tcp-port cannot carry a token: serve it without --auth-token, or use the WebSocket"
-        )
     lmtp = LmtpConfig(auth_token=options.auth_token, admin_token=options.admin_token, limits=options.lmtp_limits)
     sessions = SessionStore(status.serving_engine, options.sessions)
     sweeper = asyncio.create_task(sessions.sweep_forever())

@@ -372,24 +372,30 @@ def _logging(serve: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from salience.core.engine.chat import load_chat_template
-    from salience.core.engine.settings import EngineSettings
     from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
     from salience.core.models.folders import inspect_model_folder
-    from salience.core.serving.sessions import SessionLimits
-    from salience.lmtp.session import ConnectionLimits
-    from salience.server import ServeOptions, serve
+    from salience.lmtp.config import ConnectionLimits, check_tcp_auth
 
-    _check_counts(args)  # first: a bad limit must not wait for the model
-    saes = _load_saes(args.sae)
-    chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+    # First what needs no engine code: a bad flag or folder is refused at once, not after the
+    # seconds it takes to import vLLM, let alone load the model.
+    _check_counts(args)
     lmtp_limits = ConnectionLimits(
         max_message_bytes=args.lmtp_max_message_bytes, max_frame_bytes=args.lmtp_max_frame_bytes
     )
+    check_tcp_auth(args.auth_token or None, args.lmtp_tcp_port)
+    saes = _load_saes(args.sae)
+    chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+    if args.model is not None:
+        folder = inspect_model_folder(args.model)
+
+    from salience.core.engine.settings import EngineSettings
+    from salience.core.serving.sessions import SessionLimits
+    from salience.server import ServeOptions, serve
+
     if args.model is None:
         folder = inspect_model_folder(ensure_default_model())
         name = args.served_model_name or DEFAULT_MODEL_NAME
     else:
-        folder = inspect_model_folder(args.model)
         name = args.served_model_name or args.model
     concept_set, steering_set = _concept_sets(args, folder.path)
     settings = EngineSettings(

@@ -35,17 +35,16 @@ import contextvars
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
 
 import orjson
 
 from salience import metrics, request_ids
-from salience.auth import Tokens
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import Admitted, Phase, ServerStatus
-from salience.errors import InvalidArgument, SalienceError
+from salience.errors import SalienceError
 from salience.lmtp import replies, streams
-from salience.lmtp.codec import MAX_FRAME_BYTES, MAX_MESSAGE_BYTES, LmtpError, parse_client_line
+from salience.lmtp.codec import LmtpError, parse_client_line
+from salience.lmtp.config import ConnectionLimits, LmtpConfig
 from salience.lmtp.messages import (
     Cancel,
     ClientMessage,
@@ -78,34 +77,6 @@ _KINDS = {Generate: "generate", Score: "score", SessionGenerate: "session_genera
 # Why a connection was dropped (salience_connections_dropped_total's `cause`).
 CLIENT_GONE, SLOW_CLIENT, SEND_TIMEOUT = "client_gone", "slow_client", "send_timeout"
 OVERSIZED_FRAME, SERVER_SHUTDOWN = "oversized_frame", "server_shutdown"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ConnectionLimits:
-    max_pending: int = 65536  # payloads waiting for a client that does not read
-    send_timeout: float = 30.0  # seconds one frame may take to go out
-    # A message over max_message_bytes gets an error (its stream's, if it names one), unparsed;
-    # one over max_frame_bytes closes the connection: the transports read no further.
-    max_message_bytes: int = MAX_MESSAGE_BYTES
-    max_frame_bytes: int = MAX_FRAME_BYTES
-
-    def __post_init__(self) -> None:
-        if not 0 < self.max_message_bytes <= self.max_frame_bytes:
-            raise InvalidArgument(
-                f"--lmtp-max-message-bytes ({self.max_message_bytes}) must be positive and at most "
-                f"--lmtp-max-frame-bytes ({self.max_frame_bytes})"
-            )
-
-
-@dataclass(frozen=True, kw_only=True)
-class LmtpConfig:
-    limits: ConnectionLimits = field(default_factory=ConnectionLimits)
-    auth_token: str | None = None  # required of every WebSocket client when set
-    admin_token: str | None = None  # the operator's (auth.Tokens): live concept changes
-
-    @property
-    def tokens(self) -> Tokens:
-        return Tokens(self.auth_token, self.admin_token)
 
 
 class LmtpSession:
