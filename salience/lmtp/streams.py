@@ -108,6 +108,7 @@ async def score(stream: Stream, engine: Engine, request: Score, emit: Emit) -> N
         scores = await engine.prefill(
             ids,
             top_logprobs=request.top_logprobs,
+            logprobs_from=len(prompt),
             readout_ranges=request.readout,
             request_id=stream.request_id,
             steer=steer,

@@ -72,6 +72,7 @@ class Engine(Passes):
         self.max_logprobs: int = settings.max_logprobs
         self.tokenizer = llm.get_tokenizer()
         self.chat = ChatRenderer(self.tokenizer, settings.chat_template, vision=vision is not None)
+        self.block_size: int = llm.vllm_config.cache_config.block_size  # the prefix cache's unit
         self.readouts: ReadoutHub | None = None
         self.steering: Directions | None = None  # what requests may steer along; None: no steering
         self.saes: list[ServedSAE] = []  # the sparse autoencoders the taps encode with (--sae)
@@ -177,6 +178,7 @@ class Engine(Passes):
         request_id: str | None = None,
         readout_ranges: Sequence[tuple[int, int]] = (),
         prompt_logprobs: int | None = None,
+        logprobs_from: int = 1,
         images: Sequence[PlacedImage] = (),
         steer: Sequence[Intervention] = (),
         dp_rank: int | None = None,
@@ -188,8 +190,8 @@ class Engine(Passes):
         """Start decoding after `prompt`; iterate the result for TokenEvents.
 
         With `prompt_logprobs` (top-k, 0 for the token's own only) the prompt
-        positions are scored too, in the same pass: `Generation.prompt_scores()`
-        has them once the first event is out. `images` sit in the prompt's vision
+        positions from `logprobs_from` on are scored too, in the same pass:
+        `Generation.prompt_scores()` has them once the first event is out. `images` sit in the prompt's vision
         blocks (expanded, as the client wrote them; see images.py). `steer`
         intervenes on the residual stream (steering.py); its `generated`
         positions are those after the prompt.
@@ -220,6 +222,7 @@ class Engine(Passes):
         if prompt_logprobs is not None:
             self.checks.top_k(prompt_logprobs)
             params.prompt_logprobs = prompt_logprobs
+        logprobs_from = logprobs_from if prompt_logprobs is not None else None
         hold = self._hold(steer, len(prompt))
         try:
             concept_monitors = any(m.feature is None for m in monitors)
@@ -234,7 +237,7 @@ class Engine(Passes):
                 features, shown_features = watched_features(features, watch.sae, len(prompt))
             plans = self.row_plans(residual, features, len(prompt) + options.max_tokens)
             request_id, ranges, submitted = self._prepare(
-                params, request_id, read, prompt, images, hold, dp_rank, plans
+                params, request_id, read, prompt, images, hold, dp_rank, plans, logprobs_from
             )
         except BaseException:
             hold.release()
@@ -271,6 +274,7 @@ class Engine(Passes):
             rows=plans,
             shown_features=shown_features,
             ticket=ticket,
+            logprobs_from=logprobs_from or 1,
         )
         generation.concepts = hold.view
         self.inflight.running(request_id, generation)
@@ -297,17 +301,24 @@ class Engine(Passes):
         hold: Hold,
         dp_rank: int | None = None,
         plans: Sequence[RowPlan] = (),
+        logprobs_from: int | None = None,
     ) -> tuple[str, list[list[int]], object]:
         """Claim the request id, route it to a DP rank, tag the readouts and the steering and build
-        vLLM's prompt; the id is released if any fails."""
+        vLLM's prompt; the id is released if any fails. `logprobs_from`: the first prompt position
+        whose logprob is wanted (None: none is)."""
         key = self.inflight.claim(request_id)
         try:
             self.inflight.route(key, dp_rank)
-            ranges = self._ask_readouts(params, key, readout_ranges, len(tokens), hold.view)
+            ranges = self._ask_readouts(params, key, readout_ranges, hold.view)
             for plan in plans:
                 params.extra_args = {**(params.extra_args or {}), plan.tag: plan.tag_value(key)}
-                if any(start < len(tokens) - 1 for start, _ in plan.ranges):  # as _ask_readouts
-                    params.skip_reading_prefix_cache = True
+            # A position's readout and rows come from its own hidden state, its logprob from the one before.
+            needed = [start for start, _ in ranges] + [start for plan in plans for start, _ in plan.ranges]
+            if logprobs_from is not None:
+                needed.append(logprobs_from - 1)
+            params.skip_reading_prefix_cache = not self.cache_serves_none_of(
+                min(needed, default=len(tokens)), len(tokens)
+            )
             submitted = submission(self.vision, self.model_name, tokens, images)
             steering = hold.steer
             if steering:
@@ -332,26 +343,27 @@ class Engine(Passes):
             )
         return self.steering.resolve(steer, prompt_len, self.live.directions())
 
+    def cache_serves_none_of(self, first: int, length: int) -> bool:
+        """Whether vLLM's prefix cache cannot serve position `first` of a `length`-token prompt, so
+        that a pass may read the cache and still compute every position from `first` on.
+
+        Positions served from the cache are never computed: no readout, no rows, no logprob of the
+        next token. The cache serves whole blocks and never the last prompt position, so at most
+        the first ((length - 1) // block_size) * block_size positions. A pass wanting only
+        positions past that (a session's new tokens, a SCORE's continuation) reads the cache and
+        computes the rest; one wanting an earlier position reads none of it (exact either way)."""
+        return first >= (length - 1) // self.block_size * self.block_size
+
     def _ask_readouts(
-        self,
-        params: SamplingParams,
-        key: str,
-        ranges: Sequence[tuple[int, int]],
-        prompt_len: int,
-        view: ConceptView | None,
+        self, params: SamplingParams, key: str, ranges: Sequence[tuple[int, int]], view: ConceptView | None
     ) -> list[list[int]]:
-        """Tag the request for the worker's hooks. Positions vLLM would serve from its
-        prefix cache are never computed, so a request that wants prompt positions
-        reads no cache; requests that want none keep the cache. vLLM always
-        computes the last prompt position, so wanting only that one keeps it too."""
+        """Tag the request for the worker's hooks (whether it may read the prefix cache: _prepare)."""
         if not ranges:
             return []
         if self.readouts is None or view is None:
             raise InvalidArgument("readouts were asked for, but the server has no concept set loaded")
         checked = check_ranges(ranges)
         params.extra_args = {**(params.extra_args or {}), TAG: [key, checked, list(view.columns)]}
-        if any(start < prompt_len - 1 for start, _ in checked):
-            params.skip_reading_prefix_cache = True
         return checked
 
 

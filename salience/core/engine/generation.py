@@ -42,6 +42,9 @@ class PromptScores:
     top_k: int
     readouts: dict[int, tuple[float, ...]]
     rows: dict[str, dict[int, Any]] = dataclasses.field(default_factory=dict)
+    # Positions before it carry no logprob: the pass may have read them from the prefix cache.
+    scored_from: int = 1
+    cached_tokens: int = 0  # prompt positions vLLM served from its prefix cache
 
     @property
     def residuals(self) -> dict[int, Any]:
@@ -51,7 +54,7 @@ class PromptScores:
     def at(self, position: int) -> ScoredToken:
         """Position's token scored given the tokens before it; position 0 has no logprob."""
         token = self.tokens[position]
-        entry = self.entries[position] if self.entries is not None else None
+        entry = self.entries[position] if self.entries is not None and position >= self.scored_from else None
         return ScoredToken(
             token_id=token,
             position=position,
@@ -158,6 +161,7 @@ class Generation:
         rows: Sequence[RowPlan] = (),
         shown_features: tuple[int, list[list[int]]] | None = None,
         ticket: Ticket | None = None,
+        logprobs_from: int = 1,
     ):
         """`rows`: the residual rows and features asked for (rows.py), with `ticket` their claim on
         the server's residual budget (the request reaches vLLM once it is granted).
@@ -176,6 +180,7 @@ class Generation:
         self._tokens = list(prompt)  # prompt + completion so far
         self._prompt_entries: list | None = None
         self._prompt_top_k = params.prompt_logprobs or 0
+        self._logprobs_from = logprobs_from
         self._read_last = read_last
         self._top_k = params.logprobs or 0
         self._next_position = len(prompt)
@@ -267,6 +272,8 @@ class Generation:
             self._prompt_top_k,
             self.prompt_readouts,
             self.prompt_rows,
+            self._logprobs_from,
+            self.cached_tokens or 0,
         )
 
     async def _take(self, positions: list[int]) -> tuple[dict, dict[str, dict]]:

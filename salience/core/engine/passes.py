@@ -50,6 +50,7 @@ class Passes:
         scores = await self.prefill(
             ids,
             top_logprobs=top_logprobs,
+            logprobs_from=len(prompt),
             readout_ranges=readout_ranges,
             request_id=request_id,
             steer=steering.interventions,
@@ -69,6 +70,7 @@ class Passes:
         tokens: Sequence[int],
         *,
         top_logprobs: int | None = None,
+        logprobs_from: int = 1,
         readout_ranges: Sequence[tuple[int, int]] = (),
         images: Sequence[PlacedImage] = (),
         request_id: str | None = None,
@@ -79,8 +81,8 @@ class Passes:
         features: FeatureRequest | None = None,
         hold: Hold | None = None,
     ) -> PromptScores:
-        """Run `tokens` through the model once: every position's logprob (with
-        `top_logprobs` alternatives; None computes none) and the readouts `readout_ranges` cover
+        """Run `tokens` through the model once: the logprob of every position from `logprobs_from`
+        on (with `top_logprobs` alternatives; None computes none) and the readouts `readout_ranges` cover
         (calibrated with `probabilities`), under `steer` (all of `tokens` are its prompt positions).
         `residual`: raw residual rows too, [its layers, hidden] float32 arrays by position;
         `features`: an SAE's top features by position.
@@ -108,8 +110,9 @@ class Passes:
         hold = self._hold(steer, len(ids)) if hold is None else hold
         try:
             present = self.calibration(hold.view).probabilities if probabilities else None
+            scored_from = None if top_logprobs is None else logprobs_from
             key, checked, submitted = self._prepare(
-                params, request_id, readout_ranges, ids, images, hold, dp_rank, plans
+                params, request_id, readout_ranges, ids, images, hold, dp_rank, plans, scored_from
             )
         except BaseException:
             if own:
@@ -146,7 +149,10 @@ class Passes:
             if own:
                 hold.release()
         # FINAL_ONLY: exactly one output
-        return PromptScores(ids, outputs[-1].prompt_logprobs, top_logprobs or 0, readouts, rows)
+        last = outputs[-1]
+        return PromptScores(
+            ids, last.prompt_logprobs, top_logprobs or 0, readouts, rows, logprobs_from, last.num_cached_tokens or 0
+        )
 
     async def _read_one(
         self,

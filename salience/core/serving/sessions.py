@@ -206,6 +206,7 @@ class SessionStore:
         prompt_ranges = [range(s, min(e, len(tokens))) for s, e in logprob_ranges + readout_ranges + row_ranges]
         prefill_wanted = sorted(set().union(*prompt_ranges))
         scored = any(max(s, 1) < min(e, len(tokens)) for s, e in logprob_ranges)  # position 0 has no logprob
+        scored_from = min((max(s, 1) for s, _ in logprob_ranges), default=1)
         if budget:
             decode_logprobs = any(e > len(tokens) for _, e in logprob_ranges)
             options = turn.sampling
@@ -217,6 +218,7 @@ class SessionStore:
                 request_id=turn.request_id,
                 readout_ranges=readout_ranges,
                 prompt_logprobs=turn.logprob_top_k if scored else None,
+                logprobs_from=scored_from,
                 images=images,
                 steer=steer,
                 dp_rank=session.dp_rank,
@@ -233,6 +235,7 @@ class SessionStore:
                 return engine.prefill(
                     tokens,
                     top_logprobs=top_k,
+                    logprobs_from=scored_from,
                     readout_ranges=readout_ranges,
                     images=images,
                     request_id=turn.request_id,

@@ -120,10 +120,13 @@ class TurnRun:
         prompt_tokens, completion = len(self._tokens), 0
         reason = FinishReason.LENGTH
         stopped_by = None
+        cached = 0
         try:
             if self._scoring is not None:
                 # One pass: skipped if cancelled before it, its results dropped if cancelled during it.
                 scores = None if self._stopped else await self._scoring()
+                if scores is not None:
+                    cached = scores.cached_tokens
                 if scores is not None and not self._stopped:
                     for token in self._prefill_tokens(scores):
                         yield token
@@ -151,7 +154,8 @@ class TurnRun:
                 reason = generation.finish_reason or FinishReason.CANCELLED
             if self._stopped:
                 reason = FinishReason.CANCELLED
-            cached = (self._work.cached_tokens or 0) if self._work is not None else 0
+            if self._work is not None:
+                cached = self._work.cached_tokens or 0
             self.done = TurnDone(
                 prompt_tokens=prompt_tokens,
                 completion_tokens=completion,
