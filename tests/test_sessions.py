@@ -294,10 +294,16 @@ async def test_a_scoring_turn_reads_the_prefix_cache_and_scores_its_new_tokens_e
             assert token.logprob == pytest.approx(logprobs[token.position - 1, token.token_id].item(), abs=1e-4)
             assert_readout_close(token.readout, readouts[token.position])
         end += 3
-    # A position the cache could serve: the pass reads none of it, still exact.
-    tokens, done = await run(store, sid, scoring([26], [(200, 202)]))
-    assert done.cached_tokens == 0
-    logprobs = tiny_reference.logprobs(store.tokens(sid))
-    assert [t.logprob for t in tokens] == pytest.approx(
-        [logprobs[p - 1, store.tokens(sid)[p]].item() for p in (200, 201)], abs=1e-4
-    )
+    # A position the cache could serve, scored alone or in a generating turn: the pass reads none
+    # of the cache, still exact (a generation with prompt logprobs once read it, and got none there).
+    for sampling in (SamplingOptions(max_tokens=0), greedy(2)):
+        at = len(store.tokens(sid))
+        turn = Turn(offset=at, append=[26], logprob_ranges=[(200, 202)], logprob_top_k=2, sampling=sampling)
+        tokens, done = await run(store, sid, turn)
+        assert done.cached_tokens == 0
+        ids = store.tokens(sid)
+        logprobs = tiny_reference.logprobs(ids)
+        scored = [t for t in tokens if t.is_prefill]
+        assert [t.position for t in scored] == [200, 201]
+        want = [logprobs[p - 1, ids[p]].item() for p in (200, 201)]
+        assert [t.logprob for t in scored] == pytest.approx(want, abs=1e-4)
