@@ -101,11 +101,26 @@ async def default_engine(
         yield engine
 
 
+def _read(engines: EnginePool, tiny_model: Path, tiny_concepts: ConceptSet, compiled: bool):
+    return engines.engine(
+        tiny_model, served_model_name="tiny", max_model_len=1024, concepts=tiny_concepts, compile=compiled
+    )
+
+
 @pytest_asyncio.fixture(scope="module")
 async def read_engine(engines: EnginePool, tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Engine]:
     """The tiny model reading `tiny_concepts`, eager: what most modules of the readout side use."""
-    async with engines.engine(tiny_model, served_model_name="tiny", max_model_len=1024, concepts=tiny_concepts) as e:
-        yield e
+    async with _read(engines, tiny_model, tiny_concepts, compiled=False) as engine:
+        yield engine
+
+
+@pytest_asyncio.fixture(scope="module", params=["eager", "compiled"])
+async def read_engine_each_mode(
+    request: pytest.FixtureRequest, engines: EnginePool, tiny_model: Path, tiny_concepts: ConceptSet
+) -> AsyncIterator[Engine]:
+    """`read_engine`, then the same compiled: the module's tests run on each."""
+    async with _read(engines, tiny_model, tiny_concepts, compiled=request.param == "compiled") as engine:
+        yield engine
 
 
 TINY_LAYERS = (0, 2, 3)  # 3 is the last layer: read before the final norm

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import SamplingOptions
 from salience.core.probes.concepts import ConceptSet
 from salience.errors import InvalidArgument, ModelError
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
-from tests.engines import EnginePool
 from tests.reference import (
     Reference,
     assert_readout_close,
@@ -32,15 +29,9 @@ def concepts(tiny_concepts: ConceptSet) -> ConceptSet:
     return tiny_concepts
 
 
-@pytest_asyncio.fixture(scope="module", params=["eager", "compiled"])
-async def engine(
-    request: pytest.FixtureRequest, engines: EnginePool, tiny_model: Path, concepts: ConceptSet
-) -> AsyncIterator[Engine]:
-    compiled = request.param == "compiled"
-    async with engines.engine(
-        tiny_model, served_model_name="tiny", max_model_len=1024, concepts=concepts, compile=compiled
-    ) as engine:
-        yield engine
+@pytest.fixture(scope="module")
+def engine(read_engine_each_mode: Engine) -> Engine:
+    return read_engine_each_mode
 
 
 @pytest.fixture(scope="module")

@@ -6,27 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-import pytest_asyncio
 
 from salience.core.engine.engine import Engine
 from salience.core.engine.generation import Generation
 from salience.core.engine.requests import FinishReason, ResidualRequest, SamplingOptions, TokenEvent
 from salience.core.engine.row_budget import RowBudget
 from salience.core.engine.rows import layer_names, residual_plan
-from salience.core.probes.concepts import ConceptSet
 from salience.errors import InvalidArgument
 from salience.lmtp.client import LmtpClient, LmtpStreamError
 from salience.proto.salience.ext.v1 import extensions_pb2 as ext
 from salience.proto.salience.ext.v1 import extensions_pb2_grpc
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
-from tests.engines import EnginePool
 from tests.inprocess import frontends
 from tests.reference import Reference
 
@@ -34,15 +29,9 @@ PROMPTS = [[0, *range(60 + 13 * i, 84 + 13 * i)] for i in range(6)]
 GREEDY = SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-@pytest_asyncio.fixture(scope="module", params=["eager", "compiled"])
-async def engine(
-    request: pytest.FixtureRequest, engines: EnginePool, tiny_model: Path, tiny_concepts: ConceptSet
-) -> AsyncIterator[Engine]:
-    compiled = request.param == "compiled"
-    async with engines.engine(
-        tiny_model, served_model_name="tiny", max_model_len=1024, concepts=tiny_concepts, compile=compiled
-    ) as engine:
-        yield engine
+@pytest.fixture(scope="module")
+def engine(read_engine_each_mode: Engine) -> Engine:
+    return read_engine_each_mode
 
 
 def assert_rows(rows: dict[int, np.ndarray], reference: Reference, ids: list[int], layers: tuple[int, ...]) -> None:

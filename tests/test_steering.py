@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import torch
 
 from salience.core.engine.engine import Engine
@@ -18,7 +16,6 @@ from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import MAX_INTERVENTIONS, Intervention, Op
 from salience.errors import InvalidArgument
 from tests.conftest import TINY_LAYERS, start_engine
-from tests.engines import EnginePool
 from tests.reference import (
     Reference,
     assert_logprobs_match,
@@ -32,15 +29,9 @@ PROMPTS = [[0, *range(60 + 11 * i, 90 + 11 * i)] for i in range(8)]
 GREEDY = SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
 
 
-@pytest_asyncio.fixture(scope="module", params=["eager", "compiled"])
-async def engine(
-    request: pytest.FixtureRequest, engines: EnginePool, tiny_model: Path, tiny_concepts: ConceptSet
-) -> AsyncIterator[Engine]:
-    compiled = request.param == "compiled"
-    async with engines.engine(
-        tiny_model, served_model_name="tiny", max_model_len=1024, concepts=tiny_concepts, compile=compiled
-    ) as engine:
-        yield engine
+@pytest.fixture(scope="module")
+def engine(read_engine_each_mode: Engine) -> Engine:
+    return read_engine_each_mode
 
 
 def steer(direction: str, layers, op: str, value: float = 0.0, **positions) -> Intervention:

@@ -91,6 +91,13 @@ class Terminal:
         os.close(self.master)
 
 
+async def leave(terminal: Terminal) -> None:
+    """`/quit` ends the REPL with exit code 0."""
+    terminal.send("/quit\r")
+    await asyncio.to_thread(terminal.process.wait, 30)
+    assert terminal.process.returncode == 0
+
+
 def test_parse_line_reads_trailing_parameters_as_lmql_does() -> None:
     assert parse_line("Hello there max_tokens=5 temperature=1.2") == (
         "Hello there",
@@ -152,9 +159,7 @@ async def test_repl_generates_scores_cancels_and_survives_errors(lmtp_server: Lm
 
         terminal.send("oops temperature=-3\r")
         await terminal.expect(r"\[error\] temperature must be >= 0")
-        terminal.send("/quit\r")
-        await asyncio.to_thread(terminal.process.wait, 30)
-        assert terminal.process.returncode == 0
+        await leave(terminal)
     finally:
         terminal.close()
 
@@ -215,9 +220,7 @@ async def test_repl_steers(lmtp_server: LmtpServer) -> None:
         assert [float(row[beta]) for row in rows] == pytest.approx([7.5] * n, abs=1e-3)  # set: the readout is the value
         terminal.send("/steer off\r")
         await terminal.expect("no steering")
-        terminal.send("/quit\r")
-        await asyncio.to_thread(terminal.process.wait, 30)
-        assert terminal.process.returncode == 0
+        await leave(terminal)
     finally:
         terminal.close()
 
@@ -268,9 +271,7 @@ async def test_repl_defines_lists_steers_saves_and_deletes_a_concept(lmtp_server
         terminal.send("/define kappa\r")  # a define's errors are the server's, and the REPL goes on
         terminal.send("only one\r\r\r")
         await terminal.expect(r"\[error\] 1 positive examples: a concept needs 4 to 256 of each")
-        terminal.send("/quit\r")
-        await asyncio.to_thread(terminal.process.wait, 30)
-        assert terminal.process.returncode == 0
+        await leave(terminal)
     finally:
         terminal.close()
 
@@ -317,9 +318,7 @@ async def test_repl_features_need_an_sae(lmtp_server: LmtpServer) -> None:
         await terminal.expect(r"connected to .*\n.*>>> ")
         terminal.send("/features\r")
         await terminal.expect(r"\[error\] the server serves no SAE: start it with --sae \[NAME=\]DIR")
-        terminal.send("/quit\r")
-        await asyncio.to_thread(terminal.process.wait, 30)
-        assert terminal.process.returncode == 0
+        await leave(terminal)
     finally:
         terminal.close()
 
@@ -362,9 +361,7 @@ async def test_repl_shows_each_tokens_top_features(sae_url: str) -> None:
         terminal.send("def max_tokens=1\r")
         out = await terminal.expect(r"\[\w+\]\s*\n.*>>> ")
         assert "features of SAE" not in out
-        terminal.send("/quit\r")
-        await asyncio.to_thread(terminal.process.wait, 30)
-        assert terminal.process.returncode == 0
+        await leave(terminal)
     finally:
         terminal.close()
 
@@ -583,9 +580,7 @@ async def test_repl_without_a_chat_template_stays_plain(lmtp_server: LmtpServer)
         await terminal.expect(r"\[length\]")
         terminal.send("/history\r")
         await terminal.expect(r"\(no conversation yet\)")  # a prompt is not a turn
-        terminal.send("/quit\r")
-        await asyncio.to_thread(terminal.process.wait, 30)
-        assert terminal.process.returncode == 0
+        await leave(terminal)
     finally:
         terminal.close()
 
@@ -710,8 +705,6 @@ async def test_repl_chats_on_a_model_with_a_template(chat_url: str, default_engi
         assert "user:" not in out
         terminal.send("/chat\r")
         await terminal.expect(r"chat mode: each line is your turn")
-        terminal.send("/quit\r")
-        await asyncio.to_thread(terminal.process.wait, 30)
-        assert terminal.process.returncode == 0
+        await leave(terminal)
     finally:
         terminal.close()
