@@ -50,7 +50,7 @@ if not __package__:  # run as `python tools/bench_openai.py`: the checkout is no
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.bench_readout import _eos
-from tools.harness import HOST, Report, Samples, Server, arguments, rotations, salience_serve, say, serve
+from tools.harness import HOST, Report, Samples, Server, arguments, picked, rotations, salience_serve, say, serve
 
 MAX_MODEL_LEN = "2048"
 KV_CACHE_GIB = "2"  # `salience serve --kv-cache-gib`'s default, as VLLM_CPU_KVCACHE_SPACE for vLLM
@@ -216,9 +216,7 @@ async def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"the ways to drive, of {','.join(CONFIGS)}")
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
-    keys = args.configs.split(",")
-    if unknown := [key for key in keys if key not in CONFIGS]:
-        parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+    keys = picked(parser, args.configs, CONFIGS, "configs")
 
     from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
     from salience.core.models.home import configure_environment

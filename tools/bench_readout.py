@@ -52,6 +52,7 @@ from tools.harness import (
     Server,
     arguments,
     fresh_caches,
+    picked,
     prompts,
     rotations,
     salience_serve,
@@ -178,9 +179,7 @@ async def main() -> None:
     parser.add_argument("--ways", default=",".join(WAYS), help=f"the ways to drive, of {','.join(WAYS)}")
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
-    keys = args.ways.split(",")
-    if unknown := [key for key in keys if key not in WAYS]:
-        parser.error(f"unknown ways {unknown}; known: {', '.join(WAYS)}")
+    keys = picked(parser, args.ways, WAYS, "ways")
 
     from salience.core.models.default_model import ensure_default_model
     from salience.core.models.home import configure_environment

@@ -336,6 +336,14 @@ def arguments(doc: str, repeats: int | None = 3) -> argparse.ArgumentParser:
     return parser
 
 
+def picked(parser: argparse.ArgumentParser, value: str, known: Sequence[str], what: str) -> list[str]:
+    """A comma list of configurations to run, each one the bench knows (else the parser's error)."""
+    keys = value.split(",")
+    if unknown := [key for key in keys if key not in known]:
+        parser.error(f"unknown {what} {unknown}; known: {', '.join(known)}")
+    return keys
+
+
 def prompts(n: int, length: int, span: int, batch: int = 0) -> list[list[int]]:
     """n token prompts of `length`, ids in [50, 50 + span): `batch` makes prompts no other batch
     shares, where a prefix-cache hit would skip the prefill being measured."""
