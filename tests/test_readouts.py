@@ -329,7 +329,7 @@ async def test_readouts_over_lmtp(engine: Engine, concepts: ConceptSet) -> None:
             "hidden_size": 128,
             "dtype": "float32",
             "concept_info": [None] * len(TINY_CONCEPTS),  # a set built by hand has no calibration
-            "version": 0,
+            "version": engine.live.view().version,  # defines and deletes count, on a shared engine too
             "live": [],
         }
         prompt = PROMPTS[3]
