@@ -75,6 +75,7 @@ CONFIGS: dict[str, tuple[str, str, dict | None]] = {  # key: (name, server, `sal
 }
 GOALS = {"salience": 1.0, "salience-readouts": 0.95}  # least Salience / vLLM ratio
 
+SETTLE_SECONDS = 3.0  # the pause before each measurement (see main's loop)
 QUESTIONS = (
     "What is the capital of France?",
     "How do plants make their food?",
@@ -269,6 +270,10 @@ async def measure(
     for n in counts:
         questions = batch(n)
         for _, way in rotations(driven, repeats):
+            # Both servers share the cores, and vLLM's engine keeps its threads busy for a while after
+            # its last request: without a pause, whoever runs right after it (always the same way, as
+            # rotation keeps the cyclic order) pays for that.
+            await asyncio.sleep(SETTLE_SECONDS)
             seconds, streams = await run(http, way, model, questions, tokens, eos)
             produced = sum(s.tokens for s in streams)
             assert produced == n * tokens, f"{way.name}: {produced} tokens, expected {n * tokens}"
