@@ -222,7 +222,7 @@ class Engine(Passes):
         if prompt_logprobs is not None:
             self.checks.top_k(prompt_logprobs)
             params.prompt_logprobs = prompt_logprobs
-        logprobs_from = logprobs_from if prompt_logprobs is not None else None
+        scored_from = logprobs_from if prompt_logprobs is not None else None  # None: no prompt logprob wanted
         hold = self._hold(steer, len(prompt))
         try:
             concept_monitors = any(m.feature is None for m in monitors)
@@ -237,7 +237,7 @@ class Engine(Passes):
                 features, shown_features = watched_features(features, watch.sae, len(prompt))
             plans = self.row_plans(residual, features, len(prompt) + options.max_tokens)
             request_id, ranges, submitted = self._prepare(
-                params, request_id, read, prompt, images, hold, dp_rank, plans, logprobs_from
+                params, request_id, read, prompt, images, hold, dp_rank, plans, scored_from
             )
         except BaseException:
             hold.release()
@@ -274,7 +274,7 @@ class Engine(Passes):
             rows=plans,
             shown_features=shown_features,
             ticket=ticket,
-            logprobs_from=logprobs_from or 1,
+            logprobs_from=logprobs_from,
         )
         generation.concepts = hold.view
         self.inflight.running(request_id, generation)
