@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import re
 import shutil
 from pathlib import Path
@@ -12,7 +13,9 @@ from transformers import AutoTokenizer
 
 from salience.core.engine.chat import ChatRenderer, ChatTemplate, load_chat_template
 from salience.core.engine.chat_messages import parse_messages
+from salience.core.engine.images import Vision
 from salience.errors import FailedPrecondition, InvalidArgument
+from tests.images import decode, image_bytes
 from tests.tiny_vl_model import CHAT_TEMPLATE as LIST_CONTENT_TEMPLATE
 
 # Qwen2.5's ChatML template without its tools branch: a default system prompt, tool answers as
@@ -203,23 +206,93 @@ def test_the_templates_own_refusal_is_an_invalid_argument(smol) -> None:
         renderer.render(parse_messages([{"role": "assistant", "content": "Hi"}]))
 
 
-IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": data_url(image_bytes("PNG"))}}
+LOOKING = [
+    {"role": "system", "content": "Describe images."},
+    {"role": "user", "content": [{"type": "text", "text": "What is this?"}, IMAGE]},
+]
+
+
+@pytest.fixture(scope="module")
+def vl(tiny_vl_model: Path) -> tuple[ChatRenderer, Vision]:
+    vision = Vision.load(tiny_vl_model)
+    assert vision is not None
+    return ChatRenderer(AutoTokenizer.from_pretrained(tiny_vl_model), vision=vision), vision
+
+
+async def test_images_are_placed_where_transformers_processor_puts_them(tiny_vl_model: Path, vl) -> None:
+    from transformers import AutoProcessor
+
+    renderer, vision = vl
+    second = image_bytes("JPEG", size=(56, 140), seed=3)
+    conversation = [
+        *LOOKING,
+        {"role": "assistant", "content": "A grid."},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(second, "image/jpeg")}}]},
+    ]
+    prompt = await renderer.prompt(parse_messages(conversation))
+    processor = AutoProcessor.from_pretrained(tiny_vl_model)
+    as_transformers = [  # a processor's own form of the same conversation
+        {**m, "content": [{"type": "image"} if p.get("type") == "image_url" else p for p in m["content"]]}
+        if isinstance(m["content"], list)
+        else m
+        for m in conversation
+    ]
+    text = processor.apply_chat_template(as_transformers, add_generation_prompt=True, tokenize=False)
+    images = [decode(image_bytes("PNG")), decode(second)]
+    expected = processor(text=[text], images=images, return_tensors="np")["input_ids"][0].tolist()
+    assert list(prompt.tokens) == expected
+    assert len(prompt.images) == 2
+    for placed, image in zip(prompt.images, images, strict=True):
+        assert prompt.tokens[placed.start] == vision.start and prompt.tokens[placed.end - 1] == vision.end
+        assert set(prompt.tokens[placed.start + 1 : placed.end - 1]) == {vision.pad}
+        assert placed.image.tobytes() == image.convert("RGB").tobytes()
+
+
+async def test_text_only_messages_need_no_vision(vl) -> None:
+    renderer, _ = vl
+    prompt = await renderer.prompt(parse_messages([{"role": "user", "content": "Hi"}]))
+    assert prompt.images == () and prompt.tokens == renderer.render(parse_messages([{"role": "user", "content": "Hi"}]))
 
 
 @pytest.mark.parametrize(
-    ("vision", "message"),
+    ("url", "message"),
     [
-        (False, "messages[1].content[1] is an image, and this model reads only text"),
-        (True, "messages[1].content[1] is an image, and images in chat messages are not supported yet"),
+        ("data:image/png,rawbytes", "messages[1].content[1].image_url.url must be a base64 data: URL"),
+        ("data:image/png;base64,@@@@", "messages[1].content[1].image_url.url: the base64 after the comma does not"),
+        (data_url(image_bytes("PNG"), "image/bmp"), "messages[1].content[1]: mime 'image/bmp' is not one of"),
+        (data_url(image_bytes("PNG"), "image/jpeg"), "messages[1].content[1]: declared image/jpeg but the bytes are"),
+        (data_url(b"not an image"), "messages[1].content[1]: the bytes do not decode as an image"),
     ],
 )
-def test_an_image_part_is_refused_naming_it(smol, vision: bool, message: str) -> None:
-    conversation = [
-        {"role": "system", "content": "Describe images."},
-        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, IMAGE]},
-    ]
+async def test_a_bad_image_is_refused_naming_it(vl, url: str, message: str) -> None:
+    renderer, _ = vl
+    conversation = [LOOKING[0], {"role": "user", "content": [{"type": "text", "text": "?"}, image_url(url)]}]
     with pytest.raises(InvalidArgument, match=re.escape(message)):
-        ChatRenderer(smol, vision=vision).render(parse_messages(conversation))
+        await renderer.prompt(parse_messages(conversation))
+
+
+def image_url(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+async def test_an_image_on_a_text_model_is_refused_naming_it(smol) -> None:
+    with pytest.raises(
+        InvalidArgument, match=re.escape("messages[1].content[1] is an image, and this model reads only text")
+    ):
+        await ChatRenderer(smol).prompt(parse_messages(LOOKING))
+
+
+async def test_a_template_that_reads_strings_has_no_place_for_an_image(smol, vl) -> None:
+    _, vision = vl
+    with pytest.raises(
+        InvalidArgument, match="the chat template reads content as one string, with no place for an image"
+    ):
+        await ChatRenderer(smol, vision=vision).prompt(parse_messages(LOOKING))
 
 
 USER = {"role": "user", "content": "Hi"}

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from salience.core.engine.detokenizer import TextStream
 from salience.core.engine.engine import Engine
 from salience.core.engine.generation import Generation
+from salience.core.engine.prompts import Prompt
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.turns import TurnRun
+from salience.errors import InvalidArgument
 from salience.lmtp import payloads
 from salience.lmtp.messages import Generate, Score, SessionGenerate
 
@@ -48,18 +50,21 @@ def emit_all(emit: Emit, many: Iterable[dict]) -> None:
         emit(payload)
 
 
-def prompt_of(engine: Engine, request: Generate | Score) -> tuple[int, ...]:
-    """The request's prompt: its token ids, or its messages rendered by the model's chat template."""
-    return request.prompt if request.messages is None else engine.chat.render(request.messages)
+async def prompt_of(engine: Engine, request: Generate | Score) -> Prompt:
+    """The request's prompt: its token ids, or its messages rendered by the model's chat template
+    (with their images)."""
+    return Prompt(request.prompt) if request.messages is None else await engine.chat.prompt(request.messages)
 
 
 async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit) -> None:
     """Tokens as the engine makes them, the prompt's readouts with the first."""
     stream_id = request.stream_id
-    prompt = prompt_of(engine, request)
+    read = await prompt_of(engine, request)
+    prompt = read.tokens
     generation = engine.generate(
         prompt,
         payloads.sampling_options(request),
+        images=read.images,
         request_id=stream.request_id,
         readout_ranges=request.readout,
         steer=request.steer,
@@ -89,7 +94,10 @@ async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit
 
 async def score(stream: Stream, engine: Engine, request: Score, emit: Emit) -> None:
     """The prompt's readouts and the continuation's scores, from one prefill pass."""
-    prompt, continuation = engine.checks.scoring(prompt_of(engine, request), request.scored)
+    read = await prompt_of(engine, request)
+    if read.images:
+        raise InvalidArgument("messages hold an image, and SCORE reads none: GENERATE reads images in messages")
+    prompt, continuation = engine.checks.scoring(read.tokens, request.scored)
     if request.messages is not None:
         emit(payloads.prompt_ids_payload(request.stream_id, prompt))
     # `generated` positions are the scored ones, as if the model had generated them.

@@ -39,7 +39,7 @@ from salience.logs import REQUEST_ID
 from salience.openai.errors import ApiError, from_salience, naming, unauthorized
 from salience.openai.requests import CHAT, ApiRequest, parse_chat, parse_completion
 from salience.openai.responses import DONE, Chunks, Collected, Logprobs, response
-from salience.openai.run import Run, prompt_ids
+from salience.openai.run import Run, prompts
 
 __all__ = ["FRONTEND", "OPENAI", "OpenAIContext", "add_routes"]
 
@@ -116,7 +116,7 @@ async def _complete(request: web.Request, parse: Callable[[bytes], ApiRequest]) 
             admitted = context.status.admit(FRONTEND, api.kind)
         with admitted:  # ends it as "error" or "cancelled" if what follows raises
             engine = admitted.engine
-            run = await Run.start(engine, api, prompt_ids(engine, api), request[_ID])
+            run = await Run.start(engine, api, await prompts(engine, api), request[_ID])
             try:
                 if api.stream:
                     return await _stream(request, context, api, run, admitted)

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from salience.core.engine.engine import Engine
 from salience.core.engine.generation import Generation
+from salience.core.engine.prompts import Prompt
 from salience.core.engine.requests import SamplingOptions
 from salience.openai.choices import Choice, Step
 from salience.openai.errors import naming
@@ -25,7 +26,7 @@ from salience.openai.requests import CHAT, ApiRequest
 from salience.openai.responses import usage
 from salience.openai.tokens import TokenText, token_text
 
-__all__ = ["Run", "prompt_ids"]
+__all__ = ["Run", "prompts"]
 
 # Request fields whose name starts the core's messages about them (`top_p must be ...`,
 # `features.k must be ...`), and the prefix of their param.
@@ -35,26 +36,27 @@ _FIELDS = {
 }
 
 
-def prompt_ids(engine: Engine, request: ApiRequest) -> list[tuple[int, ...]]:
-    """Each prompt's token ids: chat's messages through the model's template; the completions
-    endpoint's texts tokenized as vLLM's server does (with the tokenizer's special tokens)."""
+async def prompts(engine: Engine, request: ApiRequest) -> list[Prompt]:
+    """Each prompt as the model reads it: chat's messages through the model's template (with
+    their images); the completions endpoint's texts tokenized as vLLM's server does (with the
+    tokenizer's special tokens)."""
     if request.kind == CHAT:
         with naming("messages"):
-            return [engine.chat.render(request.messages)]
-    prompts = []
+            return [await engine.chat.prompt(request.messages)]
+    out = []
     for i, prompt in enumerate(request.prompts):
         param = "prompt" if len(request.prompts) == 1 else f"prompt[{i}]"
         with naming(param, fields={"prompt": ""}):
             if isinstance(prompt, str):
                 prompt = tuple(engine.tokenizer.encode(prompt))
-            prompts.append(tuple(engine.checks.tokens(param, prompt)))
-    return prompts
+            out.append(Prompt(tuple(engine.checks.tokens(param, prompt))))
+    return out
 
 
 class Run:
     """A request's choices, started on the engine (`start`); `steps` runs them, `close` ends them."""
 
-    def __init__(self, request: ApiRequest, prompts: Sequence[tuple[int, ...]], pieces: TokenText) -> None:
+    def __init__(self, request: ApiRequest, prompts: Sequence[Prompt], pieces: TokenText) -> None:
         self._request = request
         self._prompts = prompts
         self.pieces = pieces
@@ -64,9 +66,7 @@ class Run:
         self._ran: set[int] = set()  # the generations `_choice` entered, and so closes
 
     @classmethod
-    async def start(
-        cls, engine: Engine, request: ApiRequest, prompts: Sequence[tuple[int, ...]], request_id: str
-    ) -> Run:
+    async def start(cls, engine: Engine, request: ApiRequest, prompts: Sequence[Prompt], request_id: str) -> Run:
         """Every choice checked and submitted, or none: a refused one (a 400) closes the others."""
         run = cls(request, prompts, token_text(engine.tokenizer))
         try:
@@ -82,7 +82,7 @@ class Run:
         with naming("top_logprobs" if request.kind == CHAT else "logprobs"):
             engine.checks.top_k(request.top_logprobs)
         single = len(self._prompts) * sampling.n == 1
-        for p, prompt in enumerate(self._prompts):
+        for p, (prompt, images) in enumerate((p.tokens, p.images) for p in self._prompts):
             max_tokens = sampling.max_tokens or max(engine.max_model_len - len(prompt), 1)
             with naming("messages" if request.kind == CHAT else "prompt"):
                 engine.checks.room(len(prompt), max_tokens, "max_tokens")
@@ -101,7 +101,11 @@ class Run:
                 )
                 with naming("salience" if ext is not None else None, fields=_FIELDS):
                     generation = engine.generate(
-                        prompt, options, request_id=request_id if single else f"{request_id}-{index}", **extra
+                        prompt,
+                        options,
+                        request_id=request_id if single else f"{request_id}-{index}",
+                        images=images,
+                        **extra,
                     )
                 self._generations.append(generation)
                 readings = Readings(ext, generation.concepts, self.pieces) if ext is not None else None
@@ -152,7 +156,7 @@ class Run:
 
     async def _choice(self, i: int) -> AsyncIterator[Step]:
         generation, choice = self._generations[i], self.choices[i]
-        prompt = self._prompts[i // self._request.sampling.n]
+        prompt = self._prompts[i // self._request.sampling.n].tokens
         self._ran.add(i)
         async with generation:
             async for event in generation:
@@ -170,4 +174,4 @@ class Run:
         n = self._request.sampling.n
         cached = sum(self._generations[p * n].cached_tokens or 0 for p in range(len(self._prompts)))
         completion = sum(choice.tokens for choice in self.choices)
-        return usage(sum(map(len, self._prompts)), completion, cached)
+        return usage(sum(len(p.tokens) for p in self._prompts), completion, cached)

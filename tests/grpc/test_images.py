@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 from collections.abc import AsyncIterator
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import grpc
+import openai
 import pytest
 import pytest_asyncio
 import torch
@@ -282,50 +284,119 @@ async def test_fork_and_rewind_respect_image_blocks(
 async def test_lmtp_sessions_take_images_too(served, tiny_vl_model: Path) -> None:
     engine, _ = served
     vocab = Vocab(engine)
+    data = image_bytes("WEBP", seed=8)
+    encoded = base64.b64encode(data).decode()
+    async with (
+        http_frontend(engine) as port,
+        aiohttp.ClientSession() as http,
+        http.ws_connect(f"http://127.0.0.1:{port}/") as ws,
+    ):
+
+        async def ask(kind: str, **body) -> list[dict]:
+            await ws.send_str(f"{kind} {json.dumps(body)}")
+            payloads = []
+            while True:
+                frame = json.loads((await ws.receive()).data.partition(" ")[2])
+                payloads += frame
+                if any("finish_reason" not in p or p["finish_reason"] or p.get("error") for p in frame):
+                    return payloads
+
+        info = (await ask("IMAGE_INFO", stream_id=1, data=encoded, mime="image/webp"))[0]
+        n, grid = expected_pads(tiny_vl_model, decode(data))
+        assert (info["pad_tokens"], info["grid_thw"]) == (n, list(grid))
+        sid = (await ask("OPEN_SESSION", stream_id=2))[0]["session_id"]
+        image = {"data": encoded, "mime": "image/webp", "start": len(PRE), "end": len(PRE) + n + 2}
+        tokens = PRE + vocab.block(n) + POST
+        payloads = await ask(
+            "SESSION_GENERATE",
+            stream_id=3,
+            session_id=sid,
+            offset=0,
+            append=tokens,
+            images=[image],
+            max_tokens=2,
+            temperature=0,
+        )
+        assert payloads[-1]["finish_reason"] == "length" and payloads[-1]["usage"]["prompt_tokens"] == len(tokens)
+        wrong = dict(image, end=image["end"] - 1)
+        payloads = await ask(
+            "SESSION_GENERATE", stream_id=4, session_id=sid, offset=len(tokens) + 2, append=[], images=[wrong]
+        )
+        assert "must lie in this call's appended tokens" in payloads[-1]["error"]
+
+
+@contextlib.asynccontextmanager
+async def http_frontend(engine: Engine) -> AsyncIterator[int]:
+    """The WebSocket and HTTP port (LMTP and the OpenAI API) on the engine; yields the port."""
     status = ServerStatus(MODEL)
     status.ready(engine)
     runner = web.AppRunner(make_app(status, LmtpConfig()))
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    data = image_bytes("WEBP", seed=8)
-    encoded = base64.b64encode(data).decode()
     try:
-        async with aiohttp.ClientSession() as http, http.ws_connect(f"http://127.0.0.1:{port}/") as ws:
-
-            async def ask(kind: str, **body) -> list[dict]:
-                await ws.send_str(f"{kind} {json.dumps(body)}")
-                payloads = []
-                while True:
-                    frame = json.loads((await ws.receive()).data.partition(" ")[2])
-                    payloads += frame
-                    if any("finish_reason" not in p or p["finish_reason"] or p.get("error") for p in frame):
-                        return payloads
-
-            info = (await ask("IMAGE_INFO", stream_id=1, data=encoded, mime="image/webp"))[0]
-            n, grid = expected_pads(tiny_vl_model, decode(data))
-            assert (info["pad_tokens"], info["grid_thw"]) == (n, list(grid))
-            sid = (await ask("OPEN_SESSION", stream_id=2))[0]["session_id"]
-            image = {"data": encoded, "mime": "image/webp", "start": len(PRE), "end": len(PRE) + n + 2}
-            tokens = PRE + vocab.block(n) + POST
-            payloads = await ask(
-                "SESSION_GENERATE",
-                stream_id=3,
-                session_id=sid,
-                offset=0,
-                append=tokens,
-                images=[image],
-                max_tokens=2,
-                temperature=0,
-            )
-            assert payloads[-1]["finish_reason"] == "length" and payloads[-1]["usage"]["prompt_tokens"] == len(tokens)
-            wrong = dict(image, end=image["end"] - 1)
-            payloads = await ask(
-                "SESSION_GENERATE", stream_id=4, session_id=sid, offset=len(tokens) + 2, append=[], images=[wrong]
-            )
-            assert "must lie in this call's appended tokens" in payloads[-1]["error"]
+        yield port
     finally:
         await runner.cleanup()
+
+
+def data_url(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+async def test_chat_messages_carry_images_as_transformers_processor_places_them(
+    served, reference: VlReference, tiny_vl_model: Path
+) -> None:
+    """An image_url part with a data: URL, through the OpenAI API and LMTP's messages: the prompt
+    is the processor's own (each image expanded to its pads), the greedy reply and its logprobs
+    are transformers' on it, and SCORE refuses an image it cannot read."""
+    from transformers import AutoProcessor
+
+    engine, _ = served
+    first, second = image_bytes("PNG", seed=4), image_bytes("GIF", size=(84, 112), seed=5)
+    messages = [
+        {"role": "system", "content": "Compare."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url(first, "image/png")}},
+                {"type": "text", "text": "and"},
+                {"type": "image_url", "image_url": {"url": data_url(second, "image/gif"), "detail": "auto"}},
+            ],
+        },
+    ]
+    processor = AutoProcessor.from_pretrained(tiny_vl_model)
+    own = [
+        messages[0],
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]},
+    ]
+    text = processor.apply_chat_template(own, add_generation_prompt=True, tokenize=False)
+    images = [decode(first), decode(second)]
+    prompt = processor(text=[text], images=images, return_tensors="np")["input_ids"][0].tolist()
+    want = reference.greedy(prompt, images, 3)
+    logprobs = reference.logprobs(prompt + want, images)
+    async with http_frontend(engine) as port:
+        api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        reply = await api.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=3, temperature=0, logprobs=True, top_logprobs=1
+        )
+        assert reply.usage.prompt_tokens == len(prompt)
+        got = reply.choices[0].logprobs.content
+        assert reply.choices[0].message.content == engine.tokenizer.decode(want, skip_special_tokens=True)
+        for i, (token, entry) in enumerate(zip(want, got, strict=True)):
+            assert entry.logprob == pytest.approx(logprobs[len(prompt) + i - 1, token].item(), rel=1e-4, abs=1e-5)
+        async with aiohttp.ClientSession() as http, http.ws_connect(f"http://127.0.0.1:{port}/") as ws:
+            await ws.send_str(
+                f"GENERATE {json.dumps({'stream_id': 1, 'messages': messages, 'max_tokens': 3, 'temperature': 0})}"
+            )
+            await ws.send_str(f"SCORE {json.dumps({'stream_id': 2, 'messages': messages, 'scored': [5]})}")
+            payloads: list[dict] = []
+            while sum(1 for p in payloads if p.get("finish_reason") or p.get("error")) < 2:
+                payloads += json.loads((await ws.receive()).data.partition(" ")[2])
+        ones = [p for p in payloads if p["stream_id"] == 1]
+        assert ones[0]["prompt_ids"] == prompt
+        assert [p["token"] for p in ones[1:]] == want
+        assert "SCORE reads none" in next(p["error"] for p in payloads if p["stream_id"] == 2)
 
 
 async def encoder_passes(engine: Engine) -> int:

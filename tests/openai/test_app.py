@@ -18,6 +18,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from salience.auth import Tokens
 from salience.core.engine.checks import RequestChecks
+from salience.core.engine.prompts import Prompt
 from salience.core.engine.requests import FinishReason, SamplingOptions, TokenEvent
 from salience.core.serving.status import ServerStatus
 from salience.openai import app as openai_app
@@ -40,8 +41,8 @@ class Tokenizer:
 
 
 class Chat:
-    def render(self, messages: Sequence) -> tuple[int, ...]:
-        return (0, 2, 3)
+    async def prompt(self, messages: Sequence) -> Prompt:
+        return Prompt((0, 2, 3))
 
 
 class Generation:

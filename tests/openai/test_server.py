@@ -25,6 +25,8 @@ from tests.reference import Reference
 NAME = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "What is 2 + 2?"}]
 TOKEN = "openai-test-token"
+PNG = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}  # on a text model
+HTTP_IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -174,6 +176,12 @@ async def test_a_stop_monitor_ends_the_choice_and_steering_changes_it(served: Fr
     [
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", openai.BadRequestError),
         ({"messages": []}, "messages", openai.BadRequestError),
+        ({"messages": [{"role": "user", "content": [PNG]}]}, "messages[0].content[0]", openai.BadRequestError),
+        (
+            {"messages": [{"role": "user", "content": [HTTP_IMAGE]}]},
+            "messages[0].content[0].image_url.url",
+            openai.BadRequestError,
+        ),
         ({"top_logprobs": 25, "logprobs": True}, "top_logprobs", openai.BadRequestError),
         ({"model": "nobody"}, None, openai.NotFoundError),
         ({"extra_body": {"salience": {"readout": {}}}}, "salience.readout", openai.BadRequestError),

@@ -12,6 +12,9 @@ for a template that does not name the developer role.
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import jinja2
 
-from salience.core.engine.chat_messages import ChatMessage, ContentPart, ImagePart
+from salience.core.engine.chat_messages import ChatMessage, ContentPart, ImagePart, TextPart
+from salience.core.engine.images import ImageFacts, Vision
+from salience.core.engine.prompts import PlacedImage, Prompt
 from salience.errors import FailedPrecondition, InvalidArgument
 
 if TYPE_CHECKING:
@@ -52,11 +57,11 @@ def load_chat_template(path: Path) -> ChatTemplate:
 
 
 class ChatRenderer:
-    """One template for one tokenizer. `vision`: the model reads images (the refusal of an image
-    part says why it is refused)."""
+    """One template for one tokenizer. `vision`: the model's vision side, for a model that reads
+    images (None: it reads only text)."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, override: ChatTemplate | None = None, *, vision: bool = False
+        self, tokenizer: PreTrainedTokenizerBase, override: ChatTemplate | None = None, *, vision: Vision | None = None
     ) -> None:
         self._tokenizer = tokenizer
         self._vision = vision
@@ -73,9 +78,34 @@ class ChatRenderer:
     def has_template(self) -> bool:
         return self.template is not None
 
+    async def prompt(self, messages: Sequence[ChatMessage]) -> Prompt:
+        """The conversation as the model reads it, the generation prompt appended: the template's
+        ids with each image's one pad expanded to the pads its processor makes of it (as
+        transformers' processor expands them), and the images placed in their blocks. Images are
+        decoded off the event loop: a large one takes a while."""
+        ids = self.render(messages)
+        parts = [
+            (f"messages[{i}].content[{j}]", part)
+            for i, message in enumerate(messages)
+            if not isinstance(message.content, str)
+            for j, part in enumerate(message.content)
+            if isinstance(part, ImagePart)
+        ]
+        if not parts:
+            return Prompt(ids)
+        vision = self._vision
+        assert vision is not None  # render refused the image on a text model
+        facts = await asyncio.to_thread(
+            lambda: [
+                vision.inspect(*_data_url(part.url, f"{where}.image_url.url"), what=where) for where, part in parts
+            ]
+        )
+        return _expand(vision, ids, facts)
+
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> tuple[int, ...]:
-        """The conversation's token ids. With the generation prompt (the default) they end where the
-        assistant's reply begins: its first token is at position len(ids)."""
+        """The conversation's token ids, as the template writes them (one pad per image). With the
+        generation prompt (the default) they end where the assistant's reply begins: its first
+        token is at position len(ids)."""
         if self.template is None:
             raise FailedPrecondition(
                 "this model has no chat template: start the server with --chat-template FILE, or send token ids"
@@ -121,17 +151,54 @@ class ChatRenderer:
         if isinstance(content, str):
             return content
         for i, part in enumerate(content):
-            if isinstance(part, ImagePart):
+            if isinstance(part, ImagePart) and (self._vision is None or self._text_as_string):
                 why = (
-                    "images in chat messages are not supported yet: send token ids, with the images attached"
-                    if self._vision
-                    else "this model reads only text"
+                    "this model reads only text"
+                    if self._vision is None
+                    else "the chat template reads content as one string, with no place for an image"
                 )
                 raise InvalidArgument(f"{where}[{i}] is an image, and {why}")
-        texts = [part.text for part in content]
         if self._text_as_string:
-            return "\n".join(texts)
-        return [{"type": "text", "text": text} for text in texts]
+            return "\n".join(part.text for part in content if isinstance(part, TextPart))
+        # An image is `{"type": "image"}` to the template, as vLLM's server and transformers' processors give it.
+        return [
+            {"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"} for part in content
+        ]
+
+
+def _data_url(url: str, where: str) -> tuple[bytes, str]:
+    """A base64 data: URL's bytes and mime type."""
+    header, comma, body = url.removeprefix("data:").partition(",")
+    mime, *options = header.split(";")
+    if not comma or "base64" not in options:
+        raise InvalidArgument(f"{where} must be a base64 data: URL (data:image/png;base64,...)")
+    try:
+        return base64.b64decode(body, validate=True), mime
+    except binascii.Error:
+        raise InvalidArgument(f"{where}: the base64 after the comma does not decode") from None
+
+
+def _expand(vision: Vision, ids: tuple[int, ...], facts: Sequence[ImageFacts]) -> Prompt:
+    """`ids` with the k-th image pad grown to facts[k].pads pads, each in its vision block."""
+    pads = [p for p, token in enumerate(ids) if token == vision.pad]
+    if len(pads) != len(facts):
+        raise InvalidArgument(
+            f"the chat template wrote {len(pads)} image pads for the messages' {len(facts)} images: "
+            "it cannot place them"
+        )
+    tokens: list[int] = []
+    placed = []
+    at = 0
+    for p, fact in zip(pads, facts, strict=True):
+        if not 0 < p < len(ids) - 1 or (ids[p - 1], ids[p + 1]) != (vision.start, vision.end):
+            raise InvalidArgument("the chat template writes an image pad outside <|vision_start|> ... <|vision_end|>")
+        tokens += ids[at:p]
+        start = len(tokens) - 1
+        tokens += [vision.pad] * fact.pads
+        placed.append(PlacedImage(start=start, end=len(tokens) + 1, image=fact.image))
+        at = p + 1
+    tokens += ids[at:]
+    return Prompt(tuple(tokens), tuple(placed))
 
 
 def _own_template(tokenizer: PreTrainedTokenizerBase) -> str | None:

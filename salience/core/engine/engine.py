@@ -71,7 +71,7 @@ class Engine(Passes):
         self.hidden_size: int = model_config.get_hidden_size()
         self.max_logprobs: int = settings.max_logprobs
         self.tokenizer = llm.get_tokenizer()
-        self.chat = ChatRenderer(self.tokenizer, settings.chat_template, vision=vision is not None)
+        self.chat = ChatRenderer(self.tokenizer, settings.chat_template, vision=vision)
         self.block_size: int = llm.vllm_config.cache_config.block_size  # the prefix cache's unit
         self.readouts: ReadoutHub | None = None
         self.steering: Directions | None = None  # what requests may steer along; None: no steering

@@ -13,7 +13,7 @@ from salience.errors import EngineError, InvalidArgument
 if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
 
-__all__ = ["PlacedImage", "check_expansion", "submission", "tokens_prompt"]
+__all__ = ["PlacedImage", "Prompt", "check_expansion", "submission", "tokens_prompt"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +23,15 @@ class PlacedImage:
     start: int
     end: int
     image: object  # PIL.Image.Image
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """A prompt as the model reads it: token ids (each vision block expanded to its image's
+    pads) and the images placed in those blocks."""
+
+    tokens: tuple[int, ...]
+    images: tuple[PlacedImage, ...] = ()
 
 
 def check_expansion(out: RequestOutput, expected: list[int]) -> None:
