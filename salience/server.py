@@ -30,6 +30,7 @@ from salience.lmtp.app import make_app, make_metrics_app
 from salience.lmtp.config import check_tcp_auth
 from salience.lmtp.session import ConnectionLimits, LmtpConfig
 from salience.lmtp.tcp import start_tcp_server
+from salience.tls import ServerTls
 
 __all__ = ["ServeOptions", "serve"]
 
@@ -49,6 +50,7 @@ class ServeOptions:
     lmtp_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # message size limits and more
     metrics_port: int | None = None  # GET /metrics without auth, for a private network
     drain_timeout: float = 30.0  # seconds in-flight streams get after SIGTERM
+    tls: ServerTls | None = None  # every port behind TLS (mutual with a client CA); SIGHUP reloads it
 
 
 # After the drain (or at once), cancelled streams get this long to send their last payloads.
@@ -66,6 +68,11 @@ async def serve(settings: EngineSettings, options: ServeOptions) -> None:
 
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     loop.add_signal_handler(signal.SIGINT, stop.set)
+    tls = options.tls
+    context = tls.context if tls is not None else None
+    if tls is not None:
+        loop.add_signal_handler(signal.SIGHUP, tls.reload)
+    secure = "s" if tls is not None else ""
 
     status = ServerStatus(settings.served_model_name, {settings.model.name, *options.model_aliases})
     tokens = Tokens(options.auth_token, options.admin_token)
@@ -79,23 +86,24 @@ async def serve(settings: EngineSettings, options: ServeOptions) -> None:
     sweeper = asyncio.create_task(sessions.sweep_forever())
     runner = web.AppRunner(make_app(status, lmtp, sessions), access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, options.host, options.lmtp_port)
-    await site.start()
+    await web.TCPSite(runner, options.host, options.lmtp_port, ssl_context=context).start()
     where = f"{options.host}:{options.lmtp_port}"
-    log.info("listening", extra={"lmtp": f"ws://{where}/", "openai": f"http://{where}/v1", "phase": "loading"})
+    urls = {"lmtp": f"ws{secure}://{where}/", "openai": f"http{secure}://{where}/v1"}
+    log.info("listening", extra={**urls, "phase": "loading", "tls": _tls_mode(tls)})
     metrics_runner = None
     if options.metrics_port is not None:
         metrics_runner = web.AppRunner(make_metrics_app(), access_log=None, handle_signals=False)
         await metrics_runner.setup()
-        await web.TCPSite(metrics_runner, options.host, options.metrics_port).start()
-        log.info("listening", extra={"metrics": f"http://{options.host}:{options.metrics_port}/metrics"})
+        await web.TCPSite(metrics_runner, options.host, options.metrics_port, ssl_context=context).start()
+        log.info("listening", extra={"metrics": f"http{secure}://{options.host}:{options.metrics_port}/metrics"})
     tcp = None
     if options.lmtp_tcp_port is not None:
-        tcp = await start_tcp_server(status, lmtp, sessions, options.host, options.lmtp_tcp_port)
+        tcp = await start_tcp_server(status, lmtp, sessions, options.host, options.lmtp_tcp_port, context)
         log.info("listening", extra={"lmtp_tcp": f"{options.host}:{options.lmtp_tcp_port}"})
     grpc = None
     if options.grpc_port is not None:
-        grpc = await start_grpc_server(status, sessions, options.host, options.grpc_port, tokens)
+        credentials = tls.grpc_credentials() if tls is not None else None
+        grpc = await start_grpc_server(status, sessions, options.host, options.grpc_port, tokens, credentials)
         log.info("listening", extra={"grpc": f"{options.host}:{grpc.port}"})
 
     engine: Engine | None = None
@@ -130,6 +138,10 @@ async def serve(settings: EngineSettings, options: ServeOptions) -> None:
         if engine is not None:
             engine.shutdown()
         log.info("stopped")
+
+
+def _tls_mode(tls: ServerTls | None) -> str:
+    return "off" if tls is None else "mutual" if tls.mutual else "on"
 
 
 async def _either(*events: asyncio.Event) -> None:

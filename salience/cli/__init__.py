@@ -7,13 +7,16 @@ import argparse
 import asyncio
 import os
 import sys
+from pathlib import Path
 
+from salience.auth import AUTH_TOKEN_ENV, token_from_environment
 from salience.capture.commands import add_capture_parsers, run_capture, run_features
 from salience.cli.concepts import add_concepts_parser, run_concepts
 from salience.cli.serve import _default_concepts as _default_concepts  # tests and tools build the default set
 from salience.cli.serve import add_serve_parser, run_serve
 from salience.core.models.home import configure_environment
 from salience.errors import SalienceError
+from salience.tls import ClientTls
 
 __all__ = ["main"]
 
@@ -25,8 +28,21 @@ def _parser() -> argparse.ArgumentParser:
     add_concepts_parser(commands)
     add_capture_parsers(commands)
     repl = commands.add_parser("repl", help="interactive prompt against a running server")
-    repl.add_argument("url", nargs="?", default="ws://127.0.0.1:8080/", help="LMTP WebSocket URL")
+    repl.add_argument("url", nargs="?", default="ws://127.0.0.1:8080/", help="LMTP WebSocket URL (wss:// for TLS)")
+    add_client_flags(repl)
     return parser
+
+
+def add_client_flags(parser: argparse.ArgumentParser) -> None:
+    """How a client reaches a server with tokens and TLS (the REPL's, and tools' that connect)."""
+    parser.add_argument(
+        "--token", default=token_from_environment(), help=f"the bearer token (default: ${AUTH_TOKEN_ENV})"
+    )
+    parser.add_argument(
+        "--ca", type=Path, metavar="FILE", help="trust this CA (PEM) for wss:// (default: the system's)"
+    )
+    parser.add_argument("--cert", type=Path, metavar="FILE", help="a client certificate (PEM), for mutual TLS")
+    parser.add_argument("--key", type=Path, metavar="FILE", help="the client certificate's private key (PEM)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "repl":
         from salience.lmtp.repl import run_repl
 
-        return run_repl(args.url)
+        try:
+            tls = ClientTls(ca=args.ca, cert=args.cert, key=args.key)
+        except SalienceError as exc:
+            print(f"salience: error: {exc}", file=sys.stderr)
+            return 2
+        return run_repl(args.url, tls=tls, token=args.token)
     try:
         if args.command == "capture":
             return asyncio.run(run_capture(args))

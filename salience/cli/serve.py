@@ -43,6 +43,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         _model,
         _network,
         _auth,
+        _tls,
         _limits,
         _sessions,
         _engine,
@@ -135,6 +136,20 @@ def _auth(serve: argparse.ArgumentParser) -> None:
         help="the operator's token: alone it may define, delete and save live concepts "
         f"(docs/live-concepts.md#who-may-change-them) (default: ${ADMIN_TOKEN_ENV}; unset: anyone may on an "
         "open server, which warns, and nobody on one with --auth-token)",
+    )
+
+
+def _tls(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group(
+        "TLS", "Every port behind TLS: wss:// and https://, LMTP over TCP, metrics and gRPC (docs/security.md#tls)."
+    )
+    group.add_argument("--tls-cert", type=Path, metavar="FILE", help="the server's certificate chain (PEM)")
+    group.add_argument("--tls-key", type=Path, metavar="FILE", help="its private key (PEM, unencrypted)")
+    group.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        metavar="FILE",
+        help="require clients' certificates, signed by these CAs (PEM): mutual TLS on every port",
     )
 
 
@@ -383,6 +398,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.lmtp_max_message_bytes, max_frame_bytes=args.lmtp_max_frame_bytes
     )
     check_tcp_auth(args.auth_token or None, args.lmtp_tcp_port)
+    tls = _server_tls(args)
     saes = _load_saes(args.sae)
     chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     if args.model is not None:
@@ -438,12 +454,27 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         drain_timeout=args.drain_timeout,
         lmtp_limits=lmtp_limits,
+        tls=tls,
         sessions=SessionLimits(
             ttl=args.session_ttl, max_sessions=args.max_sessions, max_tokens=args.max_session_tokens
         ),
     )
     asyncio.run(serve(settings, options))
     return 0
+
+
+def _server_tls(args: argparse.Namespace):
+    """The TLS files, read and checked now (a mismatched key or an expired certificate stops the
+    start with one line), or None without --tls-cert."""
+    from salience.tls import ServerTls, TlsFiles
+
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_client_ca is not None:
+            raise InvalidArgument("--tls-client-ca needs --tls-cert and --tls-key: mutual TLS is TLS first")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise InvalidArgument("--tls-cert and --tls-key go together: the certificate and its private key")
+    return ServerTls(TlsFiles(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_client_ca))
 
 
 def _check_counts(args: argparse.Namespace) -> None:

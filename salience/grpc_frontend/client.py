@@ -28,6 +28,7 @@ from salience.proto.salience.ext.v1 import extensions_pb2 as ext
 from salience.proto.salience.ext.v1 import extensions_pb2_grpc
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
+from salience.tls import ClientTls
 
 __all__ = ["AsyncSalienceClient", "AsyncSession", "GenerateResult", "SalienceClient", "Session"]
 
@@ -147,8 +148,18 @@ class Session:
 
 
 class SalienceClient:
-    def __init__(self, target: str, *, token: str | None = None, channel: grpc.Channel | None = None) -> None:
-        self._channel = channel or grpc.insecure_channel(target)
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        channel: grpc.Channel | None = None,
+        tls: ClientTls | None = None,
+    ) -> None:
+        """`tls`: a TLS channel, trusting its CA and presenting its certificate (mutual TLS)."""
+        self._channel = channel or (
+            grpc.insecure_channel(target) if tls is None else grpc.secure_channel(target, tls.grpc_credentials())
+        )
         self._stub = salience_pb2_grpc.SalienceStub(self._channel)
         self._extensions = extensions_pb2_grpc.SalienceExtensionsStub(self._channel)
         self._metadata = _metadata(token)
@@ -272,8 +283,20 @@ class AsyncSession:
 
 
 class AsyncSalienceClient:
-    def __init__(self, target: str, *, token: str | None = None, channel: grpc.aio.Channel | None = None) -> None:
-        self._channel = channel or grpc.aio.insecure_channel(target)
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        channel: grpc.aio.Channel | None = None,
+        tls: ClientTls | None = None,
+    ) -> None:
+        """`tls`: a TLS channel, trusting its CA and presenting its certificate (mutual TLS)."""
+        self._channel = channel or (
+            grpc.aio.insecure_channel(target)
+            if tls is None
+            else grpc.aio.secure_channel(target, tls.grpc_credentials())
+        )
         self._stub = salience_pb2_grpc.SalienceStub(self._channel)
         self._extensions = extensions_pb2_grpc.SalienceExtensionsStub(self._channel)
         self._metadata = _metadata(token)

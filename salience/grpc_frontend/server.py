@@ -40,9 +40,15 @@ class GrpcServer:
 
 
 async def start_grpc_server(
-    status: ServerStatus, sessions: SessionStore, host: str, port: int, tokens: Tokens | None = None
+    status: ServerStatus,
+    sessions: SessionStore,
+    host: str,
+    port: int,
+    tokens: Tokens | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> GrpcServer:
-    """Listen on host:port (0 picks a free port) and report NOT_SERVING until `serving(True)`."""
+    """Listen on host:port (0 picks a free port; behind TLS with `credentials`) and report
+    NOT_SERVING until `serving(True)`."""
     tokens = tokens or Tokens()
     interceptors = [BearerAuthInterceptor(tokens)] if tokens.required else []
     server = grpc.aio.server(
@@ -63,7 +69,8 @@ async def start_grpc_server(
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"cannot listen for gRPC on {host}:{port}")
     await server.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any, Self
 
@@ -32,10 +33,14 @@ class LmtpClient:
         self._reader = asyncio.create_task(self._read())
 
     @classmethod
-    async def connect(cls, url: str, headers: dict[str, str] | None = None) -> Self:
+    async def connect(
+        cls, url: str, headers: dict[str, str] | None = None, *, tls: ssl.SSLContext | None = None
+    ) -> Self:
+        """Connect to a ws:// or wss:// URL; `tls` says whom to trust (default: the system's CAs)
+        and which certificate to present (ClientTls.context)."""
         session = aiohttp.ClientSession(headers=headers)
         try:
-            ws = await session.ws_connect(url, max_msg_size=0)
+            ws = await session.ws_connect(url, max_msg_size=0, ssl=tls if tls is not None else True)
         except BaseException:
             await session.close()
             raise

@@ -24,6 +24,8 @@ import signal
 import sys
 from typing import Any
 
+import aiohttp
+
 from salience.core.models.home import salience_home
 from salience.core.probes.calibration import calibrated
 from salience.lmtp.client import LmtpClient, LmtpStreamError
@@ -31,6 +33,7 @@ from salience.lmtp.repl_chat import CHAT_COMMANDS, ChatMode, Reply, is_end_of_tu
 from salience.lmtp.repl_features import FeatureView, choose_features, feature_lines
 from salience.lmtp.repl_parsing import parse_line, parse_monitor, parse_steer
 from salience.lmtp.repl_readouts import ReadoutView, choose_readout, readout_summary, readout_table
+from salience.tls import ClientTls
 
 __all__ = ["run_repl"]
 
@@ -353,11 +356,13 @@ def _setup_readline() -> None:
     atexit.register(lambda: history.parent.mkdir(parents=True, exist_ok=True) or readline.write_history_file(history))
 
 
-def run_repl(url: str) -> int:
+def run_repl(url: str, *, tls: ClientTls | None = None, token: str | None = None) -> int:
     loop = asyncio.new_event_loop()
+    headers = {"Authorization": f"Bearer {token}"} if token else None
     try:
-        client = loop.run_until_complete(LmtpClient.connect(url))
-    except OSError as exc:
+        context = tls.context() if tls is not None and url.startswith("wss:") else None
+        client = loop.run_until_complete(LmtpClient.connect(url, headers, tls=context))
+    except (OSError, aiohttp.ClientError) as exc:
         print(f"salience: error: cannot connect to {url}: {exc}", file=sys.stderr)
         return 2
     repl = Repl(client, loop)

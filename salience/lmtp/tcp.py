@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator
 
 from salience.core.serving.sessions import SessionStore
@@ -15,8 +16,15 @@ __all__ = ["start_tcp_server"]
 
 
 async def start_tcp_server(
-    status: ServerStatus, config: LmtpConfig, sessions: SessionStore, host: str, port: int
+    status: ServerStatus,
+    config: LmtpConfig,
+    sessions: SessionStore,
+    host: str,
+    port: int,
+    context: ssl.SSLContext | None = None,
 ) -> asyncio.Server:
+    """Listen on host:port, behind TLS with `context`."""
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = LmtpSession(status, config, sessions, frontend="lmtp_tcp")
         overrun = False
@@ -57,7 +65,7 @@ async def start_tcp_server(
                 await writer.wait_closed()
 
     # readuntil accepts a line whose content (before the newline) is at most `limit` bytes.
-    return await asyncio.start_server(handle, host, port, limit=config.limits.max_frame_bytes)
+    return await asyncio.start_server(handle, host, port, limit=config.limits.max_frame_bytes, ssl=context)
 
 
 async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

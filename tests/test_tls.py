@@ -1,0 +1,278 @@
+"""TLS on every port, with certificates the test makes (trustme): the WebSocket and HTTP port, LMTP
+over TCP and gRPC each complete a handshake with a client that trusts the CA and get an answer;
+plain text to a TLS port is refused; mutual TLS refuses a client without a certificate (or with
+one from another CA); a bad file stops the start with one line; and a certificate replaced on
+disk is served to new connections after SIGHUP while a stream on the old one runs on."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import signal
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+import pytest_asyncio
+import trustme
+from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from salience.core.serving.sessions import SessionStore
+from salience.core.serving.status import ServerStatus
+from salience.grpc_frontend.server import start_grpc_server
+from salience.lmtp.app import make_app
+from salience.lmtp.client import LmtpClient
+from salience.lmtp.session import LmtpConfig
+from salience.lmtp.tcp import start_tcp_server
+from salience.tls import ClientTls, ServerTls, TlsFiles
+from tests.conftest import free_port
+from tests.test_serve import SALIENCE
+
+
+@dataclass
+class Pki:
+    """A server CA with the server's certificate, and a client CA with a client's."""
+
+    server: TlsFiles
+    ca: Path
+    client: ClientTls  # trusts `ca`, presents a certificate the client CA signed
+    stranger: ClientTls  # trusts `ca`, presents a certificate from a CA the server does not know
+
+
+def write_leaf(leaf: trustme.LeafCert, folder: Path, name: str) -> tuple[Path, Path]:
+    cert, key = folder / f"{name}.pem", folder / f"{name}.key"
+    cert.write_bytes(b"".join(blob.bytes() for blob in leaf.cert_chain_pems))
+    leaf.private_key_pem.write_to_path(str(key))
+    return cert, key
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    server_ca, client_ca, other_ca = trustme.CA(), trustme.CA(), trustme.CA()
+    cert, key = write_leaf(server_ca.issue_cert("127.0.0.1", "localhost"), tmp_path, "server")
+    ca, client_ca_file = tmp_path / "ca.pem", tmp_path / "client-ca.pem"
+    server_ca.cert_pem.write_to_path(str(ca))
+    client_ca.cert_pem.write_to_path(str(client_ca_file))
+    client_cert, client_key = write_leaf(client_ca.issue_cert("alice@example.org"), tmp_path, "alice")
+    other_cert, other_key = write_leaf(other_ca.issue_cert("mallory@example.org"), tmp_path, "mallory")
+    return Pki(
+        server=TlsFiles(cert=cert, key=key, client_ca=client_ca_file),
+        ca=ca,
+        client=ClientTls(ca=ca, cert=client_cert, key=client_key),
+        stranger=ClientTls(ca=ca, cert=other_cert, key=other_key),
+    )
+
+
+@dataclass
+class Ports:
+    http: int
+    tcp: int
+    grpc: int
+
+
+@pytest_asyncio.fixture(params=["tls", "mutual"])
+async def served(request: pytest.FixtureRequest, pki: Pki) -> AsyncIterator[tuple[Ports, bool]]:
+    """Every frontend behind TLS, on a server still loading its model (which each port answers)."""
+    mutual = request.param == "mutual"
+    files = pki.server if mutual else TlsFiles(cert=pki.server.cert, key=pki.server.key)
+    tls = ServerTls(files)
+    status = ServerStatus("tiny")
+    sessions = SessionStore(status.serving_engine)
+    runner = web.AppRunner(make_app(status, LmtpConfig(), sessions))
+    await runner.setup()
+    ports = Ports(http=free_port(), tcp=free_port(), grpc=0)
+    await web.TCPSite(runner, "127.0.0.1", ports.http, ssl_context=tls.context).start()
+    tcp = await start_tcp_server(status, LmtpConfig(), sessions, "127.0.0.1", ports.tcp, tls.context)
+    server = await start_grpc_server(status, sessions, "127.0.0.1", 0, credentials=tls.grpc_credentials())
+    ports.grpc = server.port
+    try:
+        yield ports, mutual
+    finally:
+        await server.stop(0)
+        tcp.close()
+        await runner.cleanup()
+
+
+async def health(port: int, context: ssl.SSLContext | bool) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as http, http.get(f"https://127.0.0.1:{port}/health", ssl=context) as reply:
+        return reply.status, await reply.json()
+
+
+async def model_info_over_tcp(port: int, context: ssl.SSLContext) -> dict:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context, server_hostname="127.0.0.1")
+    try:
+        writer.write(b'MODEL_INFO {"stream_id": 1}\n')
+        line = await asyncio.wait_for(reader.readline(), 10)
+        return json.loads(line.decode().partition(" ")[2])[0]
+    finally:
+        writer.close()
+
+
+def grpc_health(port: int, credentials: grpc.ChannelCredentials | None) -> int:
+    target = f"127.0.0.1:{port}"
+    channel = grpc.insecure_channel(target) if credentials is None else grpc.secure_channel(target, credentials)
+    with channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+
+
+async def test_every_port_answers_a_client_that_trusts_the_ca(served, pki: Pki) -> None:
+    ports, mutual = served
+    client = pki.client if mutual else ClientTls(ca=pki.ca)
+    context = client.context()
+    assert await health(ports.http, context) == (503, {"status": "loading", "model": "tiny"})
+    lmtp = await LmtpClient.connect(f"wss://127.0.0.1:{ports.http}/", tls=context)
+    try:
+        assert (await lmtp.request("MODEL_INFO"))["model_info"] == "<unavailable>"  # while loading
+    finally:
+        await lmtp.close()
+    assert (await model_info_over_tcp(ports.tcp, context))["model_info"] == "<unavailable>"
+    status = await asyncio.to_thread(grpc_health, ports.grpc, client.grpc_credentials())
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_plain_text_to_a_tls_port_is_refused(served) -> None:
+    ports, _ = served
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(aiohttp.ClientError):
+            await http.get(f"http://127.0.0.1:{ports.http}/health")
+    reader, writer = await asyncio.open_connection("127.0.0.1", ports.tcp)
+    writer.write(b'MODEL_INFO {"stream_id": 1}\n')
+    assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, nothing in clear text
+    writer.close()
+    with pytest.raises(grpc.RpcError) as refused:
+        await asyncio.to_thread(grpc_health, ports.grpc, None)
+    assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_client_that_does_not_trust_the_ca_refuses_the_server(served) -> None:
+    ports, _ = served
+    with pytest.raises(aiohttp.ClientConnectorCertificateError):
+        await health(ports.http, ssl.create_default_context())
+
+
+@pytest.mark.parametrize("served", ["mutual"], indirect=True)
+@pytest.mark.parametrize("who", ["no certificate", "another CA's certificate"])
+async def test_mutual_tls_refuses_a_client_without_a_certificate_it_trusts(served, pki: Pki, who: str) -> None:
+    ports, _ = served
+    client = ClientTls(ca=pki.ca) if who == "no certificate" else pki.stranger
+    context = client.context()
+    with pytest.raises((aiohttp.ClientError, ssl.SSLError, ConnectionError)):
+        await health(ports.http, context)
+    with pytest.raises((ssl.SSLError, ConnectionError, json.JSONDecodeError, asyncio.IncompleteReadError)):
+        await model_info_over_tcp(ports.tcp, context)
+    with pytest.raises(grpc.RpcError) as refused:
+        await asyncio.to_thread(grpc_health, ports.grpc, client.grpc_credentials())
+    assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+def serve_line(*flags: str) -> str:
+    """`salience serve` with these flags: the one line it stops with (before any model loads)."""
+    result = subprocess.run([SALIENCE, "serve", *flags], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_a_bad_file_stops_the_start_with_one_line(tmp_path: Path, pki: Pki) -> None:
+    _, other_key = write_leaf(trustme.CA().issue_cert("127.0.0.1"), tmp_path, "other")
+    cert, key = str(pki.server.cert), str(pki.server.key)
+    yesterday = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=1)
+    old = trustme.CA().issue_cert("127.0.0.1", not_before=yesterday - datetime.timedelta(days=30), not_after=yesterday)
+    old_cert, old_key = write_leaf(old, tmp_path, "old")
+    cases = {
+        ("--tls-cert", cert, "--tls-key", str(other_key)): f"--tls-key {other_key} does not match --tls-cert {cert}",
+        (
+            "--tls-cert",
+            cert,
+            "--tls-key",
+            str(tmp_path / "gone.key"),
+        ): f"--tls-key {tmp_path / 'gone.key'}: cannot read",
+        ("--tls-cert", str(old_cert), "--tls-key", str(old_key)): "the certificate expired on",
+        ("--tls-cert", str(key), "--tls-key", key): "not a PEM certificate",
+        ("--tls-cert", cert): "--tls-cert and --tls-key go together",
+        ("--tls-client-ca", cert): "--tls-client-ca needs --tls-cert and --tls-key",
+    }
+    for flags, message in cases.items():
+        line = serve_line(*flags)
+        assert line.startswith("salience: error: ") and message in line, line
+
+
+def served_certificate(port: int, ca: Path) -> bytes:
+    """The certificate a new connection gets (the handshake fails unless `ca` signed it)."""
+    context = ssl.create_default_context(cafile=ca)
+    with (
+        socket.create_connection(("127.0.0.1", port)) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as s,
+    ):
+        return s.getpeercert(binary_form=True)
+
+
+async def test_sighup_serves_a_new_certificate_while_a_stream_runs_on(
+    tiny_model: Path, tmp_path: Path, pki: Pki
+) -> None:
+    """A real `salience serve`: a stream opened on the first certificate runs to its last token
+    across the reload, and every connection after SIGHUP gets the second."""
+    port = free_port()
+    command = [SALIENCE, "serve", "--model", str(tiny_model), "--lmtp-port", str(port), "--no-grpc"]
+    command += [
+        "--max-model-len",
+        "512",
+        "--eager",
+        "--tls-cert",
+        str(pki.server.cert),
+        "--tls-key",
+        str(pki.server.key),
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    context = ClientTls(ca=pki.ca).context()
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline
+            try:
+                if (await health(port, context))[0] == 200:
+                    break
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.3)
+        first = await asyncio.to_thread(served_certificate, port, pki.ca)
+        client = await LmtpClient.connect(f"wss://127.0.0.1:{port}/", tls=context)
+        try:
+            stream = client.stream("GENERATE", prompt=[1, 2, 3], max_tokens=480, ignore_eos=True, temperature=0)
+            tokens = [await anext(stream)]
+            rotated = trustme.CA()
+            rotated_ca = tmp_path / "rotated-ca.pem"
+            rotated.cert_pem.write_to_path(str(rotated_ca))
+            cert, key = write_leaf(rotated.issue_cert("127.0.0.1"), tmp_path, "rotated")
+            pki.server.cert.write_bytes(cert.read_bytes())
+            pki.server.key.write_bytes(key.read_bytes())
+            process.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 30
+            while True:  # the reload runs on the server's loop, between its other work
+                try:
+                    second = await asyncio.to_thread(served_certificate, port, rotated_ca)
+                    break
+                except ssl.SSLError:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.2)
+            tokens += [payload async for payload in stream]
+        finally:
+            await client.close()
+        assert second != first
+        assert len([t for t in tokens if "token" in t]) == 480 and tokens[-1]["finish_reason"] == "length"
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "tls reloaded" in output, output
