@@ -27,6 +27,7 @@ from salience.lmtp.session import LmtpConfig
 from tests.conftest import free_port
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "ui"
+COMPLETION = "ui/#completion"  # the page in its completion view (on a chat model it opens in chat)
 CHROMIUM = Path("/usr/bin/chromium")
 # Decoding shares two cores with whatever else runs: waits are generous, passing tests are not slowed.
 expect.set_options(timeout=60_000)

@@ -9,7 +9,7 @@ import re
 import orjson
 from playwright.async_api import Locator, expect
 
-from tests.ui.conftest import Ui
+from tests.ui.conftest import COMPLETION, Ui
 
 NAME = "formal"
 POSITIVE = [
@@ -52,7 +52,7 @@ async def fill(section: Locator, name: str, positive: str, negative: str) -> Non
 
 
 async def test_a_defined_concept_joins_monitors_steering_and_the_heatmap_until_deleted(ui: Ui, server: str) -> None:
-    section = await open_form(ui, server + "ui/")
+    section = await open_form(ui, server + COMPLETION)
     await fill(section, NAME, "\n".join(POSITIVE), "\n".join(NEGATIVE))
     await section.get_by_role("button", name="Define", exact=True).click()
     table = section.locator("pre.table")
@@ -116,7 +116,7 @@ async def test_a_defined_concept_joins_monitors_steering_and_the_heatmap_until_d
 
 
 async def test_too_few_examples_or_no_name_are_refused_in_the_page_and_nothing_is_sent(ui: Ui, server: str) -> None:
-    section = await open_form(ui, server + "ui/")
+    section = await open_form(ui, server + COMPLETION)
     status = section.locator(".status")
     define = section.get_by_role("button", name="Define", exact=True)
     # A blank line is no example: three positive ones.

@@ -19,7 +19,7 @@ from salience.core.engine.engine import Engine
 from salience.core.features.sae import load_sae, save_sae
 from salience.core.probes.concepts import ConceptSet
 from tests.conftest import start_engine
-from tests.ui.conftest import Ui
+from tests.ui.conftest import COMPLETION, Ui
 
 NAME, LAYER, D_SAE, K = "rand", 12, 1024, 16
 HIDDEN = 576  # SmolLM2-135M's
@@ -71,7 +71,7 @@ async def tooltip_features(ui: Ui, cell: Locator) -> list[list]:
 
 
 async def test_every_tokens_tooltip_lists_its_sae_features(ui: Ui, server: str) -> None:
-    await ui.page.goto(server + "ui/")
+    await ui.page.goto(server + COMPLETION)
     await expect(ui.page.locator("#connection")).to_have_text("ready")
     await expect(ui.page.locator("#model")).to_contain_text(f"features: SAE {NAME}, layer {LAYER}")
     (sae,) = ui.model_info()["saes"]
@@ -143,7 +143,7 @@ async def test_without_an_sae_the_page_asks_for_no_features(ui: Ui, server: str)
         upstream.on_message(down)
 
     await ui.page.route_web_socket(re.compile(r"^ws://"), without_saes)
-    await ui.page.goto(server + "ui/")
+    await ui.page.goto(server + COMPLETION)
     await expect(ui.page.locator("#connection")).to_have_text("ready")
     await expect(ui.page.locator("#model")).not_to_contain_text("features")
     await ui.page.locator("#max_tokens").fill("3")

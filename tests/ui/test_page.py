@@ -17,7 +17,7 @@ from salience.core.serving.status import ServerStatus
 from salience.lmtp.app import make_app
 from salience.lmtp.session import LmtpConfig
 from tests.conftest import free_port
-from tests.ui.conftest import Ui, serve
+from tests.ui.conftest import COMPLETION, Ui, serve
 
 # Chromium reports a refused WebSocket as a console error; only the reconnect test expects it.
 REFUSED = "net::ERR_CONNECTION_REFUSED"
@@ -37,7 +37,7 @@ async def set_readouts(ui: Ui, on: bool) -> None:
 async def test_a_generation_streams_into_token_cells(ui: Ui, server: str) -> None:
     await ui.page.goto(server)  # a plain GET of / redirects to the page
     assert ui.page.url == server + "ui/"
-    await open_page(ui, ui.page.url, prompt="The capital of France is", temperature="0", max_tokens="12")
+    await open_page(ui, server + COMPLETION, prompt="The capital of France is", temperature="0", max_tokens="12")
     await set_readouts(ui, False)
     await ui.page.get_by_role("button", name="Generate").click()
     pane = ui.page.locator(".pane").first
@@ -65,7 +65,7 @@ async def test_a_generation_streams_into_token_cells(ui: Ui, server: str) -> Non
 
 
 async def test_heatmap_shows_the_servers_readouts_for_prompt_and_generated_tokens(ui: Ui, server: str) -> None:
-    await open_page(ui, server + "ui/", prompt="I love this wonderful film", temperature="0", max_tokens="6")
+    await open_page(ui, server + COMPLETION, prompt="I love this wonderful film", temperature="0", max_tokens="6")
     await ui.page.get_by_role("button", name="Generate").click()
     pane = ui.page.locator(".pane").first
     await expect(pane.locator(".state")).to_contain_text("done")
@@ -102,7 +102,7 @@ async def test_heatmap_shows_the_servers_readouts_for_prompt_and_generated_token
 
 
 async def test_stop_cancels_a_running_generation(ui: Ui, server: str) -> None:
-    await open_page(ui, server + "ui/", prompt="1, 2, 3, 4, 5, 6, 7,", temperature="0", max_tokens="1500")
+    await open_page(ui, server + COMPLETION, prompt="1, 2, 3, 4, 5, 6, 7,", temperature="0", max_tokens="1500")
     await set_readouts(ui, False)
     await ui.page.locator("#prompt").press("Control+Enter")  # keyboard only
     pane = ui.page.locator(".pane").first
@@ -128,7 +128,7 @@ async def test_stop_cancels_a_running_generation(ui: Ui, server: str) -> None:
 async def test_a_bad_parameter_shows_the_servers_error_in_its_pane(
     ui: Ui, server: str, field: str, value: str, words: str
 ) -> None:
-    await open_page(ui, server + "ui/", **{field: value})
+    await open_page(ui, server + COMPLETION, **{field: value})
     await ui.page.get_by_role("button", name="Generate").click()
     error = ui.page.locator(".pane").first.locator(".error")
     await expect(error).to_be_visible()
@@ -140,7 +140,7 @@ async def test_a_bad_parameter_shows_the_servers_error_in_its_pane(
 
 async def test_score_mode_reads_the_prompt_in_a_narrow_window(ui: Ui, server: str) -> None:
     await ui.page.set_viewport_size({"width": 360, "height": 800})
-    await open_page(ui, server + "ui/", prompt="Bonjour, je suis")
+    await open_page(ui, server + COMPLETION, prompt="Bonjour, je suis")
     await ui.page.get_by_role("button", name="Score prompt").click()
     pane = ui.page.locator(".pane").first
     await expect(pane.locator(".state")).to_contain_text("done")
@@ -162,7 +162,7 @@ async def test_connection_state_loading_ready_draining_stopping_lost_and_back(ui
     runner = await serve(make_app(status, LmtpConfig()), port)
     state = ui.page.locator("#connection")
     try:
-        await ui.page.goto(f"http://127.0.0.1:{port}/ui/")
+        await ui.page.goto(f"http://127.0.0.1:{port}/{COMPLETION}")
         await expect(state).to_have_text("loading model…")
         await ui.screenshot("loading")
         await expect(ui.page.get_by_role("button", name="Generate")).to_be_disabled()
@@ -212,7 +212,9 @@ async def test_a_wrong_token_shows_unauthorized_and_the_right_one_connects(ui: U
 async def test_heatmap_shows_probabilities_with_their_legend_writes_and_monitor_marks(ui: Ui, server: str) -> None:
     """By default each concept at its recommended layer, p through the manifest's published map;
     a flag monitor added in the form marks the columns where it fired."""
-    await open_page(ui, server + "ui/", prompt="def add(a, b):\n    return a + b\n\n", temperature="0", max_tokens="8")
+    await open_page(
+        ui, server + COMPLETION, prompt="def add(a, b):\n    return a + b\n\n", temperature="0", max_tokens="8"
+    )
     manifest = ui.model_info()["readout_manifest"]
     concepts, layers, info = manifest["concepts"], manifest["layers"], manifest["concept_info"]
     form = ui.page.locator("#monitors")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 from playwright.async_api import expect
 
-from tests.ui.conftest import Ui
+from tests.ui.conftest import COMPLETION, Ui
 
 
 async def generate(ui: Ui) -> tuple[list[dict], dict]:
@@ -18,7 +18,7 @@ async def generate(ui: Ui) -> tuple[list[dict], dict]:
 
 
 async def test_a_slider_steers_the_generation_and_its_readouts(ui: Ui, server: str) -> None:
-    await ui.page.goto(server + "ui/")
+    await ui.page.goto(server + COMPLETION)
     await expect(ui.page.locator("#connection")).to_have_text("ready")
     info = ui.model_info()
     directions = info["steering"]["directions"]

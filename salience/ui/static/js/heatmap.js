@@ -10,7 +10,8 @@
 // tooltips); only the colour is scaled. The raw scale is symmetric around 0 and ends at the
 // largest |value| in the layer, position 0 left out: the first token's residual is an
 // attention sink, often a thousand times larger than the rest, and would wash everything else
-// out (it is drawn at full colour). Monitor events mark their token's column.
+// out (it is drawn at full colour). Monitor events mark their token's column; in a chat turn the
+// chat template's own tokens (`<|im_start|>assistant\n`) have their header boxed in grey.
 
 import { showToken } from "./vocab.js";
 
@@ -33,11 +34,17 @@ export function valueColor(value, scale) {
   return `rgb(${mix.join(" ")})`;
 }
 
+/** " (prompt)", or with a chat prompt's role " (prompt, user)", " (prompt, template)"; "" when generated. */
+function where(column) {
+  if (!column.prompt) return "";
+  return column.role ? ` (prompt, ${column.role})` : " (prompt)";
+}
+
 export class Heatmap {
   #concepts;
   #layers;
   #info; // concept_info per concept, or null: the set is not calibrated
-  #columns = new Map(); // position -> {position, label, prompt, readout, monitors}
+  #columns = new Map(); // position -> {position, label, prompt, readout, monitors, role}
   #layer = 0; // an index into #layers, or RECOMMENDED
   #view = "raw"; // or "probability"
   #line = null; // concept index whose line is shown
@@ -59,6 +66,7 @@ export class Heatmap {
           <option value="probability">probability</option><option value="raw">raw</option></select></label>
         <label>layer <select class="layer"></select></label>
         <div class="legend" aria-label="colour scale"><span class="lo"></span><span class="ramp"></span><span class="hi"></span></div>
+        <span class="template-key" hidden><span class="swatch"></span> the chat template's own tokens</span>
       </div>
       <div class="heatmap-scroll"><table class="heatmap" tabindex="0" aria-label="concept readouts: arrow keys move between cells"></table></div>
       <p class="cell-info" aria-live="polite">Hover a cell or focus the table and use the arrow keys; click a concept for its line.</p>
@@ -82,7 +90,7 @@ export class Heatmap {
     table.addEventListener("keydown", (event) => this.#key(event));
     table.addEventListener("focus", () => this.#describe());
     table.addEventListener("mouseover", (event) => {
-      const cell = event.target.closest("td");
+      const cell = event.target.closest("td[data-col]"); // not the empty corner cell
       if (cell) this.#describe(cell);
     });
     table.addEventListener("click", (event) => {
@@ -91,7 +99,11 @@ export class Heatmap {
     });
   }
 
-  /** Create or update the column at `position` with the fields given ({label, prompt, readout}). */
+  /**
+   * Create or update the column at `position` with the fields given ({label, prompt, readout, monitors,
+   * role}). `role` names a chat prompt token's message role, or "template" for the chat template's own
+   * tokens, whose header is drawn boxed in grey.
+   */
   set(position, fields) {
     const column = this.#columns.get(position) ?? { position, label: "", prompt: false };
     for (const [key, value] of Object.entries(fields)) if (value !== undefined) column[key] = value;
@@ -150,7 +162,11 @@ export class Heatmap {
       th.scope = "col";
       th.className = column.prompt ? "prompt" : "";
       th.textContent = showToken(column.label);
-      th.title = `position ${column.position}${column.prompt ? " (prompt)" : ""}`;
+      th.title = `position ${column.position}${where(column)}`;
+      if (column.role) {
+        th.dataset.role = column.role;
+        th.classList.toggle("template", column.role === "template");
+      }
       if (column.monitors?.length) {
         th.classList.add("monitor");
         th.dataset.monitors = column.monitors.map((m) => m.action).join(" ");
@@ -187,6 +203,7 @@ export class Heatmap {
       });
     });
     table.replaceChildren(head, body);
+    this.element.querySelector(".template-key").hidden = !columns.some((column) => column.role === "template");
     this.#legend(scale);
     this.#markActive();
     this.#drawLine(columns);
@@ -242,8 +259,8 @@ export class Heatmap {
     const info = this.element.querySelector(".cell-info");
     const column = this.#sorted()[Number(cell.dataset.col)];
     const k = Number(cell.dataset.row);
-    const where = `${this.#concepts[k]} at position ${column.position} (${showToken(column.label)}), ${this.#layerName(k)}`;
-    info.textContent = `${where}: ${cell.dataset.value ?? "no readout"}`;
+    const at = `${this.#concepts[k]} at position ${column.position}${where(column)} (${showToken(column.label)}), ${this.#layerName(k)}`;
+    info.textContent = `${at}: ${cell.dataset.value ?? "no readout"}`;
   }
 
   #toggleLine(k) {

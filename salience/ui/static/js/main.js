@@ -1,5 +1,7 @@
-// The page: connection indicator, auth token, the request form, live concepts, and the panes.
+// The page: connection indicator, auth token, the chat and completion views, the settings both
+// share (sampling, readouts, steering, monitors), live concepts, and the completion panes.
 
+import { ChatView } from "./chat.js";
 import { ConceptForm } from "./concepts.js";
 import { LmtpClient } from "./lmtp.js";
 import { MonitorControls } from "./monitors.js";
@@ -9,6 +11,7 @@ import { Vocab } from "./vocab.js";
 
 const TOKEN_KEY = "salience-token";
 const FEATURES_K = 8; // top SAE features per token, in each token's tooltip
+const VIEWS = ["chat", "completion"];
 const $ = (selector) => document.querySelector(selector);
 
 // A token passed as ?token= (a link from whoever runs the server) moves into sessionStorage
@@ -34,6 +37,7 @@ const vocab = new Vocab(client);
 const steering = new SteeringControls($("#steering"));
 const monitors = new MonitorControls($("#monitors"));
 const concepts = new ConceptForm($("#concepts"), client, showModel);
+const chat = new ChatView({ section: $("#chat"), client, vocab, tip: $("#tip"), settings });
 $("#steer-reset").addEventListener("click", () => steering.reset());
 const LABELS = {
   connecting: "connecting…",
@@ -51,6 +55,7 @@ client.addEventListener("state", ({ detail: { state, detail } }) => {
   indicator.textContent = LABELS[state] + (detail ? ` — ${detail}` : "");
   const ready = state === "ready";
   for (const button of document.querySelectorAll("#request button")) button.disabled = !ready;
+  chat.enable(ready);
   concepts.enable(ready);
   if (ready) showModel(client.modelInfo);
   if (state === "unauthorized") $("#auth").open = true;
@@ -71,7 +76,51 @@ function showModel(info) {
   steering.show(info.steering);
   monitors.show(info.readout_manifest);
   concepts.show(info.readout_manifest);
+  const chatTab = $("#tab-chat");
+  chatTab.disabled = !info.chat_template;
+  chatTab.title = info.chat_template ? "" : "the model has no chat template (salience serve --chat-template FILE)";
+  if (view === "chat" && !info.chat_template) setView("completion", false);
 }
+
+// The page opens in chat (the default model is an instruct model: a first question gets an
+// answer), or in the view the address names (…/ui/#completion), and in completion on a model
+// without a chat template. max_tokens is kept per view: a reply needs room a continuation does
+// not (as the REPL's chat and raw modes).
+const maxTokens = { chat: "256", completion: $("#max_tokens").value };
+let view = null;
+
+function setView(name, remember = true) {
+  if (name === view) return;
+  if (view) maxTokens[view] = $("#max_tokens").value;
+  view = name;
+  $("#max_tokens").value = maxTokens[name];
+  for (const tab of document.querySelectorAll("[role=tab]")) {
+    const selected = tab.dataset.view === name;
+    tab.setAttribute("aria-selected", String(selected));
+    tab.tabIndex = selected ? 0 : -1;
+  }
+  $("#chat").hidden = name !== "chat";
+  $("#request").hidden = $("#panes").hidden = name !== "completion";
+  if (remember) history.replaceState(null, "", `#${name}`);
+}
+
+const named = () => VIEWS.find((name) => location.hash === `#${name}`);
+setView(named() ?? "chat", false);
+addEventListener("hashchange", () => {
+  const name = named();
+  if (name && !$(`#tab-${name}`).disabled) setView(name, false);
+});
+const tabs = [...document.querySelectorAll("[role=tab]")];
+for (const tab of tabs) tab.addEventListener("click", () => setView(tab.dataset.view));
+$(".views").addEventListener("keydown", (event) => {
+  const step = { ArrowLeft: -1, ArrowRight: 1 }[event.key];
+  const enabled = tabs.filter((tab) => !tab.disabled);
+  const at = enabled.indexOf(document.activeElement);
+  if (!step || at < 0) return;
+  const next = enabled[(at + step + enabled.length) % enabled.length];
+  setView(next.dataset.view);
+  next.focus();
+});
 
 $("#token").value = sessionStorage.getItem(TOKEN_KEY) ?? "";
 $("#auth-form").addEventListener("submit", (event) => {
@@ -96,18 +145,20 @@ function features(info) {
   return sae ? { sae, k: Math.min(FEATURES_K, sae.top) } : null;
 }
 
-function start(mode) {
-  const info = client.modelInfo;
-  const request = {
-    mode,
-    text: $("#prompt").value,
+/** What both views send with a request: sampling, alternatives, readouts, steering, monitors. */
+function settings() {
+  return {
     params: params(),
     topLogprobs: Number($("#top_logprobs").value),
-    manifest: $("#readouts").checked ? info.readout_manifest : null,
+    manifest: $("#readouts").checked ? client.modelInfo.readout_manifest : null,
     steer: steering.interventions(),
-    monitors: mode === "generate" ? monitors.monitors() : [],
-    features: features(info),
+    monitors: monitors.monitors(),
   };
+}
+
+function start(mode) {
+  const request = { mode, text: $("#prompt").value, ...settings(), features: features(client.modelInfo) };
+  if (mode === "score") request.monitors = [];
   const pane = new Pane({ client, vocab, tip: $("#tip"), request });
   $("#panes").prepend(pane.element);
   pane.run();

@@ -16,20 +16,17 @@
 // `scored`, which gives every token a logprob, alternatives and a readout.
 
 import { Heatmap } from "./heatmap.js";
-import { describe } from "./steering.js";
+import { StreamView } from "./stream.js";
 import { TokenStrip } from "./tokens.js";
 
 let panes = 0;
 
-const count = (n) => `${n} token${n === 1 ? "" : "s"}`;
-
 export class Pane {
-  #client;
   #vocab;
   #request;
   #strip;
+  #stream;
   #heatmap = null;
-  #streamId = null;
   #prompt = [];
 
   /**
@@ -40,7 +37,6 @@ export class Pane {
    *                  (MODEL_INFO's saes entry) and how many of its features each token's tooltip lists
    */
   constructor({ client, vocab, tip, request }) {
-    this.#client = client;
     this.#vocab = vocab;
     this.#request = request;
     const n = ++panes;
@@ -59,38 +55,30 @@ export class Pane {
       <div class="stream"></div>
       <ul class="monitor-events" aria-label="monitor events" hidden></ul>
       <details class="protocol"><summary>LMTP messages sent</summary><pre></pre></details>`;
-    if (request.steer.length) {
-      const steered = this.element.querySelector(".steered");
-      steered.hidden = false;
-      steered.textContent = `steered: ${describe(request.steer)}`;
-    }
     this.#strip = new TokenStrip(this.element.querySelector(".stream"), vocab, tip, request.features?.sae);
     if (request.manifest) {
       this.#heatmap = new Heatmap(request.manifest);
       this.element.querySelector(".stream").after(this.#heatmap.element);
     }
-    this.element.querySelector(".stop").addEventListener("click", () => this.stop());
+    this.#stream = new StreamView({ client, element: this.element, strip: this.#strip, heatmap: this.#heatmap });
+    this.#stream.steered(request.steer);
     this.element.querySelector(".close").addEventListener("click", () => {
-      this.stop();
+      this.#stream.stop();
       this.element.remove();
     });
   }
 
   async run() {
-    this.#state("tokenizing");
+    this.#stream.state("tokenizing");
     try {
-      this.#prompt = (await this.#ask("TOKENIZE", { text: this.#request.text })).tokens;
+      this.#prompt = (await this.#stream.ask("TOKENIZE", { text: this.#request.text })).tokens;
       if (this.#prompt.length === 0) throw new Error("the prompt is empty");
       if (this.#heatmap) this.#labelPrompt();
       if (this.#request.mode === "generate") await this.#generate();
       else await this.#score();
     } catch (error) {
-      this.#fail(error.message);
+      this.#stream.fail(error.message);
     }
-  }
-
-  stop() {
-    if (this.#streamId !== null) this.#client.cancel(this.#streamId);
   }
 
   async #generate() {
@@ -110,7 +98,7 @@ export class Pane {
     } else {
       this.#strip.addContext(text);
     }
-    this.#start("GENERATE", body);
+    await this.#stream.start("GENERATE", body);
   }
 
   /** Ask for the SAE's top features at positions 0..end (where the page shows them). */
@@ -126,82 +114,11 @@ export class Pane {
     if (this.#heatmap) body.readout = [[0, this.#prompt.length]];
     if (this.#request.steer.length) body.steer = this.#request.steer;
     this.#askFeatures(body, this.#prompt.length);
-    this.#start("SCORE", { ...body, text: true });
-  }
-
-  #start(type, body, onEnd = () => {}) {
-    this.#log(type, body);
-    this.#streamId = this.#client.stream(type, body, (payload) => {
-      if (this.#receive(payload)) {
-        this.#streamId = null;
-        this.element.querySelector(".stop").disabled = true;
-        onEnd();
-      }
-    });
-    this.element.querySelector(".stop").disabled = type !== "GENERATE";
-    this.#state("streaming");
-  }
-
-  /** Handle one TOKEN payload; true when it ends the stream. */
-  #receive(payload) {
-    if (payload.error != null) {
-      this.#fail(payload.error);
-      return false;
-    }
-    if (payload.prompt) {
-      this.#heatmap?.set(payload.position, { prompt: true, readout: payload.readout });
-      if (payload.features) this.#strip.setFeatures(payload.position, payload.features);
-      return false;
-    }
-    if (payload.token != null) {
-      const { token, text, logprob, top_logprobs: alternatives, position, features } = payload;
-      this.#strip.add({ token, text, logprob, alternatives, position, features });
-      this.#heatmap?.set(payload.position, { label: text, readout: payload.readout, monitors: payload.monitors });
-      if (payload.monitors) this.#monitored(payload.monitors);
-      this.#state(`streaming · ${count(this.#strip.length)}`);
-    }
-    if (payload.finish_reason == null) return false;
-    const reason = payload.finish_reason === "cancelled" ? "stopped" : `done (${payload.finish_reason})`;
-    this.#state(`${reason} · ${count(this.#strip.length)}`);
-    return true;
-  }
-
-  /** A line per monitor event under the tokens (the heatmap marks the token's column too). */
-  #monitored(events) {
-    const list = this.element.querySelector(".monitor-events");
-    list.hidden = false;
-    for (const m of events) {
-      const item = document.createElement("li");
-      item.dataset.action = m.action;
-      item.textContent = `${m.action}: ${m.concept} p = ${m.probability.toFixed(3)} at position ${m.position} (layer ${m.layer})`;
-      list.append(item);
-    }
+    await this.#stream.start("SCORE", { ...body, text: true });
   }
 
   async #labelPrompt() {
     const texts = await this.#vocab.texts(this.#prompt).catch(() => []);
     texts.forEach((label, position) => this.#heatmap.set(position, { label, prompt: true }));
-  }
-
-  #ask(type, body) {
-    this.#log(type, body);
-    return this.#client.request(type, body);
-  }
-
-  #log(type, body) {
-    this.element.querySelector(".protocol pre").textContent += `${type} ${JSON.stringify(body)}\n`;
-  }
-
-  #state(text) {
-    this.element.querySelector(".state").textContent = text;
-  }
-
-  #fail(message) {
-    this.#streamId = null;
-    this.element.querySelector(".stop").disabled = true;
-    const error = this.element.querySelector(".error");
-    error.hidden = false;
-    error.textContent = message;
-    this.#state("error");
   }
 }
