@@ -12,7 +12,8 @@ call first re-reads the length with DumpSession.
         steered = branch.generate(more_ids, max_tokens=16, top_k=1,
                                   steer=[{"direction": "french", "layers": [15], "value": 8}])
 
-`AsyncSalienceClient` is the same over grpc.aio, with `stream()` to consume tokens as they come.
+`AsyncSalienceClient` is the same over grpc.aio, with `stream()` to consume tokens as they come,
+and `chat()` to add messages to a session's conversation and run the assistant's turn.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ import grpc
 
 from salience.core.probes.steering import Intervention, Op
 from salience.core.probes.steering_json import parse_interventions
-from salience.grpc_frontend.ledger import GenerateResult, Ledger, defaults
+from salience.grpc_frontend.ledger import ChatResult, GenerateResult, Ledger, chat_message_proto, defaults
 from salience.proto.salience.ext.v1 import extensions_pb2 as ext
 from salience.proto.salience.ext.v1 import extensions_pb2_grpc
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
 from salience.tls import ClientTls
 
-__all__ = ["AsyncSalienceClient", "AsyncSession", "GenerateResult", "SalienceClient", "Session"]
+__all__ = ["AsyncSalienceClient", "AsyncSession", "ChatResult", "GenerateResult", "SalienceClient", "Session"]
 
 
 def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
@@ -233,9 +234,52 @@ class AsyncSession:
         async for event in self._follow(call, lambda e: e.event):
             yield event
 
-    async def _request(self, append: Sequence[int], truncate_to: int | None, params: dict) -> pb.GenerateRequest:
+    async def chat_stream(
+        self,
+        messages: Sequence[dict | ext.ChatMessage],
+        *,
+        steer: Sequence[Intervention | dict] = (),
+        monitors: Sequence[ext.Monitor] = (),
+        readout_format: int = 0,
+        residual: ext.Residual | None = None,
+        features: ext.Features | None = None,
+        **params,
+    ) -> AsyncIterator[ext.ChatGenerateEvent]:
+        """ChatGenerate: `messages` (OpenAI's JSON form, or ChatMessage protobufs) join the session's
+        conversation, then the assistant's turn runs; params are GenerateRequest's, as in
+        `generate`, and a range `(start, None)` runs through the end of the call. Yields where the
+        template's tokens went, then the turn's ExtendedGenerateEvents, the last with the reply."""
+        await self._sync()
+        turn = ext.ExtendedGenerateRequest(
+            generate=self._ledger.request((), None, **defaults(params), chat=True),
+            interventions=_interventions(steer),
+            monitors=monitors,
+            readout_format=readout_format,
+            residual=residual,
+            features=features,
+        )
+        request = ext.ChatGenerateRequest(turn=turn, messages=[chat_message_proto(m) for m in messages])
+        call = self._client._extensions.ChatGenerate(request, metadata=self._client._metadata)
+        try:
+            async for event in call:
+                self._ledger.observe_chat(event)
+                yield event
+        finally:
+            call.cancel()  # a no-op once the call has ended; aborts the engine request otherwise
+
+    async def chat(self, messages: Sequence[dict | ext.ChatMessage], **params) -> ChatResult:
+        result = ChatResult()
+        async for event in self.chat_stream(messages, **params):
+            result.add_chat(event)
+        return result
+
+    async def _sync(self) -> None:
+        """After an interrupted stream, re-read the length the client may have missed tokens of."""
         if not self._ledger.synced:
             self._ledger.length = len(await self.dump())
+
+    async def _request(self, append: Sequence[int], truncate_to: int | None, params: dict) -> pb.GenerateRequest:
+        await self._sync()
         return self._ledger.request(append, truncate_to, **defaults(params))
 
     async def _follow(self, call, seed) -> AsyncIterator:

@@ -14,11 +14,13 @@ from salience.core.engine.requests import FeatureRequest, ResidualRequest
 from salience.core.probes.calibration import Action, Monitor, MonitorEvent, calibrated, parse_monitors
 from salience.core.probes.steering import MAX_INTERVENTIONS, MAX_MAGNITUDE, Intervention, Op
 from salience.core.serving import live_concepts
+from salience.core.serving.conversations import ChatTurn
 from salience.core.serving.live_concepts import ConceptDefinition
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import ServerStatus
-from salience.core.serving.turns import SessionToken
+from salience.core.serving.turns import SessionToken, Turn, TurnDone
 from salience.errors import InvalidArgument
+from salience.grpc_frontend.chat import chat_message, chat_messages, run_chat
 from salience.grpc_frontend.service import run_turn, seed_event, turn_from
 from salience.grpc_frontend.status_codes import translating, translating_stream
 from salience.logs import REQUEST_ID
@@ -63,34 +65,32 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
     async def ExtendedGenerate(
         self, request: ext.ExtendedGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ext.ExtendedGenerateEvent]:
-        probabilities = request.readout_format == ext.ExtendedGenerateRequest.READOUT_FORMAT_PROBABILITY
-        steer, watch = interventions(request.interventions), monitors(request.monitors)
-        residual = None
-        if request.HasField("residual"):
-            residual = ResidualRequest(
-                layers=tuple(request.residual.layers), ranges=tuple((r.start, r.end) for r in request.residual.ranges)
-            )
-        features = None
-        if request.HasField("features"):
-            features = FeatureRequest(
-                sae=request.features.sae or None,
-                k=request.features.k,
-                ranges=tuple((r.start, r.end) for r in request.features.ranges),
-            )
-        turn = turn_from(request.generate, REQUEST_ID.get(), steer, watch, probabilities, residual, features)
+        turn = extended_turn(request)
         async with contextlib.aclosing(
             run_turn(self._status, self._sessions, request.generate.session_id, turn)
         ) as items:
             async for item in items:
-                event = ext.ExtendedGenerateEvent(event=seed_event(item))
-                if isinstance(item, SessionToken):
-                    event.monitors.extend(_monitor_event(m) for m in item.monitors)
-                    if item.residual is not None:
-                        event.residual = item.residual.astype("<f4", copy=False).tobytes()
-                    if item.features is not None:
-                        event.features.extend(ext.FeatureActivation(id=i, activation=a) for i, a in item.features)
-                elif item.stopped_by is not None:
-                    event.stopped_by.CopyFrom(_monitor_event(item.stopped_by))
+                yield extended_event(item)
+
+    @translating_stream
+    async def ChatGenerate(
+        self, request: ext.ChatGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ext.ChatGenerateEvent]:
+        messages, turn = chat_messages(request.messages), extended_turn(request.turn)
+        chat: ChatTurn | None = None
+        async with contextlib.aclosing(
+            run_chat(self._status, self._sessions, request.turn.generate.session_id, messages, turn)
+        ) as items:
+            async for item in items:
+                if isinstance(item, ChatTurn):
+                    chat = item
+                    appended = ext.ChatAppended(offset=chat.appended.offset, tokens=chat.appended.tokens)
+                    yield ext.ChatGenerateEvent(appended=appended)
+                    continue
+                event = ext.ChatGenerateEvent(event=extended_event(item))
+                if isinstance(item, TurnDone):
+                    assert chat is not None and chat.reply is not None  # announced first; replied as the run ended
+                    event.reply.CopyFrom(chat_message(chat.reply))
                 yield event
 
     @translating
@@ -180,6 +180,40 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
             width=width,
             height=height,
         )
+
+
+def extended_turn(request: ext.ExtendedGenerateRequest) -> Turn:
+    """The core Turn an ExtendedGenerateRequest asks for."""
+    residual = None
+    if request.HasField("residual"):
+        residual = ResidualRequest(
+            layers=tuple(request.residual.layers), ranges=tuple((r.start, r.end) for r in request.residual.ranges)
+        )
+    features = None
+    if request.HasField("features"):
+        features = FeatureRequest(
+            sae=request.features.sae or None,
+            k=request.features.k,
+            ranges=tuple((r.start, r.end) for r in request.features.ranges),
+        )
+    probabilities = request.readout_format == ext.ExtendedGenerateRequest.READOUT_FORMAT_PROBABILITY
+    steer, watch = interventions(request.interventions), monitors(request.monitors)
+    return turn_from(request.generate, REQUEST_ID.get(), steer, watch, probabilities, residual, features)
+
+
+def extended_event(item: SessionToken | TurnDone) -> ext.ExtendedGenerateEvent:
+    """A turn's token or end as ExtendedGenerate streams it: the seed's event, and beside it the
+    monitors that fired, residual rows and features at a token, the stopping monitor at the end."""
+    event = ext.ExtendedGenerateEvent(event=seed_event(item))
+    if isinstance(item, SessionToken):
+        event.monitors.extend(_monitor_event(m) for m in item.monitors)
+        if item.residual is not None:
+            event.residual = item.residual.astype("<f4", copy=False).tobytes()
+        if item.features is not None:
+            event.features.extend(ext.FeatureActivation(id=i, activation=a) for i, a in item.features)
+    elif item.stopped_by is not None:
+        event.stopped_by.CopyFrom(_monitor_event(item.stopped_by))
+    return event
 
 
 def _concept_info(info: dict) -> ext.ConceptInfo:

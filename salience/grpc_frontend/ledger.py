@@ -1,18 +1,22 @@
 """Sans-IO: what a client knows of one session (its length, the requests it builds) and what a
-Generate returned. client.py drives these over a channel."""
+Generate or a ChatGenerate returned. client.py drives these over a channel."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from salience.proto.salience.ext.v1 import extensions_pb2 as ext
 from salience.proto.salience.v1 import salience_pb2 as pb
 
-__all__ = ["GenerateResult", "Ledger", "Range", "defaults"]
+__all__ = ["ChatResult", "GenerateResult", "Ledger", "Range", "chat_message_proto", "defaults"]
 
 # [start, end) in absolute positions; end None: through the end of the call (what the
-# session will hold after the append plus max_tokens), which only the client can work out.
+# session will hold after the append plus max_tokens), which the client works out, except in a
+# chat turn, whose append the server renders: there it asks for the largest end, clipped.
 Range = tuple[int, int | None]
+_OPEN_END = 2**32 - 1
 
 
 @dataclass
@@ -30,6 +34,43 @@ class GenerateResult:
             self.done = event.done
         else:
             (self.prefill if event.token.is_prefill else self.tokens).append(event.token)
+
+
+@dataclass
+class ChatResult(GenerateResult):
+    """A ChatGenerate's result: where the template's tokens went, the turn, and the reply."""
+
+    offset: int = 0  # the session was rewound here (its length before the call, unless re-rendered)
+    appended: list[int] = field(default_factory=list)  # then these were appended
+    events: list[ext.ExtendedGenerateEvent] = field(default_factory=list)  # the turn's, with monitors and rows
+    reply: ext.ChatMessage | None = None
+
+    def add_chat(self, event: ext.ChatGenerateEvent) -> None:
+        if event.HasField("appended"):
+            self.offset, self.appended = event.appended.offset, list(event.appended.tokens)
+            return
+        self.events.append(event.event)
+        self.add(event.event.event)
+        if event.HasField("reply"):
+            self.reply = event.reply
+
+
+def chat_message_proto(message: Mapping[str, Any] | ext.ChatMessage) -> ext.ChatMessage:
+    """A message in OpenAI's JSON form (`{"role": ..., "content": "..." or [parts]}`) as protobuf."""
+    if isinstance(message, ext.ChatMessage):
+        return message
+    content = message.get("content", "")
+    parts = []
+    if not isinstance(content, str):
+        parts = [
+            ext.ContentPart(text=p["text"])
+            if p.get("type") == "text"
+            else ext.ContentPart(image_url=p["image_url"]["url"])
+            for p in content
+        ]
+        content = ""
+    rest = {key: message[key] for key in ("name", "tool_call_id") if message.get(key) is not None}
+    return ext.ChatMessage(role=message.get("role", ""), content=content, parts=parts, **rest)
 
 
 class Ledger:
@@ -55,9 +96,11 @@ class Ledger:
         stop_token_ids: Sequence[int],
         priority: int,
         images: Sequence[pb.ImageAttachment],
+        chat: bool = False,
     ) -> pb.GenerateRequest:
+        """The request for one call; `chat`: a chat turn's, whose append the server renders."""
         offset = self.length if truncate_to is None else truncate_to
-        end_of_call = offset + len(append) + max_tokens
+        end_of_call = _OPEN_END if chat else offset + len(append) + max_tokens
 
         def ranges(given: Sequence[Range]) -> list[pb.PositionRange]:
             return [pb.PositionRange(start=s, end=end_of_call if e is None else e) for s, e in given]
@@ -85,6 +128,14 @@ class Ledger:
     def accepted(self) -> None:
         """The first event arrived: the server validated and applied the append."""
         self.length = self._after_append
+
+    def observe_chat(self, event: ext.ChatGenerateEvent) -> None:
+        """A ChatGenerate's event. The first says where the server put the template's tokens: it
+        rewound to `offset` (before it only to re-render its own last reply) and appended them."""
+        if event.HasField("appended"):
+            self.length = self._after_append = event.appended.offset + len(event.appended.tokens)
+        else:
+            self.observe(event.event.event)
 
     def observe(self, event: pb.GenerateEvent) -> None:
         if event.HasField("done"):

@@ -13,14 +13,14 @@ from salience.core.engine.requests import FeatureRequest, FinishReason, ImageBlo
 from salience.core.probes.calibration import Monitor
 from salience.core.probes.steering import Intervention
 from salience.core.serving.sessions import SessionStore
-from salience.core.serving.status import ServerStatus
-from salience.core.serving.turns import SessionToken, Turn, TurnDone
+from salience.core.serving.status import Admitted, ServerStatus
+from salience.core.serving.turns import SessionToken, Turn, TurnDone, TurnRun
 from salience.grpc_frontend.status_codes import translating, translating_stream
 from salience.logs import REQUEST_ID
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
 
-__all__ = ["SalienceService", "run_turn", "seed_event", "turn_from"]
+__all__ = ["SalienceService", "counted", "run_turn", "seed_event", "turn_from"]
 
 _FINISH = {
     FinishReason.STOP: pb.GenerateDone.FINISH_REASON_EOS,
@@ -79,15 +79,22 @@ async def run_turn(
     """A session turn, counted: its tokens, then how it ended."""
     with status.admit("grpc", "session_generate") as admitted:
         run = await sessions.start(session_id, turn, admitted.engine)
-        async with contextlib.aclosing(aiter(run)) as tokens:
-            async for token in tokens:
-                if token.readout is not None:
-                    metrics.READOUT_POSITIONS.labels("grpc").inc()
-                    metrics.READOUT_BYTES.labels("grpc").inc(4 * len(token.readout))
-                yield token
-        assert run.done is not None
-        admitted.end(run.done.finish_reason.value)
-        yield run.done
+        async with contextlib.aclosing(counted(admitted, run)) as items:
+            async for item in items:
+                yield item
+
+
+async def counted(admitted: Admitted, run: TurnRun) -> AsyncIterator[SessionToken | TurnDone]:
+    """A started turn's tokens, then how it ended, counted in the metrics."""
+    async with contextlib.aclosing(aiter(run)) as tokens:
+        async for token in tokens:
+            if token.readout is not None:
+                metrics.READOUT_POSITIONS.labels("grpc").inc()
+                metrics.READOUT_BYTES.labels("grpc").inc(4 * len(token.readout))
+            yield token
+    assert run.done is not None
+    admitted.end(run.done.finish_reason.value)
+    yield run.done
 
 
 def seed_event(item: SessionToken | TurnDone) -> pb.GenerateEvent:

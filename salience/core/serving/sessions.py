@@ -12,6 +12,9 @@ context and the store's limits. Then the append (after a rewind) is committed an
 runs; decoded tokens join the session as they are handed out, so a cancelled turn keeps what
 the client already saw (turns.py). One turn runs per session at a time.
 
+A chat turn (`chat`) appends instead what the chat template's rendering of the session's
+conversation adds, and its reply joins the conversation (conversations.py).
+
 Idle sessions expire after a TTL; every call on a session refreshes it. Past the limits on
 session count or stored tokens the least recently used idle session is evicted; a session
 with a running turn is never evicted.
@@ -22,18 +25,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import itertools
 import secrets
 import time
 from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from salience.core.engine.chat_messages import ChatMessage
 from salience.core.engine.engine import Engine
 from salience.core.engine.generation import Generation, PromptScores
 from salience.core.engine.images import ImageFacts, Vision
 from salience.core.engine.prompts import PlacedImage
+from salience.core.serving import conversations
+from salience.core.serving.conversations import ChatTurn, Conversation
 from salience.core.serving.observers import OBSERVERS
+from salience.core.serving.session_images import place_images
 from salience.core.serving.turns import Range, Turn, TurnRun
 from salience.errors import (
     ContextOverflow,
@@ -59,6 +65,7 @@ class _Session:
     id: str
     tokens: array = field(default_factory=lambda: array("I"))
     images: list[PlacedImage] = field(default_factory=list)  # by block start
+    conversation: Conversation = field(default_factory=Conversation)  # what its chat turns said
     last_used: float = 0.0
     run: TurnRun | None = None
     # The data-parallel engine every turn runs on, so each reads its prefix cache; chosen at the
@@ -124,6 +131,7 @@ class SessionStore:
         self._make_room(sessions=1, tokens=at_position, keep=source)
         child = _Session(secrets.token_urlsafe(16), tokens=source.tokens[:at_position])
         child.images = [b for b in source.images if b.end <= at_position]
+        child.conversation = source.conversation.cut(at_position)
         child.dp_rank = source.dp_rank
         self._sessions[child.id] = child
         self._touch(child)
@@ -162,12 +170,52 @@ class SessionStore:
         engine = engine or self._engine()
         facts = await self._inspect(turn, engine)
         session = self._get(session_id)
+        self._check_offset(session, turn.offset, turn.truncating)
+        run = self._commit(session, turn, engine, facts, functools.partial(self._finished, session))
+        session.conversation = session.conversation.cut(turn.offset)
+        return run
+
+    async def chat(
+        self, session_id: str, messages: Sequence[ChatMessage], turn: Turn, engine: Engine | None = None
+    ) -> ChatTurn:
+        """Add `messages` to the session's conversation, append the tokens the chat template's
+        rendering adds (conversations.py), and return the assistant's turn ready to iterate.
+        `turn` holds the reply's options; its offset is the session's length as the client knows it."""
+        engine = engine or self._engine()
+        conversations.check(messages, turn, vision=engine.vision is not None)
+        session = self._get(session_id)
+        self._check_offset(session, turn.offset, truncating=None)
+        appended = conversations.plan(engine.chat, engine.tokenizer, session.conversation, session.tokens, messages)
+        start = appended.offset + len(appended.tokens)
+
+        def finished() -> None:
+            done = chat.run.done
+            chat.reply = conversations.reply(
+                engine.tokenizer, session.tokens[start:], done.finish_reason if done is not None else None
+            )
+            session.conversation = appended.conversation.replied(chat.reply, start, len(session.tokens))
+            self._finished(session)
+
+        run = self._commit(session, conversations.chat_turn(turn, appended), engine, [], finished)
+        chat = ChatTurn(appended, run)
+        session.conversation = appended.conversation
+        return chat
+
+    def _check_offset(self, session: _Session, offset: int, truncating: bool | None) -> None:
+        """The client's view of the session's length (`truncating`: it may rewind; None: a chat
+        turn, which never does) against the session's, and no turn running."""
         if session.run is not None:
-            raise SessionBusy(f"session {session_id} is already generating; wait for its Done or cancel that call")
+            raise SessionBusy(f"session {session.id} is already generating; wait for its Done or cancel that call")
         length = len(session.tokens)
-        if turn.offset != length and not (turn.truncating and turn.offset < length):
-            hint = "" if turn.truncating else "; set truncating to rewind to a shorter offset"
-            raise FailedPrecondition(f"offset {turn.offset} does not match the session's length {length}{hint}")
+        if offset != length and not (truncating and offset < length):
+            hint = "; set truncating to rewind to a shorter offset" if truncating is False else ""
+            raise FailedPrecondition(f"offset {offset} does not match the session's length {length}{hint}")
+
+    def _commit(
+        self, session: _Session, turn: Turn, engine: Engine, facts: list[ImageFacts], on_end: Callable[[], None]
+    ) -> TurnRun:
+        """Check the rest of the turn, then apply its append (after its rewind) and make its run."""
+        length = len(session.tokens)
         if (block := session.block_around(turn.offset)) is not None:
             raise FailedPrecondition(_split_message("rewind", turn.offset, block))
         append = engine.checks.tokens("append_tokens", turn.append)
@@ -175,7 +223,7 @@ class SessionStore:
         kept = [i for i in session.images if i.end <= turn.offset]
         images = kept
         if turn.images or engine.vision is not None:
-            images = kept + _place_images(Vision.of(engine.vision, engine.model_name), turn, tokens, facts)
+            images = kept + place_images(Vision.of(engine.vision, engine.model_name), turn, tokens, facts)
         if len(images) > engine.settings.max_images:
             raise InvalidArgument(
                 f"the session would hold {len(images)} images; this server takes at most {engine.settings.max_images}"
@@ -250,9 +298,7 @@ class SessionStore:
         del session.tokens[turn.offset :]
         session.tokens.extend(append)
         session.images = images
-        run = TurnRun(
-            session.tokens, functools.partial(self._finished, session), work, scoring, prefill_wanted, logprob_ranges
-        )
+        run = TurnRun(session.tokens, on_end, work, scoring, prefill_wanted, logprob_ranges)
         session.run = run
         self._touch(session)
         return run
@@ -305,48 +351,6 @@ class SessionStore:
             stored -= len(victim.tokens)
             del self._sessions[victim.id]
             OBSERVERS.sessions_evicted("lru", 1)
-
-
-def _place_images(vision: Vision, turn: Turn, tokens: list[int], facts: list[ImageFacts]) -> list[PlacedImage]:
-    """Check the turn's attachments against the tokens after the append; every vision block
-    written in the append must be attached, and each must hold exactly the pads its image needs."""
-    placed = []
-    for i, (block, fact) in enumerate(zip(turn.images, facts, strict=True)):
-        what = f"images[{i}]"
-        start, end = block.start, block.end
-        if not turn.offset <= start < end <= len(tokens):
-            raise InvalidArgument(
-                f"{what}: block [{start}, {end}) must lie in this call's appended tokens [{turn.offset}, {len(tokens)})"
-            )
-        if tokens[start] != vision.start or tokens[end - 1] != vision.end or end - start < 3:
-            raise InvalidArgument(
-                f"{what}: block [{start}, {end}) must run from <|vision_start|> ({vision.start}) to <|vision_end|> "
-                f"({vision.end}) inclusive, with image pads between"
-            )
-        stray = next((p for p in range(start + 1, end - 1) if tokens[p] != vision.pad), None)
-        if stray is not None:
-            raise InvalidArgument(
-                f"{what}: position {stray} inside the block is {tokens[stray]}, not <|image_pad|> ({vision.pad})"
-            )
-        if end - start - 2 != fact.pads:
-            t, h, w = fact.grid
-            raise InvalidArgument(
-                f"{what}: the block holds {end - start - 2} image pads; this image needs {fact.pads} "
-                f"(grid {t}x{h}x{w} patches, merged 2x2), so the block is {fact.pads + 2} tokens long"
-            )
-        placed.append(PlacedImage(start=start, end=end, image=fact.image))
-    placed.sort(key=lambda p: p.start)
-    for a, b in itertools.pairwise(placed):
-        if b.start < a.end:
-            raise InvalidArgument(f"image blocks [{a.start}, {a.end}) and [{b.start}, {b.end}) overlap")
-    inside = {p for block in placed for p in range(block.start, block.end)}
-    special = {vision.start, vision.end, vision.pad, vision.video_pad}
-    loose = next((p for p in range(turn.offset, len(tokens)) if tokens[p] in special and p not in inside), None)
-    if loose is not None and tokens[loose] == vision.start:
-        raise InvalidArgument(f"the vision block starting at position {loose} has no image attached (images[] entry)")
-    if loose is not None:
-        raise InvalidArgument(f"position {loose} holds vision token {tokens[loose]} outside any attached image's block")
-    return placed
 
 
 def _check_ranges(what: str, ranges: Sequence[Range], end: int) -> list[Range]:

@@ -91,6 +91,54 @@ class ExtendedGenerateRequest(_message.Message):
     features: Features
     def __init__(self, generate: _Optional[_Union[_salience_pb2.GenerateRequest, _Mapping]] = ..., interventions: _Optional[_Iterable[_Union[Intervention, _Mapping]]] = ..., readout_format: _Optional[_Union[ExtendedGenerateRequest.ReadoutFormat, str]] = ..., monitors: _Optional[_Iterable[_Union[Monitor, _Mapping]]] = ..., residual: _Optional[_Union[Residual, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
+class ChatGenerateRequest(_message.Message):
+    __slots__ = ("turn", "messages")
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    turn: ExtendedGenerateRequest
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, turn: _Optional[_Union[ExtendedGenerateRequest, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content", "parts", "name", "tool_call_id")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    parts: _containers.RepeatedCompositeFieldContainer[ContentPart]
+    name: str
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ..., name: _Optional[str] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+
+class ContentPart(_message.Message):
+    __slots__ = ("text", "image_url")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_URL_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image_url: str
+    def __init__(self, text: _Optional[str] = ..., image_url: _Optional[str] = ...) -> None: ...
+
+class ChatAppended(_message.Message):
+    __slots__ = ("offset", "tokens")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offset: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ChatGenerateEvent(_message.Message):
+    __slots__ = ("appended", "event", "reply")
+    APPENDED_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    appended: ChatAppended
+    event: ExtendedGenerateEvent
+    reply: ChatMessage
+    def __init__(self, appended: _Optional[_Union[ChatAppended, _Mapping]] = ..., event: _Optional[_Union[ExtendedGenerateEvent, _Mapping]] = ..., reply: _Optional[_Union[ChatMessage, _Mapping]] = ...) -> None: ...
+
 class Features(_message.Message):
     __slots__ = ("sae", "k", "ranges")
     SAE_FIELD_NUMBER: _ClassVar[int]

@@ -50,6 +50,11 @@ class SalienceExtensionsStub:
                 request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetSteeringManifestRequest.SerializeToString,
                 response_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SteeringManifest.FromString,
                 _registered_method=True)
+        self.ChatGenerate = channel.unary_stream(
+                '/salience.ext.v1.SalienceExtensions/ChatGenerate',
+                request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ChatGenerateRequest.SerializeToString,
+                response_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ChatGenerateEvent.FromString,
+                _registered_method=True)
         self.ExtendedGenerate = channel.unary_stream(
                 '/salience.ext.v1.SalienceExtensions/ExtendedGenerate',
                 request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ExtendedGenerateRequest.SerializeToString,
@@ -107,6 +112,22 @@ class SalienceExtensionsServicer:
 
     def GetSteeringManifest(self, request, context):
         """The directions this server can steer along, the layers each has a vector at, and the limits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ChatGenerate(self, request, context):
+        """Chat in a session (docs/grpc.md#chat-in-sessions-extension): `messages` join the session's
+        conversation, the model's chat template renders the whole of it with the generation prompt,
+        only the tokens the rendering adds are appended, and the assistant's turn runs with everything
+        ExtendedGenerate takes. The reply, as text, joins the conversation. The first event says where
+        the tokens went; the last carries the Done and the reply.
+        INVALID_ARGUMENT names a bad message (role, content, an image on a text model, an empty list)
+        or a GenerateRequest field a chat turn does not take (append_tokens, images, truncating);
+        FAILED_PRECONDITION: offset drift, a model without a chat template, or a template that
+        renders an earlier turn differently once this one is added (the message says where). Nothing
+        changes in the session before the turn is accepted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -185,6 +206,11 @@ def add_SalienceExtensionsServicer_to_server(servicer, server):
                     servicer.GetSteeringManifest,
                     request_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetSteeringManifestRequest.FromString,
                     response_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SteeringManifest.SerializeToString,
+            ),
+            'ChatGenerate': grpc.unary_stream_rpc_method_handler(
+                    servicer.ChatGenerate,
+                    request_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ChatGenerateRequest.FromString,
+                    response_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ChatGenerateEvent.SerializeToString,
             ),
             'ExtendedGenerate': grpc.unary_stream_rpc_method_handler(
                     servicer.ExtendedGenerate,
@@ -298,6 +324,33 @@ class SalienceExtensions:
             '/salience.ext.v1.SalienceExtensions/GetSteeringManifest',
             salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.GetSteeringManifestRequest.SerializeToString,
             salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SteeringManifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChatGenerate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/salience.ext.v1.SalienceExtensions/ChatGenerate',
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ChatGenerateRequest.SerializeToString,
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.ChatGenerateEvent.FromString,
             options,
             channel_credentials,
             insecure,
