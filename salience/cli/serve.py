@@ -46,6 +46,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         _tls,
         _limits,
         _sessions,
+        _fair_share,
         _engine,
         _parallelism,
         _readouts,
@@ -223,6 +224,28 @@ def _sessions(serve: argparse.ArgumentParser) -> None:
         default=50_000_000,
         metavar="N",
         help="tokens stored across all sessions (default: %(default)s)",
+    )
+
+
+def _fair_share(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group(
+        "fair share",
+        "On a contended engine each active client gets an equal share of the tokens it generates, weighted, "
+        "however many streams it opens (docs/security.md#fair-share).",
+    )
+    group.add_argument(
+        "--no-fair-share",
+        dest="fair_share",
+        action="store_false",
+        help="let every request into vLLM as it comes, first come first served, with no per-client lines",
+    )
+    group.add_argument(
+        "--max-running",
+        type=int,
+        metavar="N",
+        help="requests running at once, per engine replica, before fair share holds any back: past N only a client "
+        "below its share of N starts at once (up to vLLM's max_num_seqs), the others wait, the least served "
+        "client's first (default: 3/4 of max_num_seqs: 96 on CPU)",
     )
 
 
@@ -442,6 +465,8 @@ def run_serve(args: argparse.Namespace) -> int:
         sae_top=args.sae_top,
         max_residual_rows=args.max_residual_rows,
         residual_memory_mib=args.residual_memory,
+        fair_share=args.fair_share,
+        max_running=args.max_running,
     )
     options = ServeOptions(
         host=args.host,

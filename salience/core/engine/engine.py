@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from salience.core.engine import environment, launch, settings_checks, vllm_args
 from salience.core.engine.chat import ChatRenderer
 from salience.core.engine.checks import RequestChecks
+from salience.core.engine.fair_share import ANONYMOUS, FairShare, Slot, admission, check_client
 from salience.core.engine.feature_steering import resolve_features
 from salience.core.engine.generation import Generation
 from salience.core.engine.images import Vision
@@ -81,6 +82,7 @@ class Engine(Passes):
         self.closed = False
         self.checks = RequestChecks(self.vocab_size, self.max_model_len, self.max_logprobs)
         self.inflight = InFlight(settings.data_parallel_size)
+        self.fair_share: FairShare | None = None  # set by start: None with fair share off
         row_bytes = 4 * self.hidden_size  # float32
         self.row_budget = RowBudget(max(1, settings.residual_memory_mib * 2**20 // row_bytes), row_bytes)
 
@@ -112,6 +114,7 @@ class Engine(Passes):
         engine = cls(llm, settings, vision)
         engine.compiled = compiled
         try:
+            engine.fair_share = admission(settings, llm.vllm_config.scheduler_config.max_num_seqs)
             if settings.pipeline_parallel_size > 1:
                 await llm.collective_rpc("salience_pipeline_setup")
             engine.readouts, engine.steering, engine.live = await install_probes(
@@ -186,6 +189,8 @@ class Engine(Passes):
         probabilities: bool = False,
         residual: ResidualRequest | None = None,
         features: FeatureRequest | None = None,
+        client: str = ANONYMOUS,
+        weight: float = 1.0,
     ) -> Generation:
         """Start decoding after `prompt`; iterate the result for TokenEvents.
 
@@ -208,10 +213,14 @@ class Engine(Passes):
         The request reads the concepts served when it starts (live.ConceptView), whatever is
         defined or deleted while it runs; `Generation.concepts` names them.
 
+        `client` and `weight` name whose request it is and that client's share weight: on a
+        contended engine it reaches vLLM when fair share gives that client its turn (fair_share.py).
+
         Raises InvalidArgument or ContextOverflow before anything is submitted.
         Closing the Generation (or cancelling the task iterating it) aborts the
         request in vLLM.
         """
+        check_client(client, weight)
         prompt = self.checks.tokens("prompt", prompt)
         if not prompt:
             raise InvalidArgument("prompt is empty: at least one token is needed to generate from")
@@ -243,6 +252,7 @@ class Engine(Passes):
             hold.release()
             raise
         ticket = self.row_budget.reserve(sum(plan.held for plan in plans))
+        slot = self._enter(client, weight, len(prompt), options.priority)
         rank = self.inflight.rank_of(request_id)
         # The last token's pass runs where the generation ran (its prefix is cached there), under
         # the generation's concepts and steering.
@@ -274,6 +284,7 @@ class Engine(Passes):
             rows=plans,
             shown_features=shown_features,
             ticket=ticket,
+            slot=slot,
             logprobs_from=logprobs_from,
         )
         generation.concepts = hold.view
@@ -281,11 +292,17 @@ class Engine(Passes):
 
         def ended() -> None:
             ticket.release()
+            if slot is not None:
+                slot.release()
             self.inflight.release(request_id)
             hold.release()
 
         generation.on_end = ended
         return generation
+
+    def _enter(self, client: str, weight: float, prompt_tokens: int, priority: int = 0) -> Slot | None:
+        """The request's place in the fair-share admission; None with fair share off."""
+        return None if self.fair_share is None else self.fair_share.enter(client, weight, prompt_tokens, priority)
 
     def _hold(self, steer: Sequence[Intervention], prompt_len: int) -> Hold:
         """The concepts a request starting now sees, and its interventions checked against them."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from salience.core.engine.prompts import check_expansion
 from salience.core.engine.requests import Features, FinishReason, ScoredToken, TokenEvent, covers
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from salience.core.engine.fair_share import Slot
     from salience.core.engine.row_budget import Ticket
     from salience.core.engine.rows import RowPlan
     from salience.core.probes.readouts import ReadoutHub
@@ -109,13 +110,22 @@ async def _releasing(
         await outputs.aclose()
 
 
-async def _admitted(
-    ticket: Ticket, outputs: AsyncGenerator[RequestOutput, None]
-) -> AsyncGenerator[RequestOutput, None]:
-    """vLLM's outputs once the request's residual rows are granted; none if it was cancelled
-    while it waited (vLLM never saw it)."""
+class Gate(Protocol):
+    """What a request waits for before vLLM sees it: its residual rows (row_budget.Ticket), its
+    turn under fair share (fair_share.Slot)."""
+
+    granted: bool
+
+    async def ready(self) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+async def _admitted(gate: Gate, outputs: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[RequestOutput, None]:
+    """vLLM's outputs once `gate` is granted; none if the request was cancelled while it waited
+    (vLLM never saw it)."""
     try:
-        if await ticket.ready():
+        if await gate.ready():
             async for out in outputs:
                 yield out
     finally:
@@ -161,10 +171,12 @@ class Generation:
         rows: Sequence[RowPlan] = (),
         shown_features: tuple[int, list[list[int]]] | None = None,
         ticket: Ticket | None = None,
+        slot: Slot | None = None,
         logprobs_from: int = 1,
     ):
         """`rows`: the residual rows and features asked for (rows.py), with `ticket` their claim on
-        the server's residual budget (the request reaches vLLM once it is granted).
+        the server's residual budget; `slot`: its place under fair share, charged the tokens vLLM
+        computes for it. The request reaches vLLM once both are granted.
         `shown_features`: with feature monitors, which features the client sees (its k and
         ranges) of those read."""
         self.request_id = request_id
@@ -206,9 +218,11 @@ class Generation:
         self._cancelled = False
         self._engine_finished = False  # vLLM sent the last output; its generator has yet to return
         outputs = guarded(llm.generate(submitted, params, request_id, priority=priority, data_parallel_rank=dp_rank))
-        self._ticket = ticket
-        if ticket is not None and not ticket.granted:  # queued: vLLM sees it once rows come back
-            outputs = _admitted(ticket, outputs)
+        self._slot = slot
+        self._gates = [gate for gate in (ticket, slot) if gate is not None]
+        for gate in (slot, ticket):  # queued: vLLM sees it once rows come back, then once it is its turn
+            if gate is not None and not gate.granted:
+                outputs = _admitted(gate, outputs)
         if self._hub is not None:
             keys = []
             if self._ranges:
@@ -358,9 +372,9 @@ class Generation:
         if self.finish_reason is not None:
             return
         self._cancelled = True
-        queued = self._ticket is not None and not self._ticket.granted
-        if queued:  # waiting for residual rows: it never reaches vLLM, and iteration ends
-            self._ticket.release()
+        queued = [gate for gate in self._gates if not gate.granted]
+        for gate in queued:  # waiting for residual rows or its turn: it never reaches vLLM, and iteration ends
+            gate.release()
         if not self._submitted:
             self.finish_reason = FinishReason.CANCELLED
             if self._hub is not None:
@@ -389,11 +403,15 @@ class Generation:
         await self.aclose()
 
     def _absorb(self, out: RequestOutput) -> list[TokenEvent]:
+        completion = out.outputs[0]
         if self.cached_tokens is None:
             self.cached_tokens = out.num_cached_tokens or 0
             self._prompt_entries = out.prompt_logprobs
             check_expansion(out, self._tokens[: self.prompt_tokens])
-        completion = out.outputs[0]
+            if self._slot is not None:
+                self._slot.cached(self.cached_tokens)
+        if self._slot is not None:
+            self._slot.generated(len(completion.token_ids))
         logprobs = completion.logprobs
         events = []
         tokens = list(completion.token_ids)

@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from salience.core.engine.fair_share import ANONYMOUS, check_client
 from salience.core.engine.generation import PromptScores, guarded
 from salience.core.engine.prompts import check_expansion
 from salience.core.engine.requests import FeatureRequest, ResidualRequest, ScoredToken, covers
@@ -38,10 +39,13 @@ class Passes:
         probabilities: bool = False,
         residual: ResidualRequest | None = None,
         features: FeatureRequest | None = None,
+        client: str = ANONYMOUS,
+        weight: float = 1.0,
     ) -> list[ScoredToken]:
         """Logprob of each continuation token given the prompt and the tokens before it,
         with its readout where `readout_ranges` cover its position. `steer`'s `generated`
-        positions are the continuation's, as if the model had generated it."""
+        positions are the continuation's, as if the model had generated it. `client`, `weight`:
+        as for prefill."""
         prompt, continuation = self.checks.scoring(prompt, continuation)
         if not continuation:
             return []
@@ -58,6 +62,8 @@ class Passes:
             probabilities=probabilities,
             residual=residual,
             features=features,
+            client=client,
+            weight=weight,
         )
         return [scores.at(position) for position in range(len(prompt), len(scores.tokens))]
 
@@ -80,6 +86,8 @@ class Passes:
         residual: ResidualRequest | None = None,
         features: FeatureRequest | None = None,
         hold: Hold | None = None,
+        client: str = ANONYMOUS,
+        weight: float = 1.0,
     ) -> PromptScores:
         """Run `tokens` through the model once: the logprob of every position from `logprobs_from`
         on (with `top_logprobs` alternatives; None computes none) and the readouts `readout_ranges` cover
@@ -87,7 +95,10 @@ class Passes:
         `residual`: raw residual rows too, [its layers, hidden] float32 arrays by position;
         `features`: an SAE's top features by position.
         `request_id` is vLLM's id for the pass (default: a new uuid4 hex). `hold`: run under a
-        running request's concepts and steering (its last token's pass) instead of its own."""
+        running request's concepts and steering (its last token's pass) instead of its own.
+        `client`, `weight`: whose pass it is, as for Engine.generate; a last token's pass runs
+        in its generation's turn."""
+        check_client(client, weight)
         ids = self.checks.tokens("tokens", tokens)
         if not ids:
             raise InvalidArgument("tokens is empty: nothing to run through the model")
@@ -124,14 +135,19 @@ class Passes:
             self.readouts.register(key, len(hold.view.concepts))
         for plan in plans:
             self.readouts.register(plan.key(key), plan.width, raw_layers=plan.layers)
-        # A generation's last-token pass runs within the rows its generation holds.
+        # A generation's last-token pass runs within the rows and the turn its generation holds.
         ticket = self.row_budget.reserve(sum(plan.held for plan in plans) if own else 0)
+        slot = self._enter(client, weight, len(ids)) if own else None
         try:
-            await ticket.ready()  # its own ticket: released only below
+            await ticket.ready()  # its own ticket and slot: released only below
+            if slot is not None:
+                await slot.ready()
             outputs = [
                 out async for out in guarded(self._llm.generate(submitted, params, key, data_parallel_rank=rank))
             ]
             check_expansion(outputs[-1], ids)
+            if slot is not None:
+                slot.cached(outputs[-1].num_cached_tokens or 0)
             readouts, rows = {}, {}
             if checked:
                 readouts = await self.readouts.take(key, [p for p in range(len(ids)) if covers(checked, p)])
@@ -141,6 +157,8 @@ class Passes:
                 rows[plan.field] = await plan.take(self.readouts, key, range(len(ids)))
         finally:
             ticket.release()
+            if slot is not None:
+                slot.release()
             self.inflight.release(key)
             if checked:
                 self.readouts.release(key)

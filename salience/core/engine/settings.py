@@ -51,4 +51,8 @@ class EngineSettings:
     max_residual_rows: int = 16384  # residual rows (positions x layers) one request may ask for
     residual_memory_mib: int = 512  # residual rows all requests may hold at once (row_budget.py)
     sae_top: int = 32  # features per token the graph keeps of each SAE: the most a request may ask for
+    # Admission in front of vLLM giving each active client its weighted share (fair_share.py), and the
+    # requests running per replica before it holds any back (None: 3/4 of vLLM's max_num_seqs).
+    fair_share: bool = True
+    max_running: int | None = None
     engine_args: dict[str, Any] = field(default_factory=dict)

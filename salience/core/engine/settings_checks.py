@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from salience.core.engine.model_config import text_config
 from salience.core.engine.settings import EngineSettings
-from salience.errors import ModelError
+from salience.errors import InvalidArgument, ModelError
 
 __all__ = ["check", "check_executor", "check_saes"]
 
@@ -15,6 +15,8 @@ def check(settings: EngineSettings) -> None:
     """Refuse, before anything starts, settings this start cannot serve."""
     check_executor(settings)
     check_saes(settings)
+    if settings.max_running is not None and settings.max_running < 1:
+        raise InvalidArgument(f"--max-running must be 1 or more, got {settings.max_running}")
 
 
 def check_executor(settings: EngineSettings) -> None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from salience.core.engine.chat_messages import ChatMessage
 from salience.core.engine.engine import Engine
+from salience.core.engine.fair_share import check_client
 from salience.core.engine.generation import Generation, PromptScores
 from salience.core.engine.images import ImageFacts, Vision
 from salience.core.engine.prompts import PlacedImage
@@ -215,6 +216,7 @@ class SessionStore:
         self, session: _Session, turn: Turn, engine: Engine, facts: list[ImageFacts], on_end: Callable[[], None]
     ) -> TurnRun:
         """Check the rest of the turn, then apply its append (after its rewind) and make its run."""
+        check_client(turn.client, turn.weight)
         length = len(session.tokens)
         if (block := session.block_around(turn.offset)) is not None:
             raise FailedPrecondition(_split_message("rewind", turn.offset, block))
@@ -274,6 +276,8 @@ class SessionStore:
                 probabilities=turn.probabilities,
                 residual=turn.residual,
                 features=turn.features,
+                client=turn.client,
+                weight=turn.weight,
             )
         elif prefill_wanted:
             top_k = turn.logprob_top_k if scored else None
@@ -292,6 +296,8 @@ class SessionStore:
                     probabilities=turn.probabilities,
                     residual=turn.residual,
                     features=turn.features,
+                    client=turn.client,
+                    weight=turn.weight,
                 )
 
         # Committed: the append is the client's content whatever happens to the turn.

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from salience.core.engine.fair_share import ANONYMOUS
 from salience.core.engine.generation import Generation, PromptScores
 from salience.core.engine.requests import (
     FeatureRequest,
@@ -50,6 +51,8 @@ class Turn:
     probabilities: bool = False  # readouts as calibrated probabilities
     residual: ResidualRequest | None = None  # raw residual rows (absolute positions)
     features: FeatureRequest | None = None  # an SAE's top features (absolute positions)
+    client: str = ANONYMOUS  # whose turn it is, and that client's share weight (engine/fair_share.py)
+    weight: float = 1.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
