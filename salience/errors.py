@@ -9,8 +9,8 @@ Core code raises these; each frontend maps them to its wire form in one place
     ├── NotFound              unknown or evicted session
     ├── FailedPrecondition    offset drift, image-block split
     ├── SessionBusy           a Generate is already running on the session
-    ├── ResourceExhausted     server-side limits (sessions, stored tokens, concept columns)
-    ├── PermissionDenied      an operator's act (live concepts) asked with an ordinary token
+    ├── ResourceExhausted     server-side limits (sessions, stored tokens, concept columns), a client's limits
+    ├── PermissionDenied      a request outside its client's scopes
     ├── ModelError            the model folder cannot be served
     ├── Unavailable           the model is loading or the server is stopping
     └── EngineError           the engine failed while serving a request
@@ -58,7 +58,11 @@ class SessionBusy(SalienceError):
 
 
 class ResourceExhausted(SalienceError):
-    pass
+    """`retry_after`: seconds after which the same request may pass (None: no telling)."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class PermissionDenied(SalienceError):

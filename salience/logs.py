@@ -10,9 +10,10 @@ vLLM is handed the same configuration as a dictConfig file
 (VLLM_LOGGING_CONFIG_PATH, inherited by its processes); Python and torch
 warnings are silenced through the environment for the same reason.
 
-Every line logged while a request is served carries `request_id=...`: frontends
-set REQUEST_ID in the request's task, and a filter on the handler copies it onto
-each record, vLLM's included (its frontend half logs from the same task).
+Every line logged while a request is served carries `request_id=...` and, once the
+frontend knows whose it is, `client=...`: frontends set REQUEST_ID and CLIENT_NAME in
+the request's task, and a filter on the handler copies them onto each record, vLLM's
+included (its frontend half logs from the same task).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import warnings
 
 from salience.core.models.home import salience_home
 
-__all__ = ["REQUEST_ID", "ExpectedWarnings", "LogfmtFormatter", "RequestIdFilter", "setup_logging"]
+__all__ = ["CLIENT_NAME", "REQUEST_ID", "ExpectedWarnings", "LogfmtFormatter", "RequestIdFilter", "setup_logging"]
 
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("salience_request_id", default=None)
+CLIENT_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("salience_client", default=None)
 
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
@@ -79,12 +81,14 @@ _EXPECTED = (
 
 
 class RequestIdFilter(logging.Filter):
-    """Stamp each record with the request id of the task that logs it, unless it names one."""
+    """Stamp each record with the request id and the client of the task that logs it, unless it
+    names them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        request_id = REQUEST_ID.get()
-        if request_id is not None and not hasattr(record, "request_id"):
-            record.request_id = request_id
+        for field, variable in (("request_id", REQUEST_ID), ("client", CLIENT_NAME)):
+            value = variable.get()
+            if value is not None and not hasattr(record, field):
+                setattr(record, field, value)
         return True
 
 

@@ -51,6 +51,8 @@ STREAMS_STARTED = Counter(
     "Streams admitted (GENERATE, SCORE, SESSION_GENERATE, gRPC Generate)",
     ["frontend", "kind"],
 )
+# Client names come from the tokens file (and anonymous, token, admin): as many labels as the operator wrote.
+CLIENT_STREAMS = Counter("salience_client_streams", "Streams admitted, per client", ["client"])
 STREAMS_ACTIVE = Gauge("salience_streams_active", "Streams running now", ["frontend", "kind"])
 STREAMS_ENDED = Counter(
     "salience_streams_ended",
@@ -97,8 +99,10 @@ for _reason in ("ttl", "lru"):
 class _Reporter(ServingObserver):
     """The serving layer's events (core/serving/observers.py) as the metrics above."""
 
-    def stream_admitted(self, frontend: str, kind: str) -> None:
+    def stream_admitted(self, frontend: str, kind: str, client: str | None) -> None:
         STREAMS_STARTED.labels(frontend, kind).inc()
+        if client is not None:
+            CLIENT_STREAMS.labels(client).inc()
         STREAMS_ACTIVE.labels(frontend, kind).inc()
 
     def stream_ended(self, frontend: str, kind: str, finish_reason: str) -> None:

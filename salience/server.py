@@ -14,9 +14,11 @@ down before the process exits.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import web
 
@@ -25,12 +27,14 @@ from salience.core.engine.engine import Engine
 from salience.core.engine.settings import EngineSettings
 from salience.core.serving.sessions import SessionLimits, SessionStore
 from salience.core.serving.status import ServerStatus
+from salience.errors import InvalidArgument
 from salience.grpc_frontend.server import GrpcServer, start_grpc_server
 from salience.lmtp.app import make_app, make_metrics_app
 from salience.lmtp.config import check_tcp_auth
 from salience.lmtp.session import ConnectionLimits, LmtpConfig
 from salience.lmtp.tcp import start_tcp_server
 from salience.tls import ServerTls
+from salience.token_file import load_token_file
 
 __all__ = ["ServeOptions", "serve"]
 
@@ -45,7 +49,8 @@ class ServeOptions:
     grpc_port: int | None = 50051
     model_aliases: tuple[str, ...] = ()
     auth_token: str | None = None
-    admin_token: str | None = None  # the operator's: define, delete and save live concepts
+    admin_token: str | None = None  # the operator's: every scope
+    tokens_file: Path | None = None  # named clients with scopes and limits (token_file.py); SIGHUP reloads it
     sessions: SessionLimits = field(default_factory=SessionLimits)
     lmtp_limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # message size limits and more
     metrics_port: int | None = None  # GET /metrics without auth, for a private network
@@ -70,18 +75,18 @@ async def serve(settings: EngineSettings, options: ServeOptions) -> None:
     loop.add_signal_handler(signal.SIGINT, stop.set)
     tls = options.tls
     context = tls.context if tls is not None else None
-    if tls is not None:
-        loop.add_signal_handler(signal.SIGHUP, tls.reload)
     secure = "s" if tls is not None else ""
 
     status = ServerStatus(settings.served_model_name, {settings.model.name, *options.model_aliases})
-    tokens = Tokens(options.auth_token, options.admin_token)
-    check_tcp_auth(options.auth_token, options.lmtp_tcp_port)
-    if options.auth_token is None:
+    clients = load_token_file(options.tokens_file) if options.tokens_file is not None else ()
+    tokens = Tokens(options.auth_token, options.admin_token, clients)
+    check_tcp_auth(tokens.required, options.lmtp_tcp_port)
+    loop.add_signal_handler(signal.SIGHUP, functools.partial(_reload, tls, tokens, options.tokens_file))
+    if not tokens.required:
         log.warning("no auth token configured: every client that can reach the ports may use the server")
         if options.admin_token is None:
             log.warning("no admin token configured: every client may define, delete and save live concepts")
-    lmtp = LmtpConfig(auth_token=options.auth_token, admin_token=options.admin_token, limits=options.lmtp_limits)
+    lmtp = LmtpConfig(tokens=tokens, limits=options.lmtp_limits)
     sessions = SessionStore(status.serving_engine, options.sessions)
     sweeper = asyncio.create_task(sessions.sweep_forever())
     runner = web.AppRunner(make_app(status, lmtp, sessions), access_log=None, handle_signals=False)
@@ -138,6 +143,20 @@ async def serve(settings: EngineSettings, options: ServeOptions) -> None:
         if engine is not None:
             engine.shutdown()
         log.info("stopped")
+
+
+def _reload(tls: ServerTls | None, tokens: Tokens, tokens_file: Path | None) -> None:
+    """SIGHUP: the certificate and the tokens file, read again; a file that fails its checks is
+    logged and leaves what is served as it was."""
+    if tls is not None:
+        tls.reload()
+    if tokens_file is not None:
+        try:
+            tokens.reload(load_token_file(tokens_file))
+        except InvalidArgument as exc:
+            log.error("tokens reload failed; the clients stay as they were", extra={"reason": str(exc)})
+            return
+        log.info("tokens reloaded", extra={"clients": len(tokens.clients)})
 
 
 def _tls_mode(tls: ServerTls | None) -> str:

@@ -22,7 +22,7 @@ from salience.core.serving import live_concepts
 from salience.core.serving.concept_builder import fit_concept
 from salience.core.serving.live_concepts import VALIDATION, ConceptDefinition
 from salience.core.serving.status import ServerStatus
-from salience.errors import ContextOverflow, InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
+from salience.errors import ContextOverflow, InvalidArgument, ResourceExhausted, Unavailable
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, drop_live_concepts, start_engine
 from tests.reference import Reference, assert_readouts_close, reference_readouts
 from tests.test_steering import check_against_reference, in_one_step, run
@@ -81,9 +81,9 @@ def extended(concepts: ConceptSet, *live: tuple[str, dict[int, torch.Tensor]]) -
     )
 
 
-async def define(status: ServerStatus, name: str, given: dict[int, torch.Tensor], operator: bool = True) -> dict:
+async def define(status: ServerStatus, name: str, given: dict[int, torch.Tensor]) -> dict:
     definition = ConceptDefinition(name=name, vectors=as_bytes(given))
-    return await live_concepts.define(status, definition, operator=operator, frontend="test")
+    return await live_concepts.define(status, definition, frontend="test")
 
 
 def steer(direction: str, layers, op: str, value: float = 0.0, **fields) -> Intervention:
@@ -180,7 +180,7 @@ async def test_a_concept_fitted_from_examples_is_the_builders_fit_of_the_referen
     positive = [f"alpha beta {i} gamma {i * 7} delta" for i in range(6)]
     negative = [f"one two three {i} four {i * 3} five six" for i in range(6)]
     definition = ConceptDefinition(name="kappa", positive=positive, negative=negative, method="diff_means")
-    reply = await live_concepts.define(status, definition, operator=True, frontend="test")
+    reply = await live_concepts.define(status, definition, frontend="test")
     info = reply["concept_info"]
     assert info["live"] and info["method"] == "diff_means" and len(info["layers"]) == len(TINY_LAYERS)
     assert "layer  auroc" in reply["table"]
@@ -221,7 +221,7 @@ async def test_a_define_refuses_examples_beyond_the_residual_limit(
     version = engine.live.view().version
     definition = ConceptDefinition(name="mu", positive=["a b " * 20] * 4, negative=["c d e"] * 4)
     with pytest.raises(InvalidArgument, match=r"allows 11 tokens per example \(--max-residual-rows\)"):
-        await live_concepts.define(status, definition, operator=True, frontend="test")
+        await live_concepts.define(status, definition, frontend="test")
     assert engine.live.view().version == version
 
 
@@ -253,14 +253,12 @@ async def test_every_bad_define_is_refused_and_changes_nothing(engine: Engine, s
     ]
     for definition, error, words in cases:
         with pytest.raises(error, match=words):
-            await live_concepts.define(status, definition, operator=True, frontend="test")
+            await live_concepts.define(status, definition, frontend="test")
         assert engine.live.view().version == version
-    with pytest.raises(PermissionDenied, match="operator token"):
-        await live_concepts.define(status, ConceptDefinition(name="mu", vectors=good), operator=False, frontend="t")
     with pytest.raises(InvalidArgument, match="no live concept named"):
-        await live_concepts.delete(status, "mu", operator=True)
+        await live_concepts.delete(status, "mu")
     with pytest.raises(InvalidArgument, match="only live concepts"):
-        await live_concepts.delete(status, "alpha", operator=True)
+        await live_concepts.delete(status, "alpha")
     # The columns run out: SPARE of them, one held by "lambda".
     for n in range(SPARE - 1):
         await define(status, f"nu{n}", vectors(40 + n))
@@ -292,7 +290,7 @@ async def test_saved_and_served_again_the_numbers_are_the_same(
     await define(status, "sigma", vectors(70))
     live = await engine.readout(PROMPT, [(0, len(PROMPT))])
     path = tmp_path / "saved.safetensors"
-    path.write_bytes(live_concepts.save(status, operator=True))
+    path.write_bytes(live_concepts.save(status))
     saved = ConceptSet.load(path)
     saved.check_model(tiny_model)
     assert saved.concepts == (*TINY_CONCEPTS, "sigma")

@@ -35,7 +35,7 @@ def engine(read_engine: Engine) -> Engine:
 
 @pytest_asyncio.fixture(scope="module")
 async def served(engine: Engine) -> AsyncIterator[Frontends]:
-    config = LmtpConfig(auth_token=ACCESS, admin_token=OPERATOR)
+    config = LmtpConfig(tokens=Tokens(ACCESS, OPERATOR))
     async with frontends(engine, lmtp=config, grpc_tokens=Tokens(ACCESS, OPERATOR)) as served:
         yield served
 
@@ -101,7 +101,7 @@ async def test_lmtp_an_ordinary_token_changes_nothing(engine: Engine, served: Fr
             ("DELETE_CONCEPT", {"name": "eta"}),
             ("SAVE_CONCEPTS", {}),
         ):
-            with pytest.raises(LmtpStreamError, match="operator token"):
+            with pytest.raises(LmtpStreamError, match="client 'token' lacks the scope 'define'"):
                 await client.request(kind, **fields)
         assert engine.live.view().version == version
         # The stream beside it is untouched; the connection still serves.
@@ -161,7 +161,7 @@ async def test_grpc_defines_lists_saves_and_deletes(engine: Engine, served: Fron
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await call
             assert error.value.code() is grpc.StatusCode.PERMISSION_DENIED
-            assert "operator token" in error.value.details()
+            assert "lacks the scope 'define'" in error.value.details()
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await client.define_concept("iota", vector=b"\0" * 12)
         assert error.value.code() is grpc.StatusCode.PERMISSION_DENIED  # the permission is checked first
@@ -208,12 +208,17 @@ async def test_request_vectors_and_caps_over_both_wires(engine: Engine, served: 
 
 def test_who_may_change_the_concepts() -> None:
     bearer = "Bearer {}".format
-    assert Tokens().is_operator() and Tokens().admits()  # an open server: anyone (it warns at start)
-    assert not Tokens(ACCESS).is_operator(bearer(ACCESS))  # auth without an operator token: nobody
+
+    def defines(tokens: Tokens, authorization: str | None = None) -> bool:
+        client = tokens.identify(authorization)
+        return client is not None and client.allows("define")
+
+    assert defines(Tokens()) and Tokens().identify() is not None  # an open server: anyone (it warns at start)
+    assert not defines(Tokens(ACCESS), bearer(ACCESS))  # auth without an operator token: nobody
     tokens = Tokens(ACCESS, OPERATOR)
-    assert tokens.admits(bearer(ACCESS)) and tokens.admits(bearer(OPERATOR)) and not tokens.admits(bearer("x"))
-    assert tokens.is_operator(bearer(OPERATOR)) and not tokens.is_operator(bearer(ACCESS))
-    assert Tokens(None, OPERATOR).admits() and not Tokens(None, OPERATOR).is_operator()
+    assert tokens.identify(bearer(ACCESS)) and tokens.identify(bearer(OPERATOR)) and not tokens.identify(bearer("x"))
+    assert defines(tokens, bearer(OPERATOR)) and not defines(tokens, bearer(ACCESS))
+    assert Tokens(None, OPERATOR).identify() is not None and not defines(Tokens(None, OPERATOR))
 
 
 async def test_salience_concepts_save_writes_the_served_set_from_a_running_server(
@@ -233,4 +238,4 @@ async def test_salience_concepts_save_writes_the_served_set_from_a_running_serve
     assert "concepts: alpha, beta, gamma, delta, epsilon, lambda" in capsys.readouterr().out
     refused = ["concepts", "save", str(tmp_path / "no.safetensors"), "--server", served.ws, "--token", ACCESS]
     assert await asyncio.to_thread(cli.main, refused) == 2
-    assert "operator token" in capsys.readouterr().err
+    assert "lacks the scope 'define'" in capsys.readouterr().err

@@ -42,7 +42,7 @@ LIMITS = ConnectionLimits(max_message_bytes=4096, max_frame_bytes=8192)  # small
 @pytest_asyncio.fixture(scope="module")
 async def server(tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Frontends]:
     engine = await start_engine(tiny_model, served_model_name="tiny", max_model_len=1024, concepts=tiny_concepts)
-    lmtp, tcp = LmtpConfig(auth_token=TOKEN, limits=LIMITS), LmtpConfig(limits=LIMITS)
+    lmtp, tcp = LmtpConfig(tokens=Tokens(TOKEN), limits=LIMITS), LmtpConfig(limits=LIMITS)
     async with frontends(engine, lmtp=lmtp, tcp=tcp, grpc_tokens=Tokens(TOKEN)) as served:
         yield served
     engine.shutdown()

@@ -14,6 +14,7 @@ from salience.capture.commands import add_capture_parsers, run_capture, run_feat
 from salience.cli.concepts import add_concepts_parser, run_concepts
 from salience.cli.serve import _default_concepts as _default_concepts  # tests and tools build the default set
 from salience.cli.serve import add_serve_parser, run_serve
+from salience.cli.tokens import add_tokens_parser, run_tokens
 from salience.core.models.home import configure_environment
 from salience.errors import SalienceError
 from salience.tls import ClientTls
@@ -27,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_parser(commands)
     add_concepts_parser(commands)
     add_capture_parsers(commands)
+    add_tokens_parser(commands)
     repl = commands.add_parser("repl", help="interactive prompt against a running server")
     repl.add_argument("url", nargs="?", default="ws://127.0.0.1:8080/", help="LMTP WebSocket URL (wss:// for TLS)")
     add_client_flags(repl)
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(run_capture(args))
         if args.command == "features":
             return run_features(args)
+        if args.command == "tokens":
+            return run_tokens(args)
         return run_concepts(args) if args.command == "concepts" else run_serve(args)
     except SalienceError as exc:
         print(f"salience: error: {exc}", file=sys.stderr)

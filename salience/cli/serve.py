@@ -123,7 +123,7 @@ def _network(serve: argparse.ArgumentParser) -> None:
 
 
 def _auth(serve: argparse.ArgumentParser) -> None:
-    group = serve.add_argument_group("auth", "Bearer tokens (docs/grpc.md#auth, docs/lmtp.md#auth).")
+    group = serve.add_argument_group("auth", "Bearer tokens, scopes and limits (docs/security.md#tokens-and-scopes).")
     group.add_argument(
         "--auth-token",
         default=token_from_environment(),
@@ -134,9 +134,16 @@ def _auth(serve: argparse.ArgumentParser) -> None:
         "--admin-token",
         default=token_from_environment(ADMIN_TOKEN_ENV),
         metavar="TOKEN",
-        help="the operator's token: alone it may define, delete and save live concepts "
+        help="the operator's token, holding every scope: alone it may define, delete and save live concepts "
         f"(docs/live-concepts.md#who-may-change-them) (default: ${ADMIN_TOKEN_ENV}; unset: anyone may on an "
         "open server, which warns, and nobody on one with --auth-token)",
+    )
+    group.add_argument(
+        "--tokens",
+        type=Path,
+        metavar="FILE",
+        help="clients, each with its token's hash, scopes and limits (docs/security.md#tokens-and-scopes; "
+        "`salience tokens add` writes it); SIGHUP reloads it",
     )
 
 
@@ -413,6 +420,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
     from salience.core.models.folders import inspect_model_folder
     from salience.lmtp.config import ConnectionLimits, check_tcp_auth
+    from salience.token_file import load_token_file
 
     # First what needs no engine code: a bad flag or folder is refused at once, not after the
     # seconds it takes to import vLLM, let alone load the model.
@@ -420,7 +428,9 @@ def run_serve(args: argparse.Namespace) -> int:
     lmtp_limits = ConnectionLimits(
         max_message_bytes=args.lmtp_max_message_bytes, max_frame_bytes=args.lmtp_max_frame_bytes
     )
-    check_tcp_auth(args.auth_token or None, args.lmtp_tcp_port)
+    if args.tokens is not None:
+        load_token_file(args.tokens)  # checked now; the server loads it again as it starts
+    check_tcp_auth(bool(args.auth_token) or args.tokens is not None, args.lmtp_tcp_port)
     tls = _server_tls(args)
     saes = _load_saes(args.sae)
     chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
@@ -476,6 +486,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model_aliases=tuple(args.model_alias),
         auth_token=args.auth_token or None,
         admin_token=args.admin_token or None,
+        tokens_file=args.tokens,
         metrics_port=args.metrics_port,
         drain_timeout=args.drain_timeout,
         lmtp_limits=lmtp_limits,

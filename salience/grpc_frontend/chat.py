@@ -13,7 +13,7 @@ from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import ServerStatus
 from salience.core.serving.turns import SessionToken, Turn, TurnDone
 from salience.errors import InvalidArgument
-from salience.grpc_frontend.service import counted
+from salience.grpc_frontend.service import admit_turn, counted
 from salience.proto.salience.ext.v1 import extensions_pb2 as ext
 
 __all__ = ["chat_message", "chat_messages", "run_chat"]
@@ -43,7 +43,7 @@ async def run_chat(
 ) -> AsyncIterator[ChatTurn | SessionToken | TurnDone]:
     """A chat turn, counted: the ChatTurn (where its tokens went; its reply once Done is out), the
     turn's tokens, then how it ended."""
-    with status.admit("grpc", "session_generate") as admitted:
+    with admit_turn(status, turn) as admitted:
         chat = await sessions.chat(session_id, messages, turn, admitted.engine)
         announced = False
         async with contextlib.aclosing(counted(admitted, chat.run)) as items:

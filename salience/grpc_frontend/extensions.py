@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from salience.auth import Tokens
 from salience.core.engine.images import Vision
 from salience.core.engine.requests import FeatureRequest, ResidualRequest
 from salience.core.probes.calibration import Action, Monitor, MonitorEvent, calibrated, parse_monitors
@@ -42,13 +41,9 @@ _FIT_FIELDS = tuple(ext.LayerFit.DESCRIPTOR.fields_by_name)
 
 
 class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
-    def __init__(self, status: ServerStatus, sessions: SessionStore, tokens: Tokens | None = None) -> None:
+    def __init__(self, status: ServerStatus, sessions: SessionStore) -> None:
         self._status = status
         self._sessions = sessions
-        self._tokens = tokens or Tokens()
-
-    def _operator(self, context: grpc.aio.ServicerContext) -> bool:
-        return self._tokens.is_operator(dict(context.invocation_metadata() or ()).get("authorization"))
 
     @translating_stream
     async def SteeredGenerate(
@@ -127,7 +122,7 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
             vector=request.vector or None,
             vectors=dict(request.vectors) or None,
         )
-        reply = await live_concepts.define(self._status, definition, operator=self._operator(context), frontend="grpc")
+        reply = await live_concepts.define(self._status, definition, frontend="grpc")
         response = ext.DefineConceptResponse(
             name=reply["concept"], manifest_version=reply["version"], table=reply["table"]
         )
@@ -138,12 +133,12 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
 
     @translating
     async def DeleteConcept(self, request: ext.DeleteConceptRequest, context: grpc.aio.ServicerContext):
-        reply = await live_concepts.delete(self._status, request.name, operator=self._operator(context))
+        reply = await live_concepts.delete(self._status, request.name)
         return ext.DeleteConceptResponse(manifest_version=reply["version"])
 
     @translating
     async def SaveConcepts(self, request: ext.SaveConceptsRequest, context: grpc.aio.ServicerContext):
-        data = live_concepts.save(self._status, operator=self._operator(context))
+        data = live_concepts.save(self._status)
         view = self._status.serving_engine().live.view()
         return ext.SaveConceptsResponse(concept_set=data, concepts=view.concepts if view else ())
 

@@ -9,7 +9,7 @@ from grpc_reflection.v1alpha import reflection
 from salience.auth import Tokens
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import ServerStatus
-from salience.grpc_frontend.auth import BearerAuthInterceptor
+from salience.grpc_frontend.auth import ClientInterceptor
 from salience.grpc_frontend.extensions import ExtensionsService
 from salience.grpc_frontend.service import SalienceService
 from salience.proto.salience.ext.v1 import extensions_pb2, extensions_pb2_grpc
@@ -50,16 +50,15 @@ async def start_grpc_server(
     """Listen on host:port (0 picks a free port; behind TLS with `credentials`) and report
     NOT_SERVING until `serving(True)`."""
     tokens = tokens or Tokens()
-    interceptors = [BearerAuthInterceptor(tokens)] if tokens.required else []
     server = grpc.aio.server(
-        interceptors=interceptors,
+        interceptors=[ClientInterceptor(tokens)],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
     salience_pb2_grpc.add_SalienceServicer_to_server(SalienceService(status, sessions), server)
-    extensions_pb2_grpc.add_SalienceExtensionsServicer_to_server(ExtensionsService(status, sessions, tokens), server)
+    extensions_pb2_grpc.add_SalienceExtensionsServicer_to_server(ExtensionsService(status, sessions), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (

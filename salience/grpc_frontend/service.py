@@ -15,10 +15,12 @@ from salience.core.probes.steering import Intervention
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import Admitted, ServerStatus
 from salience.core.serving.turns import SessionToken, Turn, TurnDone, TurnRun
+from salience.grpc_frontend.auth import CLIENT
 from salience.grpc_frontend.status_codes import translating, translating_stream
 from salience.logs import REQUEST_ID
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
+from salience.scopes import asked
 
 __all__ = ["SalienceService", "counted", "run_turn", "seed_event", "turn_from"]
 
@@ -40,7 +42,8 @@ class SalienceService(salience_pb2_grpc.SalienceServicer):
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext):
         engine = self._status.serving_engine()
         self._status.check_model(request.model or None)  # proto3: unset is "", the served model
-        return pb.OpenSessionResponse(session_id=self._sessions.open(), max_model_len=engine.max_model_len)
+        session_id = self._sessions.open(*_owner())
+        return pb.OpenSessionResponse(session_id=session_id, max_model_len=engine.max_model_len)
 
     @translating
     async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext):
@@ -49,7 +52,9 @@ class SalienceService(salience_pb2_grpc.SalienceServicer):
 
     @translating
     async def ForkSession(self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext):
-        return pb.ForkSessionResponse(session_id=self._sessions.fork(request.session_id, request.at_position))
+        return pb.ForkSessionResponse(
+            session_id=self._sessions.fork(request.session_id, request.at_position, *_owner())
+        )
 
     @translating
     async def DumpSession(self, request: pb.DumpSessionRequest, context: grpc.aio.ServicerContext):
@@ -77,11 +82,33 @@ async def run_turn(
     status: ServerStatus, sessions: SessionStore, session_id: str, turn: Turn
 ) -> AsyncIterator[SessionToken | TurnDone]:
     """A session turn, counted: its tokens, then how it ended."""
-    with status.admit("grpc", "session_generate") as admitted:
+    with admit_turn(status, turn) as admitted:
         run = await sessions.start(session_id, turn, admitted.engine)
         async with contextlib.aclosing(counted(admitted, run)) as items:
             async for item in items:
                 yield item
+
+
+def _owner() -> tuple[str, int | None]:
+    """Whose a new session is, and how many that client may hold."""
+    client = CLIENT.get()
+    return client.name, client.limits.sessions
+
+
+def admit_turn(status: ServerStatus, turn: Turn) -> Admitted:
+    """A session turn's admission: the scopes what it asks for needs (the method's own were
+    checked by the interceptor), then its client's stream limit."""
+    client = CLIENT.get()
+    client.require(
+        asked(
+            readout=bool(turn.readout_ranges),
+            monitors=turn.monitors,
+            steer=turn.steer,
+            residual=turn.residual is not None,
+            features=turn.features is not None,
+        )
+    )
+    return status.admit("grpc", "session_generate", **client.admission())
 
 
 async def counted(admitted: Admitted, run: TurnRun) -> AsyncIterator[SessionToken | TurnDone]:
@@ -114,8 +141,9 @@ def turn_from(
     features: FeatureRequest | None = None,
 ) -> Turn:
     """The core Turn a seed GenerateRequest asks for (and, from the extensions, its interventions
-    and monitors)."""
+    and monitors), as the call's client's."""
     return Turn(
+        **CLIENT.get().engine_keywords(),
         steer=steer,
         monitors=monitors,
         probabilities=probabilities,

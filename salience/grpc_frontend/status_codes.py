@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import grpc
 
 from salience import errors, metrics, request_ids
+from salience.grpc_frontend.auth import place_anonymous
 from salience.logs import REQUEST_ID
 
 __all__ = ["abort", "code_for", "translating", "translating_stream"]
@@ -46,17 +48,33 @@ def code_for(exc: errors.SalienceError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, kind: str) -> None:
-    """End the call with `code`, naming the request in the message and trailing metadata; raises."""
+async def abort(
+    context: grpc.aio.ServicerContext,
+    code: grpc.StatusCode,
+    message: str,
+    kind: str,
+    retry_after: float | None = None,
+) -> None:
+    """End the call with `code`, naming the request in the message and trailing metadata (with
+    `retry-after`, in whole seconds, when a limit says when to come back); raises."""
     request_id = REQUEST_ID.get() or request_ids.new()
     metrics.ERRORS.labels("grpc", kind).inc()
     log.info("request failed", extra={"request_id": request_id, "code": code.name, "kind": kind, "error": message})
-    await context.abort(code, f"{message} (request_id={request_id})", ((request_ids.HEADER, request_id),))
+    trailers = [(request_ids.HEADER, request_id)]
+    if retry_after is not None:
+        trailers.append(("retry-after", str(math.ceil(retry_after))))
+    await context.abort(code, f"{message} (request_id={request_id})", tuple(trailers))
+
+
+async def _refuse(context: grpc.aio.ServicerContext, exc: errors.SalienceError) -> None:
+    retry_after = exc.retry_after if isinstance(exc, errors.ResourceExhausted) else None
+    await abort(context, code_for(exc), str(exc), type(exc).__name__, retry_after)
 
 
 async def _begin(context: grpc.aio.ServicerContext) -> None:
     """Set the call's request id (its x-request-id metadata, else a new one) and send it back.
     Each call runs in a task of its own, so the id stays with this call."""
+    place_anonymous(context)
     given = dict(context.invocation_metadata() or ()).get(request_ids.HEADER)
     REQUEST_ID.set(request_ids.new())
     if given is not None:
@@ -81,7 +99,7 @@ def translating(
             await _begin(context)
             return await method(self, request, context)
         except errors.SalienceError as exc:
-            await abort(context, code_for(exc), str(exc), type(exc).__name__)
+            await _refuse(context, exc)
         except grpc.aio.AbortError:
             raise
         except Exception:
@@ -107,7 +125,7 @@ def translating_stream(
                     yield item
             log.debug("stream ended", extra={"method": method.__name__})
         except errors.SalienceError as exc:
-            await abort(context, code_for(exc), str(exc), type(exc).__name__)
+            await _refuse(context, exc)
         except grpc.aio.AbortError:
             raise
         except Exception:

@@ -83,7 +83,7 @@ async def health(request: web.Request) -> web.Response:
 async def metrics_endpoint(request: web.Request) -> web.Response:
     """Prometheus text format, behind the bearer token when the server has one."""
     tokens = request.app[LMTP_CONFIG].tokens
-    if not tokens.admits(request.headers.get("Authorization"), request.query.get("token")):
+    if tokens.identify(request.headers.get("Authorization"), request.query.get("token")) is None:
         metrics.AUTH_FAILURES.labels("metrics").inc()
         raise web.HTTPUnauthorized(
             headers={"WWW-Authenticate": "Bearer"}, text="unauthorized: missing or wrong bearer token"
@@ -141,8 +141,8 @@ async def lmtp_websocket(request: web.Request) -> web.StreamResponse:
             raise web.HTTPBadRequest(text=str(exc)) from None
     await ws.prepare(request)
     config = request.app[LMTP_CONFIG]
-    offered = (request.headers.get("Authorization"), request.query.get("token"))
-    if not config.tokens.admits(*offered):
+    client = config.tokens.identify(request.headers.get("Authorization"), request.query.get("token"), request.remote)
+    if client is None:
         # Close after the upgrade, not a 401 before it: browsers see close codes, never HTTP statuses.
         metrics.AUTH_FAILURES.labels("lmtp_ws").inc()
         await ws.close(code=AUTH_CLOSE_CODE, message=b"unauthorized: missing or wrong token")
@@ -153,7 +153,7 @@ async def lmtp_websocket(request: web.Request) -> web.StreamResponse:
         config,
         request.app[SESSIONS],
         request_id_prefix=prefix,
-        operator=config.tokens.is_operator(*offered),
+        client=client,
     )
     request.app[CONNECTIONS].add(session)
 

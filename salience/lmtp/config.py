@@ -33,17 +33,13 @@ class ConnectionLimits:
 @dataclass(frozen=True, kw_only=True)
 class LmtpConfig:
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
-    auth_token: str | None = None  # required of every WebSocket client when set
-    admin_token: str | None = None  # the operator's (auth.Tokens): live concept changes
-
-    @property
-    def tokens(self) -> Tokens:
-        return Tokens(self.auth_token, self.admin_token)
+    tokens: Tokens = field(default_factory=Tokens)  # who may connect, and what each client may do
 
 
-def check_tcp_auth(auth_token: str | None, tcp_port: int | None) -> None:
-    """Plain TCP has no place for a token (no handshake carries one): refuse the pair."""
-    if auth_token is not None and tcp_port is not None:
+def check_tcp_auth(tokens_required: bool, tcp_port: int | None) -> None:
+    """LMTP over TCP has no place for a token (no handshake carries one): refuse a server that
+    requires one."""
+    if tokens_required and tcp_port is not None:
         raise InvalidArgument(
-            "--lmtp-tcp-port cannot carry a token: serve it without --auth-token, or use the WebSocket"
+            "--lmtp-tcp-port cannot carry a token: serve it without --auth-token and --tokens, or use the WebSocket"
         )

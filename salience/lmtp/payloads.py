@@ -7,6 +7,7 @@ import base64
 import math
 from collections.abc import Sequence
 
+from salience.auth import Client
 from salience.core.engine.detokenizer import TextStream
 from salience.core.engine.requests import Features, FinishReason, SamplingOptions, ScoredToken, TokenEvent
 from salience.core.probes.calibration import MonitorEvent
@@ -50,8 +51,9 @@ def sampling_options(request: Generate) -> SamplingOptions:
     )
 
 
-def turn(request: SessionGenerate, request_id: str) -> Turn:
+def turn(request: SessionGenerate, request_id: str, client: Client) -> Turn:
     return Turn(
+        **client.engine_keywords(),
         offset=request.offset,
         truncating=request.truncating,
         append=request.append,

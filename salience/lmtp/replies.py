@@ -10,6 +10,7 @@ import asyncio
 import base64
 import dataclasses
 
+from salience.auth import Client
 from salience.core.engine.images import Vision
 from salience.core.serving import live_concepts
 from salience.core.serving.sessions import SessionStore
@@ -73,24 +74,29 @@ async def image_info(status: ServerStatus, request: ImageInfo) -> dict:
 
 
 async def session_call(
-    status: ServerStatus, sessions: SessionStore, request: OpenSession | CloseSession | ForkSession | DumpSession
+    status: ServerStatus,
+    sessions: SessionStore,
+    request: OpenSession | CloseSession | ForkSession | DumpSession,
+    client: Client,
 ) -> dict:
+    """A session act; a new session (open, fork) is `client`'s, held to its limit."""
+    owned = (client.name, client.limits.sessions)
     match request:
         case OpenSession(model=model):
             engine = status.serving_engine()
             status.check_model(model)
-            return {"session_id": sessions.open(), "max_model_len": engine.max_model_len}
+            return {"session_id": sessions.open(*owned), "max_model_len": engine.max_model_len}
         case CloseSession(session_id=session_id):
             await sessions.close(session_id)
             return {"session_id": session_id, "closed": True}
         case ForkSession(session_id=session_id, at_position=at):
-            return {"session_id": sessions.fork(session_id, at), "length": at}
+            return {"session_id": sessions.fork(session_id, at, *owned), "length": at}
         case DumpSession(session_id=session_id):
             return {"session_id": session_id, "tokens": sessions.tokens(session_id)}
 
 
 async def concepts_call(
-    status: ServerStatus, request: DefineConcept | DeleteConcept | SaveConcepts, *, operator: bool, frontend: str
+    status: ServerStatus, request: DefineConcept | DeleteConcept | SaveConcepts, *, frontend: str
 ) -> dict:
     match request:
         case DefineConcept():
@@ -103,9 +109,9 @@ async def concepts_call(
                 vector=request.vector,
                 vectors=request.vectors,
             )
-            return await live_concepts.define(status, definition, operator=operator, frontend=frontend)
+            return await live_concepts.define(status, definition, frontend=frontend)
         case DeleteConcept(name=name):
-            return await live_concepts.delete(status, name, operator=operator)
+            return await live_concepts.delete(status, name)
         case SaveConcepts():
-            data = live_concepts.save(status, operator=operator)
+            data = live_concepts.save(status)
             return {"concept_set": base64.b64encode(data).decode("ascii"), "bytes": len(data)}

@@ -39,12 +39,14 @@ from collections.abc import Awaitable, Callable, Coroutine
 import orjson
 
 from salience import metrics, request_ids
+from salience.auth import Client
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import Admitted, Phase, ServerStatus
-from salience.errors import SalienceError
+from salience.errors import PermissionDenied, ResourceExhausted, SalienceError
 from salience.lmtp import replies, streams
 from salience.lmtp.codec import LmtpError, parse_client_line
 from salience.lmtp.config import ConnectionLimits, LmtpConfig
+from salience.lmtp.fields import TYPES
 from salience.lmtp.messages import (
     Cancel,
     ClientMessage,
@@ -66,13 +68,31 @@ from salience.lmtp.messages import (
 )
 from salience.lmtp.outbox import Outbox
 from salience.lmtp.streams import Stream
-from salience.logs import REQUEST_ID
+from salience.logs import CLIENT_NAME, REQUEST_ID
+from salience.scopes import asked, needs
 
 __all__ = ["ConnectionLimits", "LmtpConfig", "LmtpSession"]
 
 log = logging.getLogger(__name__)
 
 _KINDS = {Generate: "generate", Score: "score", SessionGenerate: "session_generate"}
+_NAMES = {cls: name for name, (cls, _, _) in TYPES.items()}
+
+
+def _scopes(message: ClientMessage) -> tuple[str, ...]:
+    """What the message needs: its type's scopes, and those a stream's fields ask for."""
+    own = needs(f"LMTP {_NAMES[type(message)]}")
+    if not isinstance(message, Generate | Score | SessionGenerate):
+        return own
+    fields = asked(
+        readout=bool(message.readout),
+        monitors=getattr(message, "monitors", ()),
+        steer=message.steer,
+        residual=message.residual is not None,
+        features=message.features is not None,
+    )
+    return own + fields
+
 
 # Why a connection was dropped (salience_connections_dropped_total's `cause`).
 CLIENT_GONE, SLOW_CLIENT, SEND_TIMEOUT = "client_gone", "slow_client", "send_timeout"
@@ -88,15 +108,16 @@ class LmtpSession:
         *,
         frontend: str = "lmtp_ws",
         request_id_prefix: str | None = None,
-        operator: bool | None = None,
+        client: Client | None = None,
     ) -> None:
-        """`operator`: whether this connection offered the operator token (default: as an
-        unauthenticated connection, Tokens.is_operator)."""
+        """`client`: whom the connection's token names (default: the anonymous client, as on a
+        transport that carries no token)."""
         self._status = status
         self._sessions = sessions
         self._limits = config.limits
         self._frontend = frontend
-        self._operator = config.tokens.is_operator() if operator is None else operator
+        self._client = client or config.tokens.anonymous
+        CLIENT_NAME.set(self._client.name)  # the connection's task, and the streams it starts, log it
         self._request_id_prefix = request_id_prefix  # the connection's x-request-id header
         self._drop_cause: str | None = None
         self._ended = False
@@ -132,6 +153,14 @@ class LmtpSession:
         self._drop_cause = self._drop_cause or cause
 
     def _dispatch(self, message: ClientMessage) -> None:
+        try:
+            self._client.require(_scopes(message))
+        except PermissionDenied as exc:
+            if isinstance(message, Generate | Score | SessionGenerate):
+                self._error(message.stream_id, str(exc), kind="PermissionDenied", request_id=message.request_id)
+            else:
+                self._msg(self._failed(getattr(message, "stream_id", None), str(exc), "PermissionDenied"))
+            return
         match message:
             case Generate() | Score() | SessionGenerate():
                 self._start(message)
@@ -155,11 +184,13 @@ class LmtpSession:
             case ImageInfo():
                 self._spawn(self._answer(message.stream_id, replies.image_info(self._status, message)))
             case DefineConcept() | DeleteConcept() | SaveConcepts():
-                call = replies.concepts_call(self._status, message, operator=self._operator, frontend=self._frontend)
+                call = replies.concepts_call(self._status, message, frontend=self._frontend)
                 self._spawn(self._answer(message.stream_id, call))
             case OpenSession() | CloseSession() | ForkSession() | DumpSession():
                 self._spawn(
-                    self._answer(message.stream_id, replies.session_call(self._status, self._sessions, message))
+                    self._answer(
+                        message.stream_id, replies.session_call(self._status, self._sessions, message, self._client)
+                    )
                 )
 
     def _reject(self, kind: str | None, stream_id: int | None, message: str, request_id: str | None = None) -> None:
@@ -181,11 +212,12 @@ class LmtpSession:
         try:
             self._status.serving_engine()
             self._status.check_model(getattr(request, "model", None))
-            admitted = self._status.admit(self._frontend, _KINDS[type(request)])
+            admitted = self._status.admit(self._frontend, _KINDS[type(request)], **self._client.admission())
         except SalienceError as exc:
-            self._error(stream_id, str(exc), kind=type(exc).__name__, request_id=request_id)
+            retry_after = exc.retry_after if isinstance(exc, ResourceExhausted) else None
+            self._error(stream_id, str(exc), kind=type(exc).__name__, request_id=request_id, retry_after=retry_after)
             return
-        stream = Stream(stream_id, request_id)
+        stream = Stream(stream_id, request_id, self._client)
         emit, engine = functools.partial(self._token, stream), admitted.engine
         match request:
             case Generate():
@@ -241,7 +273,8 @@ class LmtpSession:
         try:
             payload = {"stream_id": stream_id, **await reply}
         except SalienceError as exc:
-            payload = self._failed(stream_id, str(exc), type(exc).__name__)
+            retry_after = exc.retry_after if isinstance(exc, ResourceExhausted) else None
+            payload = self._failed(stream_id, str(exc), type(exc).__name__, retry_after=retry_after)
         self._msg(payload)
 
     async def _watch_status(self, stream_id: int) -> None:
@@ -286,19 +319,37 @@ class LmtpSession:
         if stream.cancelled:
             self._error(stream.id, f"CANCEL: stream {stream.id} is not running", request_id=stream.request_id)
 
-    def _error(self, stream_id: int, message: str, *, kind: str = "LmtpError", request_id: str | None = None) -> None:
+    def _error(
+        self,
+        stream_id: int,
+        message: str,
+        *,
+        kind: str = "LmtpError",
+        request_id: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
         """End a stream with an error (`kind`: the SalienceError class, or what else went wrong)."""
-        self._put("TOKEN", self._failed(stream_id, message, kind, request_id), force=True)
+        self._put("TOKEN", self._failed(stream_id, message, kind, request_id, retry_after), force=True)
 
-    def _failed(self, stream_id: int | None, message: str, kind: str, request_id: str | None = None) -> dict:
-        """An error payload naming its request (the running stream's, if the id names one);
-        counted and logged."""
+    def _failed(
+        self,
+        stream_id: int | None,
+        message: str,
+        kind: str,
+        request_id: str | None = None,
+        retry_after: float | None = None,
+    ) -> dict:
+        """An error payload naming its request (the running stream's, if the id names one), with
+        `retry_after` seconds past a client's limit; counted and logged."""
         running = self._streams.get(stream_id)
         request_id = request_id or (running and running.request_id) or self._new_request_id(stream_id)
         metrics.ERRORS.labels(self._frontend, kind).inc()
         extra = {"request_id": request_id, "stream_id": stream_id, "kind": kind, "error": message}
         log.info("request failed", extra=extra)
-        return {"stream_id": stream_id, "error": message, "request_id": request_id}
+        payload = {"stream_id": stream_id, "error": message, "request_id": request_id}
+        if retry_after is not None:
+            payload["retry_after"] = retry_after
+        return payload
 
     def _new_request_id(self, stream_id: int | None) -> str:
         if self._request_id_prefix is not None and stream_id is not None:

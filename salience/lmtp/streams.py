@@ -9,6 +9,7 @@ import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from salience.auth import Client
 from salience.core.engine.detokenizer import TextStream
 from salience.core.engine.engine import Engine
 from salience.core.engine.generation import Generation
@@ -31,6 +32,7 @@ class Stream:
 
     id: int
     request_id: str
+    client: Client  # whose it is: fair share and the client's limits count it
     task: asyncio.Task | None = None
     work: Generation | TurnRun | None = None  # what a CANCEL stops, once attached
     cancelled: bool = False  # a CANCEL named it (see attach)
@@ -64,6 +66,7 @@ async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit
     generation = engine.generate(
         prompt,
         payloads.sampling_options(request),
+        **stream.client.engine_keywords(),
         images=read.images,
         request_id=stream.request_id,
         readout_ranges=request.readout,
@@ -115,6 +118,7 @@ async def score(stream: Stream, engine: Engine, request: Score, emit: Emit) -> N
         ids = prompt + continuation
         scores = await engine.prefill(
             ids,
+            **stream.client.engine_keywords(),
             top_logprobs=request.top_logprobs,
             logprobs_from=len(prompt),
             readout_ranges=request.readout,
@@ -152,7 +156,7 @@ async def session_generate(
     stream: Stream, engine: Engine, request: SessionGenerate, emit: Emit, sessions: SessionStore
 ) -> None:
     """A session turn: its prefill positions, its tokens, then the turn's end."""
-    turn = payloads.turn(request, stream.request_id)
+    turn = payloads.turn(request, stream.request_id, stream.client)
     run = await sessions.start(request.session_id, turn, engine)
     stream_id = request.stream_id
     await stream.attach(run)

@@ -26,7 +26,9 @@ async def start_tcp_server(
     """Listen on host:port, behind TLS with `context`."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        session = LmtpSession(status, config, sessions, frontend="lmtp_tcp")
+        peer = writer.get_extra_info("peername")
+        client = config.tokens.stranger(peer[0] if peer else None)  # no token travels over TCP
+        session = LmtpSession(status, config, sessions, frontend="lmtp_tcp", client=client)
         overrun = False
 
         async def lines() -> AsyncIterator[bytes]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -32,14 +33,15 @@ import orjson
 from aiohttp import web
 
 from salience import metrics, request_ids
-from salience.auth import Tokens
+from salience.auth import Client, Tokens
 from salience.core.serving.status import Admitted, ServerStatus
 from salience.errors import SalienceError
-from salience.logs import REQUEST_ID
+from salience.logs import CLIENT_NAME, REQUEST_ID
 from salience.openai.errors import ApiError, from_salience, naming, unauthorized
 from salience.openai.requests import CHAT, ApiRequest, parse_chat, parse_completion
 from salience.openai.responses import DONE, Chunks, Collected, Logprobs, response
 from salience.openai.run import Run, prompts
+from salience.scopes import asked, needs
 
 __all__ = ["FRONTEND", "OPENAI", "OpenAIContext", "add_routes"]
 
@@ -110,13 +112,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _complete(request: web.Request, parse: Callable[[bytes], ApiRequest]) -> web.StreamResponse:
     async def complete(context: OpenAIContext) -> web.StreamResponse:
         api = parse(await _body(request))
+        client: Client = request[_CLIENT]
         with naming("model", status=404, code="model_not_found"):
             context.status.check_model(api.model)
         with naming():
-            admitted = context.status.admit(FRONTEND, api.kind)
+            client.require(needs(f"POST {request.path}") + _asked(api))
+            admitted = context.status.admit(FRONTEND, api.kind, **client.admission())
         with admitted:  # ends it as "error" or "cancelled" if what follows raises
             engine = admitted.engine
-            run = await Run.start(engine, api, await prompts(engine, api), request[_ID])
+            run = await Run.start(engine, api, await prompts(engine, api), request[_ID], client)
             try:
                 if api.stream:
                     return await _stream(request, context, api, run, admitted)
@@ -184,6 +188,17 @@ async def _stream(
 # ---- what every handler shares ------------------------------------------------------------------
 
 _ID = web.RequestKey("openai_request_id", str)
+_CLIENT = web.RequestKey("openai_client", Client)
+
+
+def _asked(api: ApiRequest) -> tuple[str, ...]:
+    """The scopes the request's `salience` extension asks for."""
+    if api.salience is None:
+        return ()
+    ext = api.salience
+    return asked(
+        readout=ext.readouts is not None, monitors=ext.monitors, steer=ext.steer, features=ext.features is not None
+    )
 
 
 async def _handle(
@@ -199,9 +214,11 @@ async def _handle(
             with naming():
                 request[_ID] = request_ids.check(given, "the x-request-id header")
             REQUEST_ID.set(request[_ID])
-        if not context.tokens.admits(request.headers.get("Authorization")):
+        request[_CLIENT] = context.tokens.identify(request.headers.get("Authorization"), peer=request.remote)
+        if request[_CLIENT] is None:
             metrics.AUTH_FAILURES.labels(FRONTEND).inc()
             raise unauthorized()
+        CLIENT_NAME.set(request[_CLIENT].name)
         with naming():
             context.status.serving_engine()  # 503 while loading, draining or stopping
         return await _while_connected(request, work(context))
@@ -276,6 +293,8 @@ def _error(error: ApiError, request: web.Request) -> web.Response:
     headers = _headers(request)
     if error.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
+    if error.retry_after is not None:
+        headers["Retry-After"] = str(math.ceil(error.retry_after))  # whole seconds, as HTTP has them
     return web.Response(
         status=error.status, body=orjson.dumps(error.body()), content_type="application/json", headers=headers
     )

@@ -44,6 +44,7 @@ class ApiError(Exception):
     param: str | None = None
     code: str | None = None
     kind: str = "InvalidArgument"  # what salience_errors_total counts it as
+    retry_after: float | None = None  # seconds, for a 429 (its Retry-After header)
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -68,7 +69,8 @@ def unauthorized() -> ApiError:
 
 def from_salience(exc: errors.SalienceError, param: str | None = None) -> ApiError:
     status, kind, code = next((_STATUS[k] for k in type(exc).__mro__ if k in _STATUS), (500, "server_error", None))
-    return ApiError(status, str(exc), type=kind, param=param, code=code, kind=type(exc).__name__)
+    retry_after = exc.retry_after if isinstance(exc, errors.ResourceExhausted) else None
+    return ApiError(status, str(exc), kind, param, code, type(exc).__name__, retry_after)
 
 
 # A message that starts with a field's path names that field: core writes `messages[2].role must

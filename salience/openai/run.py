@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
+from salience.auth import Client
 from salience.core.engine.engine import Engine
 from salience.core.engine.generation import Generation
 from salience.core.engine.prompts import Prompt
@@ -66,18 +67,21 @@ class Run:
         self._ran: set[int] = set()  # the generations `_choice` entered, and so closes
 
     @classmethod
-    async def start(cls, engine: Engine, request: ApiRequest, prompts: Sequence[Prompt], request_id: str) -> Run:
-        """Every choice checked and submitted, or none: a refused one (a 400) closes the others."""
+    async def start(
+        cls, engine: Engine, request: ApiRequest, prompts: Sequence[Prompt], request_id: str, client: Client
+    ) -> Run:
+        """Every choice checked and submitted, or none: a refused one (a 400) closes the others;
+        each is `client`'s for fair share."""
         run = cls(request, prompts, token_text(engine.tokenizer))
         try:
-            run._submit(engine, request_id)
+            run._submit(engine, request_id, client)
         except BaseException:
             await run.close()
             raise
         run.layout = layout(request.salience, run._generations[0].concepts)
         return run
 
-    def _submit(self, engine: Engine, request_id: str) -> None:
+    def _submit(self, engine: Engine, request_id: str, client: Client) -> None:
         request, sampling, ext = self._request, self._request.sampling, self._request.salience
         with naming("top_logprobs" if request.kind == CHAT else "logprobs"):
             engine.checks.top_k(request.top_logprobs)
@@ -105,6 +109,7 @@ class Run:
                         options,
                         request_id=request_id if single else f"{request_id}-{index}",
                         images=images,
+                        **client.engine_keywords(),
                         **extra,
                     )
                 self._generations.append(generation)

@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from salience.auth import Tokens
 from salience.core.serving.status import ServerStatus
 from salience.grpc_frontend.client import AsyncSalienceClient, AsyncSession
 from salience.grpc_frontend.server import start_grpc_server
@@ -191,7 +192,7 @@ async def test_both_frontends_drive_the_same_sessions(lmtp_server: LmtpServer, c
 async def test_websocket_bearer_token(lmtp_server: LmtpServer) -> None:
     status = ServerStatus("tiny")
     status.ready(lmtp_server.engine)
-    runner = web.AppRunner(make_app(status, LmtpConfig(auth_token="s3cret")))
+    runner = web.AppRunner(make_app(status, LmtpConfig(tokens=Tokens("s3cret"))))
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()

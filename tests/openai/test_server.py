@@ -208,7 +208,9 @@ async def test_a_missing_model_names_model(served: Frontends) -> None:
 
 
 async def test_a_token_server_refuses_a_wrong_key_with_an_openai_error(default_engine: Engine) -> None:
-    async with frontends(default_engine, NAME, lmtp=LmtpConfig(auth_token=TOKEN), grpc_tokens=Tokens(TOKEN)) as served:
+    async with frontends(
+        default_engine, NAME, lmtp=LmtpConfig(tokens=Tokens(TOKEN)), grpc_tokens=Tokens(TOKEN)
+    ) as served:
         with pytest.raises(openai.AuthenticationError):
             await asyncio.to_thread(lambda: client(served, api_key="wrong").models.list())
         models = await asyncio.to_thread(lambda: client(served, api_key=TOKEN).models.list())

@@ -12,6 +12,7 @@ import math
 import pytest
 from playwright.async_api import expect
 
+from salience.auth import Tokens
 from salience.core.engine.engine import Engine
 from salience.core.serving.status import ServerStatus
 from salience.lmtp.app import make_app
@@ -190,7 +191,7 @@ async def test_a_wrong_token_shows_unauthorized_and_the_right_one_connects(ui: U
     status = ServerStatus(engine.model_name)
     status.ready(engine)
     port = free_port()
-    runner = await serve(make_app(status, LmtpConfig(auth_token="s3cret")), port)
+    runner = await serve(make_app(status, LmtpConfig(tokens=Tokens("s3cret"))), port)
     state = ui.page.locator("#connection")
     try:
         await ui.page.goto(f"http://127.0.0.1:{port}/ui/")

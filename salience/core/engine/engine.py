@@ -40,6 +40,7 @@ from salience.core.engine.row_budget import RowBudget
 from salience.core.engine.rows import RowPlan, feature_plan, watched_features
 from salience.core.engine.served_saes import served_saes
 from salience.core.engine.settings import EngineSettings
+from salience.core.engine.token_meter import TokenMeter
 from salience.core.features.served import ServedSAE
 from salience.core.probes.calibration import Calibration, Monitor, MonitorState
 from salience.core.probes.live import ConceptView
@@ -83,6 +84,7 @@ class Engine(Passes):
         self.checks = RequestChecks(self.vocab_size, self.max_model_len, self.max_logprobs)
         self.inflight = InFlight(settings.data_parallel_size)
         self.fair_share: FairShare | None = None  # set by start: None with fair share off
+        self.meter = TokenMeter()  # each client's generated tokens over the last minute
         row_bytes = 4 * self.hidden_size  # float32
         self.row_budget = RowBudget(max(1, settings.residual_memory_mib * 2**20 // row_bytes), row_bytes)
 
@@ -286,6 +288,7 @@ class Engine(Passes):
             ticket=ticket,
             slot=slot,
             logprobs_from=logprobs_from,
+            meter=functools.partial(self.meter.add, client),
         )
         generation.concepts = hold.view
         self.inflight.running(request_id, generation)

@@ -173,6 +173,7 @@ class Generation:
         ticket: Ticket | None = None,
         slot: Slot | None = None,
         logprobs_from: int = 1,
+        meter: Callable[[int], None] | None = None,
     ):
         """`rows`: the residual rows and features asked for (rows.py), with `ticket` their claim on
         the server's residual budget; `slot`: its place under fair share, charged the tokens vLLM
@@ -219,6 +220,7 @@ class Generation:
         self._engine_finished = False  # vLLM sent the last output; its generator has yet to return
         outputs = guarded(llm.generate(submitted, params, request_id, priority=priority, data_parallel_rank=dp_rank))
         self._slot = slot
+        self._meter = meter  # counts the tokens it decodes against its client's per-minute limit
         self._gates = [gate for gate in (ticket, slot) if gate is not None]
         for gate in (slot, ticket):  # queued: vLLM sees it once rows come back, then once it is its turn
             if gate is not None and not gate.granted:
@@ -412,6 +414,8 @@ class Generation:
                 self._slot.cached(self.cached_tokens)
         if self._slot is not None:
             self._slot.generated(len(completion.token_ids))
+        if self._meter is not None:
+            self._meter(len(completion.token_ids))
         logprobs = completion.logprobs
         events = []
         tokens = list(completion.token_ids)

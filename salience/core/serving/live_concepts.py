@@ -6,8 +6,8 @@ request asking for its raw residual rows (Engine.prefill `residual`), batched wi
 traffic like any other request; the fit then runs in a thread, so streams keep streaming. The
 engine publishes the concept only once its column is written (engine/live.py).
 
-Changing what every client sees is an operator's act: with auth on, only a connection that
-offered the operator token may define, delete or save (`operator`).
+Changing what every client sees needs the `define` scope, which the frontends check before they
+call here (salience/scopes.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from salience.core.probes import fitting
 from salience.core.probes.live import check_name
 from salience.core.serving.concept_builder import MIN_EXAMPLES, READ_BATCH, SIDES, describe_concept, fit_concept
 from salience.core.serving.status import ServerStatus
-from salience.errors import ContextOverflow, InvalidArgument, PermissionDenied
+from salience.errors import ContextOverflow, InvalidArgument
 
 __all__ = ["MAX_EXAMPLES", "ConceptDefinition", "define", "delete", "save"]
 
@@ -49,17 +49,9 @@ class ConceptDefinition:
     vector: bytes | None = None
 
 
-def check_operator(operator: bool, what: str) -> None:
-    if not operator:
-        raise PermissionDenied(
-            f"{what} changes what every client sees: it needs the operator token (--admin-token), not an ordinary one"
-        )
-
-
-async def define(status: ServerStatus, definition: ConceptDefinition, *, operator: bool, frontend: str) -> dict:
+async def define(status: ServerStatus, definition: ConceptDefinition, *, frontend: str) -> dict:
     """Define a live concept; the reply carries its concept_info, the builder's table for it, and
     the manifest version that first lists it."""
-    check_operator(operator, "defining a concept")
     engine = status.serving_engine()
     given = definition.vectors is not None or definition.vector is not None
     if given and (definition.positive or definition.negative):
@@ -84,15 +76,13 @@ async def define(status: ServerStatus, definition: ConceptDefinition, *, operato
     }
 
 
-async def delete(status: ServerStatus, name: str, *, operator: bool) -> dict:
-    check_operator(operator, "deleting a concept")
+async def delete(status: ServerStatus, name: str) -> dict:
     view = status.serving_engine().live.delete(name)
     return {"concept": name, "deleted": True, "version": view.version}
 
 
-def save(status: ServerStatus, *, operator: bool) -> bytes:
+def save(status: ServerStatus) -> bytes:
     """The served set plus every live concept, as a concept-set file's bytes (`--concepts` loads it)."""
-    check_operator(operator, "saving the concepts")
     return status.serving_engine().live.served_set().to_bytes()
 
 

@@ -32,8 +32,9 @@ class ResidualCounts(Protocol):
 class ServingObserver:
     """Every event the serving layer reports; each method does nothing unless overridden."""
 
-    def stream_admitted(self, frontend: str, kind: str) -> None:
-        """A stream (`kind`: generate, score, session_generate) was admitted to run."""
+    def stream_admitted(self, frontend: str, kind: str, client: str | None) -> None:
+        """A stream (`kind`: generate, score, session_generate) of `client` (None: the server's
+        own) was admitted to run."""
 
     def stream_ended(self, frontend: str, kind: str, finish_reason: str) -> None:
         """An admitted stream ended: `stop`, `length`, `cancelled` or `error`."""
@@ -60,9 +61,9 @@ class _Observers(ServingObserver):
     def subscribe(self, observer: ServingObserver) -> None:
         self._subscribers.append(observer)
 
-    def stream_admitted(self, frontend: str, kind: str) -> None:
+    def stream_admitted(self, frontend: str, kind: str, client: str | None) -> None:
         for observer in self._subscribers:
-            observer.stream_admitted(frontend, kind)
+            observer.stream_admitted(frontend, kind, client)
 
     def stream_ended(self, frontend: str, kind: str, finish_reason: str) -> None:
         for observer in self._subscribers:

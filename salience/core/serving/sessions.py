@@ -67,6 +67,7 @@ class _Session:
     tokens: array = field(default_factory=lambda: array("I"))
     images: list[PlacedImage] = field(default_factory=list)  # by block start
     conversation: Conversation = field(default_factory=Conversation)  # what its chat turns said
+    owner: str | None = None  # the client that opened it (None: nobody in particular)
     last_used: float = 0.0
     run: TurnRun | None = None
     # The data-parallel engine every turn runs on, so each reads its prefix cache; chosen at the
@@ -105,10 +106,12 @@ class SessionStore:
 
     # ---- lifecycle ---------------------------------------------------------------------
 
-    def open(self) -> str:
+    def open(self, owner: str | None = None, max_owned: int | None = None) -> str:
+        """A new session of `owner`, who may hold at most `max_owned` (ResourceExhausted past it)."""
         self._engine()
+        self._check_owner(owner, max_owned)
         self._make_room(sessions=1, tokens=0, keep=None)
-        session = _Session(secrets.token_urlsafe(16))
+        session = _Session(secrets.token_urlsafe(16), owner=owner)
         self._sessions[session.id] = session
         self._touch(session)
         OBSERVERS.sessions_created()
@@ -120,9 +123,11 @@ class SessionStore:
         if session is not None and session.run is not None:
             await session.run.cancel()
 
-    def fork(self, session_id: str, at_position: int) -> str:
+    def fork(self, session_id: str, at_position: int, owner: str | None = None, max_owned: int | None = None) -> str:
+        """A new session of `owner` (as `open`), holding the source's first `at_position` tokens."""
         self._engine()  # a new session: none while loading or draining
         source = self._get(session_id)
+        self._check_owner(owner, max_owned)
         if at_position > len(source.tokens):
             raise FailedPrecondition(
                 f"cannot fork at position {at_position}: the session has {len(source.tokens)} tokens"
@@ -130,7 +135,7 @@ class SessionStore:
         if (block := source.block_around(at_position)) is not None:
             raise FailedPrecondition(_split_message("fork", at_position, block))
         self._make_room(sessions=1, tokens=at_position, keep=source)
-        child = _Session(secrets.token_urlsafe(16), tokens=source.tokens[:at_position])
+        child = _Session(secrets.token_urlsafe(16), tokens=source.tokens[:at_position], owner=owner)
         child.images = [b for b in source.images if b.end <= at_position]
         child.conversation = source.conversation.cut(at_position)
         child.dp_rank = source.dp_rank
@@ -141,6 +146,20 @@ class SessionStore:
 
     def tokens(self, session_id: str) -> list[int]:
         return self._get(session_id).tokens.tolist()
+
+    def _check_owner(self, owner: str | None, max_owned: int | None) -> None:
+        """A client's limit on open sessions; the retry-after is when its longest idle one expires."""
+        if owner is None or max_owned is None:
+            return
+        self.sweep()
+        owned = [s for s in self._sessions.values() if s.owner == owner]
+        if len(owned) >= max_owned:
+            wait = max(self.limits.ttl - (self._clock() - min(s.last_used for s in owned)), 0.0)
+            raise ResourceExhausted(
+                f"client {owner!r} holds {len(owned)} sessions, its limit: close one, or retry when its "
+                f"longest idle one expires (in {wait:.0f} s)",
+                retry_after=wait,
+            )
 
     def sweep(self) -> int:
         """Evict sessions idle longer than the TTL; return how many went."""
