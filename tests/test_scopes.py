@@ -322,3 +322,35 @@ async def test_each_limit_is_refused_with_its_retry_after(served: Frontends) -> 
         refused = await ask("GENERATE", stream_id=5, **LMTP_BODIES["GENERATE"])
         assert "tokens generated over the last minute, its limit is 40" in refused["error"]
         assert 55 < refused["retry_after"] <= 61
+
+
+async def test_fair_share_counts_a_named_client_as_one_and_an_open_servers_by_peer(
+    served: Frontends, tiny_engine: Engine
+) -> None:
+    """Whom fair share counts a stream against, on every wire: a token's client by name, however
+    many connections it opens; on an open server, the peer's address."""
+    assert tiny_engine.fair_share is not None
+    long = {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+    async def running_clients(url: str, grpc_target: str, headers: dict[str, str]) -> set[str]:
+        connections = [await LmtpClient.connect(url, headers) for _ in range(2)]
+        streams = [lmtp.stream("GENERATE", **long) for lmtp in connections]
+        metadata = tuple((key.lower(), value) for key, value in headers.items())
+        async with grpc.aio.insecure_channel(grpc_target) as channel:
+            stub = salience_pb2_grpc.SalienceStub(channel)
+            session = await stub.OpenSession(salience_pb2.OpenSessionRequest(), metadata=metadata)
+            turn = salience_pb2.GenerateRequest(session_id=session.session_id, append_tokens=[1, 2], max_tokens=400)
+            call = stub.Generate(turn, metadata=metadata)
+            try:
+                for stream in streams:
+                    await anext(stream)
+                await call.read()
+                return set(tiny_engine.fair_share.counters())
+            finally:
+                call.cancel()
+                for lmtp in connections:
+                    await lmtp.close()
+
+    assert await running_clients(served.ws, served.grpc_target, {"Authorization": f"Bearer {token('all')}"}) == {"all"}
+    async with frontends(tiny_engine) as open_server:
+        assert await running_clients(open_server.ws, open_server.grpc_target, {}) == {"anonymous@127.0.0.1"}

