@@ -333,6 +333,8 @@ async def test_fair_share_counts_a_named_client_as_one_and_an_open_servers_by_pe
     long = {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "temperature": 0}
 
     async def running_clients(url: str, grpc_target: str, headers: dict[str, str]) -> set[str]:
+        """The keys whose counters the streams of two connections and a gRPC turn moved."""
+        before = tiny_engine.fair_share.counters()
         connections = [await LmtpClient.connect(url, headers) for _ in range(2)]
         streams = [lmtp.stream("GENERATE", **long) for lmtp in connections]
         metadata = tuple((key.lower(), value) for key, value in headers.items())
@@ -345,7 +347,8 @@ async def test_fair_share_counts_a_named_client_as_one_and_an_open_servers_by_pe
                 for stream in streams:
                     await anext(stream)
                 await call.read()
-                return set(tiny_engine.fair_share.counters())
+                during = tiny_engine.fair_share.counters()
+                return {key for key, served in during.items() if served > before.get(key, -1.0)}
             finally:
                 call.cancel()
                 for lmtp in connections:

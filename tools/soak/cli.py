@@ -29,6 +29,11 @@ def parse_args(argv: list[str] | None = None) -> SoakOptions:
         help="another `salience serve` flag (repeatable)",
     )
     parser.add_argument("--auth-token", default=os.environ.get("SALIENCE_AUTH_TOKEN"))
+    parser.add_argument(
+        "--secure",
+        action="store_true",
+        help="start the server behind TLS (a certificate made for the run) with a tokens file (--tokens)",
+    )
     parser.add_argument("--seconds", type=float, default=defaults.seconds)
     parser.add_argument("--connections", type=int, default=defaults.connections)
     parser.add_argument("--streams", type=int, default=defaults.streams, help="concurrent streams per connection")
@@ -52,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> SoakOptions:
     args = parser.parse_args(argv)
     if args.url is None and (args.grpc or args.pid):
         parser.error("--grpc and --pid go with --url")
+    if args.secure and (args.url or args.auth_token):
+        parser.error("--secure starts its own server and token: not with --url or --auth-token")
     # Every flag's dest is a SoakOptions field.
     return SoakOptions(**vars(args) | {"server_args": tuple(args.server_args), "skip": tuple(args.skip)})
 

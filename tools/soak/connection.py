@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -31,8 +32,8 @@ class Connection(LmtpClient):
         super().__init__(ws, session)
 
     @classmethod
-    async def open(cls, url: str, token: str | None) -> Connection:
-        return await cls.connect(url, {"Authorization": f"Bearer {token}"} if token else None)
+    async def open(cls, url: str, token: str | None, tls: ssl.SSLContext | None = None) -> Connection:
+        return await cls.connect(url, {"Authorization": f"Bearer {token}"} if token else None, tls=tls)
 
     @property
     def closed(self) -> bool:

@@ -186,7 +186,7 @@ async def disconnect_job(soak: Soak, rng: random.Random) -> None:
     """Open a connection, start streams, close the socket while they run (before or after tokens)."""
     kind = "disconnect"
     soak.tally.start(kind)
-    conn = await Connection.open(soak.server.url, soak.options.auth_token)
+    conn = await Connection.open(soak.server.url, soak.options.auth_token, soak.server.context())
     try:
         queues = []
         for _ in range(rng.randint(1, 4)):
@@ -209,7 +209,7 @@ async def disconnect_job(soak: Soak, rng: random.Random) -> None:
 
 async def oversized_frame_job(soak: Soak) -> None:
     """A frame past --lmtp-max-frame-bytes is not read: the server closes with 1009 (message too big)."""
-    conn = await Connection.open(soak.server.url, soak.options.auth_token)
+    conn = await Connection.open(soak.server.url, soak.options.auth_token, soak.server.context())
     try:
         await conn.send(oversized_generate(conn.next_stream_id(), soak.server.max_frame_bytes))
         closed = await conn.wait_closed(soak.timeout)

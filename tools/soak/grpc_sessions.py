@@ -172,7 +172,7 @@ class SessionWorkflow:
 
 
 async def grpc_worker(soak: Soak, rng: random.Random) -> None:
-    async with AsyncSalienceClient(soak.server.grpc, token=soak.options.auth_token) as client:
+    async with AsyncSalienceClient(soak.server.grpc, token=soak.options.auth_token, tls=soak.server.tls) as client:
         while soak.running():
             try:
                 await SessionWorkflow(soak, client, rng).run()

@@ -18,6 +18,9 @@ class SoakOptions:
     pid: int | None = None  # the attached server's process, for RSS and fds
     server_args: tuple[str, ...] = ()  # more `salience serve` flags for a started server
     auth_token: str | None = None
+    # A started server behind TLS (a CA and certificate made for the run) with a tokens file whose
+    # one client, holding every scope, the run speaks as.
+    secure: bool = False
     seconds: float = 60.0
     connections: int = 4
     streams: int = 4  # concurrent workers per connection

@@ -68,7 +68,8 @@ class Slot:
                 self._soak.tally.problem(f"LOST connection: {self.conn.dropped}")
                 await self.close()
             if self.conn is None:
-                self.conn = await Connection.open(self._soak.server.url, self._soak.options.auth_token)
+                soak = self._soak
+                self.conn = await Connection.open(soak.server.url, soak.options.auth_token, soak.server.context())
             return self.conn
 
     async def close(self) -> None:
@@ -137,7 +138,7 @@ def progress_line(soak: Soak, sample: Sample | None) -> str:
 async def model_and_idle_ttft(server: Server, options: SoakOptions, tally: Tally) -> Model:
     """MODEL_INFO, then a few single greedy streams one after another: time to first token, idle."""
     headers = {"Authorization": f"Bearer {options.auth_token}"} if options.auth_token else None
-    client = await LmtpClient.connect(server.url, headers=headers)
+    client = await LmtpClient.connect(server.url, headers=headers, tls=server.context())
     try:
         model = Model.from_info((await client.request("MODEL_INFO"))["model_info"])
         rng = random.Random(options.seed - 1)

@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 
+from salience.tls import ClientTls
 from tools.soak.options import MIB, SERVER_DEFAULT_MESSAGE_BYTES, SoakOptions, say
 
 
@@ -46,6 +48,11 @@ class Server:
     max_frame_bytes: int | None = None  # None: unknown, no oversized frames are sent
     process: subprocess.Popen | None = None
     log: Path | None = None
+    tls: ClientTls | None = None  # how to reach a server behind TLS (--secure)
+
+    def context(self) -> ssl.SSLContext | None:
+        """The TLS context a wss:// or https:// connection to it uses (None: plain)."""
+        return self.tls.context() if self.tls is not None else None
 
     @classmethod
     def start(cls, options: SoakOptions) -> Server:
@@ -65,13 +72,18 @@ class Server:
             frame = options.max_frame_bytes or 2 * limit
             command += ["--lmtp-max-frame-bytes", str(frame)]
         command += list(options.server_args)
-        if options.auth_token:
+        tls = None
+        if options.secure:
+            command, tls = secure(command, options)
+        if options.auth_token and not options.secure:
             command += ["--auth-token", options.auth_token]
         log = options.log or Path(tempfile.mkstemp(prefix="salience-soak-", suffix=".log")[1])
         with log.open("w") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         say(f"started `{' '.join(command[1:])}` (pid {process.pid}, log {log})")
-        return cls(f"ws://127.0.0.1:{port}/", f"127.0.0.1:{grpc_port}", process.pid, limit, frame, process, log)
+        scheme = "wss" if tls is not None else "ws"
+        url = f"{scheme}://127.0.0.1:{port}/"
+        return cls(url, f"127.0.0.1:{grpc_port}", process.pid, limit, frame, process, log, tls)
 
     def http_url(self, path: str) -> str:
         """`path` on the LMTP port, over HTTP (ws:// -> http://, wss:// -> https://)."""
@@ -85,7 +97,7 @@ class Server:
                 if self.process is not None and self.process.poll() is not None:
                     raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log_tail()}")
                 with contextlib.suppress(aiohttp.ClientError, OSError):
-                    async with http.get(health) as response:
+                    async with http.get(health, ssl=self.context() or True) as response:
                         if response.status == 200:
                             return
                 await asyncio.sleep(0.5)
@@ -113,6 +125,24 @@ class Server:
         if self.log is None:
             return ""
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def secure(command: list[str], options: SoakOptions) -> tuple[list[str], ClientTls]:
+    """The serve command with TLS and a tokens file, made in a folder of their own; the run's
+    token goes in `options.auth_token`."""
+    import trustme
+
+    from salience.token_file import add_client
+
+    folder = Path(tempfile.mkdtemp(prefix="salience-soak-tls-"))
+    authority = trustme.CA()
+    leaf = authority.issue_cert("127.0.0.1", "localhost")
+    (folder / "server.pem").write_bytes(b"".join(blob.bytes() for blob in leaf.cert_chain_pems))
+    leaf.private_key_pem.write_to_path(str(folder / "server.key"))
+    authority.cert_pem.write_to_path(str(folder / "ca.pem"))
+    options.auth_token = add_client(folder / "tokens.toml", "soak", ["admin"])
+    flags = ["--tls-cert", str(folder / "server.pem"), "--tls-key", str(folder / "server.key")]
+    return [*command, *flags, "--tokens", str(folder / "tokens.toml")], ClientTls(ca=folder / "ca.pem")
 
 
 @dataclass(frozen=True)
@@ -162,7 +192,7 @@ async def scrape(server: Server, token: str | None) -> dict[str, float] | None:
     """GET /metrics summed over labels, by metric name; None if the server has no /metrics."""
     url = server.http_url("/metrics")
     headers = {"Authorization": f"Bearer {token}"} if token else None
-    async with aiohttp.ClientSession(headers=headers) as http, http.get(url) as response:
+    async with aiohttp.ClientSession(headers=headers) as http, http.get(url, ssl=server.context() or True) as response:
         if response.status != 200:
             return None
         text = await response.text()
