@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from salience.core.engine.engine import Engine
@@ -310,7 +311,8 @@ async def test_readouts_over_lmtp(engine: Engine, concepts: ConceptSet) -> None:
 
     from salience.core.serving.status import ServerStatus
     from salience.lmtp.app import make_app
-    from salience.lmtp.client import LmtpClient
+    from salience.lmtp.client import LmtpClient, LmtpStreamError
+    from salience.lmtp.codec import readout_values
     from salience.lmtp.session import LmtpConfig
     from tests.conftest import free_port
 
@@ -365,6 +367,27 @@ async def test_readouts_over_lmtp(engine: Engine, concepts: ConceptSet) -> None:
         for payload in scored:
             if "readout" in payload:
                 assert payload["readout"] == pytest.approx(direct[payload["position"]], rel=1e-5, abs=1e-5)
+
+        # "readout_encoding": "f32": the same numbers, as float32 in base64, on every stream kind.
+        def as_f32(payloads: list[dict]) -> dict[int, list[float]]:
+            return {p["position"]: np.float32(p["readout"]).tolist() for p in payloads if "readout" in p}
+
+        def decoded(payloads: list[dict]) -> dict[int, list[float]]:
+            assert all(isinstance(p["readout"], str) for p in payloads if "readout" in p)
+            return {p["position"]: readout_values(p["readout"]) for p in payloads if "readout" in p}
+
+        f32 = {"readout_encoding": "f32"}
+        again = [p async for p in client.stream("GENERATE", **fields, **f32)]
+        assert decoded(again) == as_f32(payloads)
+        score = {"prompt": prompt[:20], "scored": prompt[20:], "readout": [[18, 22]]}
+        assert decoded([p async for p in client.stream("SCORE", **score, **f32)]) == as_f32(scored)
+        session = (await client.request("OPEN_SESSION"))["session_id"]
+        turn = {"session_id": session, "offset": 0, "append": prompt, "readout": [[2, 4]], **f32}
+        assert decoded([p async for p in client.stream("SESSION_GENERATE", **turn)]) == {
+            k: v for k, v in as_f32(payloads).items() if k in (2, 3)
+        }
+        with pytest.raises(LmtpStreamError, match="readout_encoding must be one of 'json', 'f32'"):
+            _ = [p async for p in client.stream("GENERATE", **fields, readout_encoding="f16")]
     finally:
         await client.close()
         await runner.cleanup()

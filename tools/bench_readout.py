@@ -15,7 +15,8 @@ Up to five servers on the default model, started once, driven over LMTP in one r
 
 The default server is also driven without asking for readouts ("idle": what the taps and the
 steering code cost inside the graph, apart from moving rows out), and four ways with them: raw
-readouts, readouts as calibrated probabilities, raw readouts with one `flag` monitor per concept
+readouts (as JSON numbers, and as float32 in base64, `"readout_encoding": "f32"`: "f32"), readouts
+as calibrated probabilities (and as f32), raw readouts with one `flag` monitor per concept
 (p > 0.5 at its recommended layer), and raw readouts plus the residual rows of one middle layer
 on every generated token (docs/residuals.md). For each stream count N, N concurrent streams (greedy, P-token prompts, M
 tokens each, EOS masked) go each way in rotating order, repeated; the medians give tokens/s, and
@@ -26,7 +27,8 @@ another is measured; every idle engine spins on the cores, so `--ways` picks few
 a way needs is started, and the default one always) for a quieter comparison.
 
     .venv/bin/python -m tools.bench_readout [--streams 1,8,16] [--tokens 64] [--repeats 3] [--warm]
-        [--sae DIR] [--ways fastest,idle,readouts,probabilities,monitors,eager,unspared,residual,sae] [--json PATH]
+        [--sae DIR] [--json PATH]
+        [--ways fastest,idle,readouts,f32,probabilities,probabilities-f32,monitors,eager,unspared,residual,sae]
 
 `--warm` skips the start with empty compile caches (the first start's cost).
 """
@@ -46,6 +48,7 @@ if not __package__:  # run as `python tools/bench_readout.py`: the checkout is n
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from salience.lmtp.client import LmtpClient
+from salience.lmtp.codec import readout_values
 from tools.harness import (
     Report,
     Samples,
@@ -72,7 +75,9 @@ WAYS = {
     "fastest": ("fastest", False),
     "idle": ("default", False),
     "readouts": ("default", True),
+    "f32": ("default", True),
     "probabilities": ("default", True),
+    "probabilities-f32": ("default", True),
     "monitors": ("default", True),
     "eager": ("eager", True),
     "unspared": ("unspared", True),
@@ -82,6 +87,7 @@ WAYS = {
 # Ratios between two ways besides "/ first": (title, numerator, denominator).
 EXTRA = (
     ("readouts / taps idle", "readouts", "idle"),
+    ("f32 / JSON readouts", "f32", "readouts"),
     ("monitors / readouts", "monitors", "readouts"),
     ("readouts / no spare columns", "readouts", "unspared"),
     ("with residual rows / readouts", "residual", "readouts"),
@@ -108,7 +114,9 @@ def ways(keys: list[str], running: dict[str, Server], concepts: list[str], layer
         "fastest": ("compiled, no readouts", {}),
         "idle": ("taps idle (none asked)", {}),
         "readouts": ("readouts", {}),
+        "f32": ("readouts as f32", {"readout_encoding": "f32"}),
         "probabilities": ("probabilities", {"readout_format": "probability"}),
+        "probabilities-f32": ("probabilities as f32", {"readout_format": "probability", "readout_encoding": "f32"}),
         "monitors": (f"readouts + {len(monitors)} monitors", {"monitors": monitors}),
         "eager": ("eager + readouts", {}),
         "unspared": ("readouts, no spare columns", {}),
@@ -160,7 +168,9 @@ async def run(way: Way, model: str, batch: list[list[int]], tokens: int, eos: in
             for rows in ("residual", "features"):
                 if rows in fields:
                     assert all(rows in p for p in generated), f"{way.name}: a token without its {rows}"
-            return len(generated), sum(p.get("readout") is not None for p in generated)
+            # As a client uses them: numbers, whichever encoding carried them.
+            read = [readout_values(p["readout"]) for p in generated if p.get("readout") is not None]
+            return len(generated), len(read)
 
         started = time.perf_counter()
         counts = await asyncio.gather(*map(one, batch))

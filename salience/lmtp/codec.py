@@ -12,8 +12,11 @@ the core engine, once for every frontend.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
+import sys
+from array import array
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,6 +32,7 @@ __all__ = [
     "msg_frame",
     "parse_client_line",
     "parse_server_line",
+    "readout_values",
     "token_frame",
 ]
 
@@ -161,6 +165,17 @@ def token_frame(payloads: Iterable[dict]) -> str:
 
 def msg_frame(payloads: Iterable[dict]) -> str:
     return _frame("MSG", payloads)
+
+
+def readout_values(readout: list | str) -> list[float]:
+    """For clients: a payload's `readout` as numbers, whichever `readout_encoding` the request
+    chose (base64 of little-endian float32 for "f32"; NaN where a value is not available)."""
+    if isinstance(readout, list):
+        return [float("nan") if value is None else value for value in readout]
+    floats = array("f", base64.b64decode(readout))
+    if sys.byteorder == "big":
+        floats.byteswap()
+    return floats.tolist()
 
 
 def parse_server_line(line: str) -> tuple[str, list[dict]]:

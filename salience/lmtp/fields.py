@@ -42,7 +42,7 @@ from salience.lmtp.messages import (
     Tokenize,
 )
 
-__all__ = ["ALTERNATIVES", "INT_LIMIT", "READOUT_FORMATS", "TYPES", "valid_request_id"]
+__all__ = ["ALTERNATIVES", "INT_LIMIT", "READOUT_ENCODINGS", "READOUT_FORMATS", "TYPES", "valid_request_id"]
 
 INT_LIMIT = 2**63
 
@@ -183,10 +183,13 @@ def _monitors(value: Any, name: str) -> tuple[Monitor, ...]:
         raise ValueError(str(exc)) from None
 
 
-def _readout_format(value: Any, name: str) -> str:
-    if value not in READOUT_FORMATS:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, READOUT_FORMATS))}, got {_show(value)}")
-    return value
+def _one_of(choices: tuple[str, ...]) -> _Reader:
+    def read(value: Any, name: str) -> str:
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {_show(value)}")
+        return value
+
+    return read
 
 
 def _show(value: Any) -> str:
@@ -218,6 +221,7 @@ def _features(value: Any, name: str) -> FeatureRequest:
 
 _Reader = Callable[[Any, str], Any]
 READOUT_FORMATS = ("raw", "probability")
+READOUT_ENCODINGS = ("json", "f32")  # a list of numbers, or base64 of little-endian float32
 _GENERATE: dict[str, _Reader] = {
     "stream_id": _int,
     "prompt": _tokens,
@@ -241,7 +245,8 @@ _GENERATE: dict[str, _Reader] = {
     "readout": _ranges,
     "request_id": _request_id,
     "steer": _steer,
-    "readout_format": _readout_format,
+    "readout_format": _one_of(READOUT_FORMATS),
+    "readout_encoding": _one_of(READOUT_ENCODINGS),
     "monitors": _monitors,
     "residual": _residual,
     "features": _features,
@@ -257,7 +262,8 @@ _SCORE: dict[str, _Reader] = {
     "readout": _ranges,
     "request_id": _request_id,
     "steer": _steer,
-    "readout_format": _readout_format,
+    "readout_format": _GENERATE["readout_format"],
+    "readout_encoding": _GENERATE["readout_encoding"],
     "residual": _residual,
     "features": _features,
 }
@@ -284,6 +290,7 @@ _SESSION_GENERATE: dict[str, _Reader] = {
             "request_id",
             "steer",
             "readout_format",
+            "readout_encoding",
             "monitors",
             "residual",
             "features",

@@ -68,6 +68,7 @@ class Generate:
     request_id: str | None = None  # the client's id for the stream (default: the server makes one)
     steer: tuple[Intervention, ...] = ()  # interventions on the residual stream (docs/steering.md)
     readout_format: str = "raw"  # or "probability": each value through its calibration (docs/readouts.md)
+    readout_encoding: str = "json"  # or "f32": base64 of little-endian float32, as residual rows
     monitors: tuple[Monitor, ...] = ()  # watched on every generated token (docs/readouts.md#monitors)
     residual: ResidualRequest | None = None  # raw residual rows at these layers and positions
     features: FeatureRequest | None = None  # an SAE's top features at these positions
@@ -88,6 +89,7 @@ class Score:
     request_id: str | None = None
     steer: tuple[Intervention, ...] = ()
     readout_format: str = "raw"
+    readout_encoding: str = "json"  # or "f32": base64 of little-endian float32, as residual rows
     residual: ResidualRequest | None = None
     features: FeatureRequest | None = None
 
@@ -204,6 +206,7 @@ class SessionGenerate:
     request_id: str | None = None
     steer: tuple[Intervention, ...] = ()
     readout_format: str = "raw"
+    readout_encoding: str = "json"  # or "f32": base64 of little-endian float32, as residual rows
     monitors: tuple[Monitor, ...] = ()
     residual: ResidualRequest | None = None
     features: FeatureRequest | None = None

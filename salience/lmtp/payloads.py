@@ -7,6 +7,8 @@ import base64
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from salience.auth import Client
 from salience.core.engine.detokenizer import TextStream
 from salience.core.engine.requests import Features, FinishReason, SamplingOptions, ScoredToken, TokenEvent
@@ -87,8 +89,10 @@ def token_payload(
     top: bool,
     text: TextStream | None,
     readout: bool,
+    encoding: str = "json",
 ) -> dict:
-    """One TOKEN payload: the fields LMQL reads, plus the extensions the request asked for."""
+    """One TOKEN payload: the fields LMQL reads, plus the extensions the request asked for
+    (`encoding`: the readout's, readout_field)."""
     payload = {
         "token": token.token_id,
         "stream_id": stream_id,
@@ -102,7 +106,7 @@ def token_payload(
     if readout:
         payload["position"] = token.position
         if token.readout is not None:
-            payload["readout"] = token.readout
+            payload["readout"] = readout_field(token.readout, encoding)
     if token.residual is not None or token.features is not None:
         payload["position"] = token.position
         payload.update(row_fields(token))
@@ -118,7 +122,9 @@ def prompt_ids_payload(stream_id: int, prompt: Sequence[int]) -> dict:
     return {"stream_id": stream_id, "prompt_ids": list(prompt)}
 
 
-def prompt_payloads(stream_id: int, prompt: tuple[int, ...], readouts: dict, rows: dict[str, dict]) -> list[dict]:
+def prompt_payloads(
+    stream_id: int, prompt: tuple[int, ...], readouts: dict, rows: dict[str, dict], encoding: str = "json"
+) -> list[dict]:
     """Prompt positions' readouts and rows (PromptScores.rows), which go before any other payload,
     marked "prompt": true."""
     out = []
@@ -131,12 +137,21 @@ def prompt_payloads(stream_id: int, prompt: tuple[int, ...], readouts: dict, row
             "finish_reason": None,
         }
         if position in readouts:
-            payload["readout"] = readouts[position]
+            payload["readout"] = readout_field(readouts[position], encoding)
         for field, taken in rows.items():
             if position in taken:
                 payload[field] = WIRE[field](taken[position])
         out.append(payload)
     return out
+
+
+def readout_field(values: Sequence[float | None], encoding: str) -> list | str:
+    """A readout on the wire: its JSON list, or for "f32" base64 of little-endian float32 (a null,
+    a probability without calibration, as NaN), a fifth of the bytes and nothing to parse."""
+    if encoding == "json":
+        return list(values)
+    floats = np.array([math.nan if value is None else value for value in values], dtype="<f4")
+    return base64.b64encode(floats.tobytes()).decode("ascii")
 
 
 def residual_field(rows) -> str:
@@ -157,7 +172,7 @@ def row_fields(token: TokenEvent | ScoredToken | SessionToken) -> dict:
     return {field: wire(getattr(token, field)) for field, wire in WIRE.items() if getattr(token, field) is not None}
 
 
-def session_payload(stream_id: int, token: SessionToken, text: TextStream | None) -> dict:
+def session_payload(stream_id: int, token: SessionToken, text: TextStream | None, encoding: str = "json") -> dict:
     """A session turn's TOKEN payload: prompt positions marked "prompt": true; fields only where covered."""
     payload: dict = {"stream_id": stream_id, "token": token.token_id, "position": token.position}
     if token.is_prefill:
@@ -167,7 +182,7 @@ def session_payload(stream_id: int, token: SessionToken, text: TextStream | None
     if token.top_logprobs:
         payload["top_logprobs"] = _top_logprobs(token.top_logprobs)
     if token.readout is not None:
-        payload["readout"] = token.readout
+        payload["readout"] = readout_field(token.readout, encoding)
     if token.monitors:
         payload["monitors"] = [event.as_dict() for event in token.monitors]
     payload.update(row_fields(token))

@@ -29,6 +29,7 @@ import aiohttp
 from salience.core.models.home import salience_home
 from salience.core.probes.calibration import calibrated
 from salience.lmtp.client import LmtpClient, LmtpStreamError
+from salience.lmtp.codec import readout_values
 from salience.lmtp.repl_chat import CHAT_COMMANDS, ChatMode, Reply, is_end_of_turn
 from salience.lmtp.repl_features import FeatureView, choose_features, feature_lines
 from salience.lmtp.repl_parsing import parse_line, parse_monitor, parse_steer
@@ -284,6 +285,7 @@ class Repl:
         if self.readout is not None:
             self._manifest = await self._read_manifest()  # the concepts this stream will read
             fields["readout"] = [[0, 2**31]]  # every position: the prompt's and the generated ones
+            fields["readout_encoding"] = "f32"  # a fifth of JSON's bytes, and nothing to parse
             if self.readout.probability:
                 fields["readout_format"] = "probability"
         if self.steer:
@@ -294,6 +296,8 @@ class Repl:
             fields["features"] = self.features.field()
         payloads = []
         async for payload in self.client.stream(kind, stream_id=stream_id, **fields):
+            if "readout" in payload:
+                payload["readout"] = readout_values(payload["readout"])
             payloads.append(payload)
             if kind == "GENERATE" and not self.top and not (chat and is_end_of_turn(payload)):
                 print(payload.get("text", ""), end="", flush=True)

@@ -84,11 +84,21 @@ async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit
     async with generation:
         async for event in generation:
             if event.position == len(prompt):  # first event: prompt readouts are in
-                read = payloads.prompt_payloads(stream_id, prompt, generation.prompt_readouts, generation.prompt_rows)
+                read = payloads.prompt_payloads(
+                    stream_id, prompt, generation.prompt_readouts, generation.prompt_rows, request.readout_encoding
+                )
                 emit_all(emit, read)
             ended = event.finish_reason is not None
             finish = payloads.finish_reason(event.finish_reason, event.stopped_by)
-            token = payloads.token_payload(stream_id, event, finish, top=True, text=text, readout=bool(request.readout))
+            token = payloads.token_payload(
+                stream_id,
+                event,
+                finish,
+                top=True,
+                text=text,
+                readout=bool(request.readout),
+                encoding=request.readout_encoding,
+            )
             emit(token)
     if not ended:  # cancelled after its last token went out: end the stream explicitly
         reason = generation.finish_reason.value if generation.finish_reason else "cancelled"
@@ -133,7 +143,9 @@ async def score(stream: Stream, engine: Engine, request: Score, emit: Emit) -> N
             return
         readouts = {p: r for p, r in scores.readouts.items() if p < len(prompt)}
         rows = {field: {p: r for p, r in taken.items() if p < len(prompt)} for field, taken in scores.rows.items()}
-        emit_all(emit, payloads.prompt_payloads(request.stream_id, tuple(prompt), readouts, rows))
+        emit_all(
+            emit, payloads.prompt_payloads(request.stream_id, tuple(prompt), readouts, rows, request.readout_encoding)
+        )
         scored = [scores.at(p) for p in range(len(prompt), len(ids))]
     text = TextStream(engine.tokenizer, prompt) if request.text else None
     scored_payloads = [
@@ -144,6 +156,7 @@ async def score(stream: Stream, engine: Engine, request: Score, emit: Emit) -> N
             top=request.top_logprobs > 0,
             text=text,
             readout=bool(request.readout),
+            encoding=request.readout_encoding,
         )
         for i, token in enumerate(scored)
     ]
@@ -165,6 +178,6 @@ async def session_generate(
         async for token in tokens:
             if request.text and text is None and not token.is_prefill:
                 text = TextStream(engine.tokenizer, sessions.tokens(request.session_id)[: token.position])
-            emit(payloads.session_payload(stream_id, token, text))
+            emit(payloads.session_payload(stream_id, token, text, request.readout_encoding))
     assert run.done is not None
     emit(payloads.turn_end_payload(stream_id, run.done, text))

@@ -22,7 +22,7 @@ from salience.core.engine.engine import Engine
 from salience.core.probes.concepts import ConceptSet
 from salience.core.serving.status import ServerStatus
 from salience.lmtp.app import make_app
-from salience.lmtp.codec import parse_server_line
+from salience.lmtp.codec import parse_server_line, readout_values
 from salience.lmtp.session import LmtpConfig
 from tests.conftest import free_port
 
@@ -102,9 +102,15 @@ class Ui:
         return orjson.loads(lines[index].partition(" ")[2])["stream_id"]
 
     def tokens(self, stream_id: int) -> list[dict]:
-        """The TOKEN payloads the server sent for one stream."""
+        """The TOKEN payloads the server sent for one stream, readouts as numbers (the page asks
+        for them as float32 in base64, and checks here that it did)."""
         frames = (payloads for kind, payloads in self.received if kind == "TOKEN")
-        return [p for payloads in frames for p in payloads if p["stream_id"] == stream_id]
+        out = [dict(p) for payloads in frames for p in payloads if p["stream_id"] == stream_id]
+        for payload in out:
+            if "readout" in payload:
+                assert isinstance(payload["readout"], str), "the page asks for readout_encoding f32"
+                payload["readout"] = readout_values(payload["readout"])
+        return out
 
     def model_info(self) -> dict:
         return next(p["model_info"] for kind, ps in self.received if kind == "MSG" for p in ps if "model_info" in p)

@@ -16,6 +16,15 @@ const RETRY_MS = [500, 1000, 2000, 4000];
 
 export class LmtpError extends Error {}
 
+/** A payload's `readout` as numbers: base64 of little-endian float32 ("readout_encoding": "f32",
+ * NaN where a value is not available), or a JSON list; undefined where the payload has none. */
+export function readoutValues(readout) {
+  if (typeof readout !== "string") return readout;
+  const bytes = Uint8Array.from(atob(readout), (c) => c.charCodeAt(0));
+  const view = new DataView(bytes.buffer);
+  return Array.from({ length: bytes.length / 4 }, (_, i) => view.getFloat32(4 * i, true));
+}
+
 export class LmtpClient extends EventTarget {
   #url;
   #ws = null;

@@ -2,6 +2,7 @@
 // strip, readouts into a heatmap, monitor events, and the LMTP lines it sent. A completion pane
 // and a chat reply differ in what they send and how they are laid out, not in how a stream shows.
 
+import { readoutValues } from "./lmtp.js";
 import { describe } from "./steering.js";
 
 const count = (n) => `${n} token${n === 1 ? "" : "s"}`;
@@ -39,6 +40,8 @@ export class StreamView {
    * column stays.
    */
   start(type, body, { onPayload = () => {}, showEnd = true } = {}) {
+    // Readouts as float32 in base64: a fifth of the bytes of JSON numbers, and nothing to parse.
+    if (body.readout) body.readout_encoding = "f32";
     this.log(type, body);
     return new Promise((resolve) => {
       this.#streamId = this.#client.stream(type, body, (payload) => {
@@ -83,7 +86,7 @@ export class StreamView {
       return true;
     }
     if (payload.prompt) {
-      this.#heatmap?.set(payload.position, { prompt: true, readout: payload.readout });
+      this.#heatmap?.set(payload.position, { prompt: true, readout: readoutValues(payload.readout) });
       if (payload.features) this.#strip.setFeatures(payload.position, payload.features);
       return false;
     }
@@ -92,7 +95,7 @@ export class StreamView {
       if (showEnd || payload.finish_reason !== "stop") {
         this.#strip.add({ token, text, logprob, alternatives, position, features });
       }
-      this.#heatmap?.set(position, { label: text, readout: payload.readout, monitors: payload.monitors });
+      this.#heatmap?.set(position, { label: text, readout: readoutValues(payload.readout), monitors: payload.monitors });
       if (payload.monitors) this.#monitored(payload.monitors);
       this.state(`streaming · ${count(this.#strip.length)}`);
     }
