@@ -34,7 +34,10 @@ __all__ = [
 
 
 class SalienceError(Exception):
-    """Base of every error Salience reports to a client."""
+    """Base of every error Salience reports to a client. `retry_after`: seconds after which the
+    same request may pass, which every wire sends (None: no telling; only a limit knows)."""
+
+    retry_after: float | None = None
 
 
 class InvalidArgument(SalienceError):
@@ -58,8 +61,6 @@ class SessionBusy(SalienceError):
 
 
 class ResourceExhausted(SalienceError):
-    """`retry_after`: seconds after which the same request may pass (None: no telling)."""
-
     def __init__(self, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after

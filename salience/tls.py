@@ -49,7 +49,7 @@ class ServerTls:
     def __init__(self, files: TlsFiles) -> None:
         self.files = files
         self._pem = _read(files)
-        self.context = _server_context(files)
+        self.context = _server_context(files, self._pem)
         self._lock = threading.Lock()  # gRPC's fetcher runs on gRPC's threads
         self._generation = 0
         self._fetched = 0
@@ -63,7 +63,7 @@ class ServerTls:
         old ones and log why. Whether the new files are in place."""
         try:
             pem = _read(self.files)
-            _server_context(self.files)  # every check, before anything changes
+            _server_context(self.files, pem)  # every check, before anything changes
         except InvalidArgument as exc:
             log.error("tls reload failed; still serving the old certificate", extra={"reason": str(exc)})
             return False
@@ -140,13 +140,12 @@ def _bytes(path: Path | None, flag: str) -> bytes | None:
         raise InvalidArgument(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from None
 
 
-def _server_context(files: TlsFiles) -> ssl.SSLContext:
-    """The asyncio ports' context, after every check a start makes, each failing with one line."""
-    cert = _bytes(files.cert, "--tls-cert")
-    assert cert is not None
-    if b"-----BEGIN CERTIFICATE-----" not in cert:
+def _server_context(files: TlsFiles, pem: _Pem) -> ssl.SSLContext:
+    """The asyncio ports' context, after every check a start makes, each failing with one line
+    (`pem`: the files as just read; OpenSSL reads the key pair and the CAs from their paths)."""
+    if b"-----BEGIN CERTIFICATE-----" not in pem.cert:
         raise InvalidArgument(f"--tls-cert {files.cert}: not a PEM certificate")
-    expiry = _not_after(cert)
+    expiry = _not_after(pem.cert)
     if expiry <= datetime.datetime.now(datetime.UTC):
         raise InvalidArgument(f"--tls-cert {files.cert}: the certificate expired on {expiry:%Y-%m-%d %H:%M} UTC")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

@@ -22,6 +22,16 @@ from salience.core.engine.settings import EngineSettings
 log = logging.getLogger(__name__)
 
 
+async def settled(engine: Engine, seconds: float = 5.0) -> int:
+    """The requests vLLM still holds once an abort has had up to `seconds` to land (it takes a
+    step or two): 0 unless something was left running."""
+    for _ in range(int(seconds / 0.05)):
+        if engine.num_unfinished_requests() == 0:
+            break
+        await asyncio.sleep(0.05)
+    return engine.num_unfinished_requests()
+
+
 def _part(value: Any) -> str:
     """A setting as part of a key: values by value, other objects (concept sets, SAEs) by identity,
     which the pool keeps alive beside the engine so that no other object can take their id."""
@@ -67,11 +77,7 @@ class EnginePool:
         finally:
             pooled.users -= 1
             self._engines[key] = self._engines.pop(key)  # most recently used last
-            for _ in range(50):  # an abort at a module's end takes a step or two to land
-                if pooled.engine.num_unfinished_requests() == 0:
-                    break
-                await asyncio.sleep(0.1)
-            assert pooled.engine.num_unfinished_requests() == 0, f"a module left requests running on {key}"
+            assert await settled(pooled.engine) == 0, f"a module left requests running on {key}"
             table = pooled.engine.live.table  # None without a concept set
             assert table is None or not table.live(), f"a module left live concepts on {key}"
             self._evict(self.keep)

@@ -67,8 +67,7 @@ async def abort(
 
 
 async def _refuse(context: grpc.aio.ServicerContext, exc: errors.SalienceError) -> None:
-    retry_after = exc.retry_after if isinstance(exc, errors.ResourceExhausted) else None
-    await abort(context, code_for(exc), str(exc), type(exc).__name__, retry_after)
+    await abort(context, code_for(exc), str(exc), type(exc).__name__, exc.retry_after)
 
 
 async def _begin(context: grpc.aio.ServicerContext) -> None:

@@ -42,7 +42,7 @@ from salience import metrics, request_ids
 from salience.auth import Client
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import Admitted, Phase, ServerStatus
-from salience.errors import PermissionDenied, ResourceExhausted, SalienceError
+from salience.errors import PermissionDenied, SalienceError
 from salience.lmtp import replies, streams
 from salience.lmtp.codec import LmtpError, parse_client_line
 from salience.lmtp.config import ConnectionLimits, LmtpConfig
@@ -214,8 +214,8 @@ class LmtpSession:
             self._status.check_model(getattr(request, "model", None))
             admitted = self._status.admit(self._frontend, _KINDS[type(request)], **self._client.admission())
         except SalienceError as exc:
-            retry_after = exc.retry_after if isinstance(exc, ResourceExhausted) else None
-            self._error(stream_id, str(exc), kind=type(exc).__name__, request_id=request_id, retry_after=retry_after)
+            kind = type(exc).__name__
+            self._error(stream_id, str(exc), kind=kind, request_id=request_id, retry_after=exc.retry_after)
             return
         stream = Stream(stream_id, request_id, self._client)
         emit, engine = functools.partial(self._token, stream), admitted.engine
@@ -273,8 +273,7 @@ class LmtpSession:
         try:
             payload = {"stream_id": stream_id, **await reply}
         except SalienceError as exc:
-            retry_after = exc.retry_after if isinstance(exc, ResourceExhausted) else None
-            payload = self._failed(stream_id, str(exc), type(exc).__name__, retry_after=retry_after)
+            payload = self._failed(stream_id, str(exc), type(exc).__name__, retry_after=exc.retry_after)
         self._msg(payload)
 
     async def _watch_status(self, stream_id: int) -> None:

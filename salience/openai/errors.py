@@ -69,8 +69,7 @@ def unauthorized() -> ApiError:
 
 def from_salience(exc: errors.SalienceError, param: str | None = None) -> ApiError:
     status, kind, code = next((_STATUS[k] for k in type(exc).__mro__ if k in _STATUS), (500, "server_error", None))
-    retry_after = exc.retry_after if isinstance(exc, errors.ResourceExhausted) else None
-    return ApiError(status, str(exc), kind, param, code, type(exc).__name__, retry_after)
+    return ApiError(status, str(exc), kind, param, code, type(exc).__name__, exc.retry_after)
 
 
 # A message that starts with a field's path names that field: core writes `messages[2].role must

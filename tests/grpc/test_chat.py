@@ -26,6 +26,7 @@ from salience.grpc_frontend.server import start_grpc_server
 from salience.proto.salience.ext.v1 import extensions_pb2 as ext
 from salience.proto.salience.ext.v1 import extensions_pb2_grpc
 from salience.proto.salience.v1 import salience_pb2 as pb
+from tests.engines import settled
 from tests.grpc.conftest import MODEL, Served
 from tests.grpc.test_service import status_of
 
@@ -264,11 +265,7 @@ async def test_a_cancelled_reply_is_kept_as_far_as_it_went(
         seen += 1
         if seen == 4:
             break  # cancels the call
-    for _ in range(100):
-        if served.engine.num_unfinished_requests() == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert served.engine.num_unfinished_requests() == 0
+    assert await settled(served.engine) == 0
     dump = await session.dump()
     reply_start = len(rendered(tiny_tokenizer, [user("go on and on")], CHATML))
     assert len(dump) > reply_start

@@ -12,6 +12,7 @@ from salience.grpc_frontend.client import AsyncSalienceClient, SalienceClient
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS
+from tests.engines import settled
 from tests.grpc.conftest import MODEL, Served, ServerFactory
 from tests.reference import Reference, assert_readout_close, reference_readouts
 
@@ -199,11 +200,7 @@ async def test_cancel_mid_stream_aborts_and_keeps_the_session(served: Served, cl
         seen += 1
         if seen == 3:
             break  # cancels the call
-    for _ in range(100):
-        if served.engine.num_unfinished_requests() == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert served.engine.num_unfinished_requests() == 0
+    assert await settled(served.engine) == 0
     # The session kept what was streamed (perhaps a token or two more); the client resyncs once.
     result = await session.generate([3], max_tokens=2, top_k=1)
     assert len(await session.dump()) == session.length >= len(PROMPT) + 3 + 1 + 2

@@ -8,6 +8,7 @@ browser download is never used. Every test leaves a screenshot in artifacts/ui/.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ import orjson
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from playwright.async_api import Browser, Page, async_playwright, expect
+from playwright.async_api import Browser, Page, WebSocketRoute, async_playwright, expect
 
 from salience.core.engine.engine import Engine
 from salience.core.probes.concepts import ConceptSet
@@ -91,6 +92,27 @@ class Ui:
     sent: list[str] = field(default_factory=list)
     received: list[tuple[str, list[dict]]] = field(default_factory=list)
     sockets: list[str] = field(default_factory=list)  # URL of every WebSocket opened
+
+    async def rewrite_model_info(self, **changes: object) -> None:
+        """Change MODEL_INFO's answer on its way to the page (set before it loads): what a server
+        or model with those settings says."""
+
+        async def route(ws: WebSocketRoute) -> None:
+            upstream = ws.connect_to_server()
+
+            def down(message: str | bytes) -> None:
+                kind, _, body = str(message).partition(" ")
+                if kind == "MSG" and '"model_info"' in body:
+                    payloads = orjson.loads(body)
+                    for payload in payloads:
+                        if isinstance(payload.get("model_info"), dict):
+                            payload["model_info"].update(changes)
+                    message = f"{kind} {orjson.dumps(payloads).decode()}"
+                ws.send(message)
+
+            upstream.on_message(down)
+
+        await self.page.route_web_socket(re.compile(r"^ws://"), route)
 
     async def screenshot(self, label: str = "") -> None:
         ARTIFACTS.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import aiohttp
 import orjson
-from playwright.async_api import Locator, WebSocketRoute, expect
+from playwright.async_api import Locator, expect
 from transformers import AutoTokenizer
 
 from salience.lmtp.codec import parse_server_line
@@ -236,22 +236,7 @@ async def test_template_tokens_are_those_no_message_holds_found_in_order(ui: Ui,
 async def test_a_model_without_a_template_opens_in_completion(ui: Ui, server: str) -> None:
     """MODEL_INFO's chat_template set to false on the way to the page: what a model without one says."""
 
-    async def without_template(ws: WebSocketRoute) -> None:
-        upstream = ws.connect_to_server()
-
-        def down(message: str | bytes) -> None:
-            kind, _, body = str(message).partition(" ")
-            if kind == "MSG" and '"model_info"' in body:
-                payloads = orjson.loads(body)
-                for payload in payloads:
-                    if isinstance(payload.get("model_info"), dict):
-                        payload["model_info"]["chat_template"] = False
-                message = f"{kind} {orjson.dumps(payloads).decode()}"
-            ws.send(message)
-
-        upstream.on_message(down)
-
-    await ui.page.route_web_socket(re.compile(r"^ws://"), without_template)
+    await ui.rewrite_model_info(chat_template=False)
     await open_chat(ui, server)
     await expect(ui.page.get_by_role("tab", name="Completion")).to_have_attribute("aria-selected", "true")
     await expect(ui.page.get_by_role("tab", name="Chat")).to_be_disabled()

@@ -13,7 +13,7 @@ import orjson
 import pytest
 import pytest_asyncio
 import torch
-from playwright.async_api import Locator, WebSocketRoute, expect
+from playwright.async_api import Locator, expect
 
 from salience.core.engine.engine import Engine
 from salience.core.features.sae import load_sae, save_sae
@@ -127,22 +127,7 @@ async def test_every_tokens_tooltip_lists_its_sae_features(ui: Ui, server: str) 
 async def test_without_an_sae_the_page_asks_for_no_features(ui: Ui, server: str) -> None:
     """MODEL_INFO with its saes emptied on the way to the page: what a server without --sae says."""
 
-    async def without_saes(ws: WebSocketRoute) -> None:
-        upstream = ws.connect_to_server()
-
-        def down(message: str | bytes) -> None:
-            kind, _, body = str(message).partition(" ")
-            if kind == "MSG" and '"model_info"' in body:
-                payloads = orjson.loads(body)
-                for payload in payloads:
-                    if isinstance(payload.get("model_info"), dict):
-                        payload["model_info"]["saes"] = []
-                message = f"{kind} {orjson.dumps(payloads).decode()}"
-            ws.send(message)
-
-        upstream.on_message(down)
-
-    await ui.page.route_web_socket(re.compile(r"^ws://"), without_saes)
+    await ui.rewrite_model_info(saes=[])
     await ui.page.goto(server + COMPLETION)
     await expect(ui.page.locator("#connection")).to_have_text("ready")
     await expect(ui.page.locator("#model")).not_to_contain_text("features")
