@@ -132,9 +132,15 @@ async def check_score_readouts(engine, reference, concepts, ids: list[int]) -> N
         assert_readout_close(token.readout, want[token.position])
 
 
-def probabilities(concepts, raw: torch.Tensor) -> torch.Tensor:
+def probabilities(concepts, raw: torch.Tensor, view: str = "token") -> torch.Tensor:
     """[positions, layers * concepts] probabilities from raw rows (layer-major, as they stream),
-    through the set's published calibration: the client's side of readout_format probability."""
-    scale = torch.tensor([[f["scale"] for f in info["layers"]] for info in concepts.info], dtype=torch.float64)
-    offset = torch.tensor([[f["offset"] for f in info["layers"]] for info in concepts.info], dtype=torch.float64)
+    through the set's published calibration: the client's side of readout_format `view`. For
+    "running", `raw` holds the rows read so far (position 0 left out), in order."""
+    prefix = "running_" if view == "running" else ""
+    scale = torch.tensor([[f[prefix + "scale"] for f in info["layers"]] for info in concepts.info], dtype=torch.float64)
+    offset = torch.tensor(
+        [[f[prefix + "offset"] for f in info["layers"]] for info in concepts.info], dtype=torch.float64
+    )
+    if view == "running":
+        raw = torch.cumsum(raw, 0) / torch.arange(1, len(raw) + 1, dtype=torch.float64).unsqueeze(1)
     return torch.sigmoid(raw * scale.T.reshape(-1) + offset.T.reshape(-1))

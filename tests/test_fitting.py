@@ -109,15 +109,19 @@ def test_cross_validation_holds_each_text_out() -> None:
     assert fitting.cross_validate("logreg", 0, wide, fitting.folds(wide.labels, 5, 0)).auroc < 0.8
 
 
-def test_best_layer_prefers_text_auroc_then_token_auroc_then_earlier() -> None:
-    def fit(layer: int, auroc: float, token_auroc: float) -> fitting.LayerFit:
+def test_best_layer_prefers_text_auroc_less_false_positives_then_token_auroc_then_earlier() -> None:
+    def fit(layer: int, auroc: float, token_auroc: float, fpr: float | None = None) -> fitting.LayerFit:
         return fitting.LayerFit(
-            layer=layer, scale=1, offset=0, auroc=auroc, accuracy=1, token_auroc=token_auroc,
-            token_accuracy=1, brier=0, ece=0,
+            layer=layer, scale=1, offset=0, running_scale=1, running_offset=0, auroc=auroc,
+            auroc_interval=(auroc, auroc), accuracy=1, accuracy_interval=(1, 1), token_auroc=token_auroc,
+            token_accuracy=1, running_token_auroc=token_auroc, token_mean_auroc=auroc, brier=0, ece=0,
+            background_fpr=fpr,
         )  # fmt: skip
 
     assert fitting.best_layer([fit(0, 0.9, 0.9), fit(1, 0.95, 0.5), fit(2, 0.95, 0.6)]).layer == 2
     assert fitting.best_layer([fit(3, 1.0, 0.8), fit(1, 1.0, 0.8)]).layer == 1
+    # Less the background's false positives: a layer that fires on ordinary text loses.
+    assert fitting.best_layer([fit(0, 1.0, 0.9, 0.3), fit(1, 0.98, 0.8, 0.0)]).layer == 1
 
 
 def test_logistic_regression_sees_past_a_loud_dimension() -> None:
@@ -127,3 +131,104 @@ def test_logistic_regression_sees_past_a_loud_dimension() -> None:
     fold = fitting.folds(data.labels, 5, 0)
     assert fitting.cross_validate("logreg", 0, data, fold).auroc > 0.95
     assert fitting.cross_validate("diff_means", 0, data, fold).auroc < 0.8
+
+
+def _with_background(data: fitting.Residuals, texts: int = 30, shift: float = 0.0, seed: int = 1) -> fitting.Residuals:
+    """`data` plus `texts` background texts of 3-12 tokens: noise, moved `shift` along the first
+    positive text's mean (ordinary text that leans toward the concept when shift > 0)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 13, (texts,), generator=generator)
+    rows = torch.randn(int(lengths.sum()), data.rows.shape[1], generator=generator, dtype=torch.float64)
+    lean = data.means()[data.labels].mean(0) - data.means()[~data.labels].mean(0)
+    rows += shift * lean / lean.norm()
+    rows[:, 0] = rows[:, 0] * 4.0 + 100
+    text = torch.repeat_interleave(torch.arange(texts), lengths) + data.texts
+    return fitting.Residuals(
+        torch.cat([data.rows, rows]),
+        torch.cat([data.text, text]),
+        torch.cat([data.labels, torch.zeros(texts, dtype=torch.bool)]),
+        torch.cat([torch.zeros(data.texts, dtype=torch.bool), torch.ones(texts, dtype=torch.bool)]),
+    )
+
+
+def test_running_means_are_each_texts_prefix_means() -> None:
+    data = _concept()
+    raw = data.rows[:, 1]
+    got = fitting.running_means(raw, data.text)
+    for t in range(data.texts):
+        mine = raw[data.text == t].numpy()
+        np.testing.assert_allclose(got[data.text == t].numpy(), np.cumsum(mine) / np.arange(1, len(mine) + 1))
+
+
+def test_running_calibration_matches_scikit_learn_on_prefix_means() -> None:
+    """Every prefix of a text labelled with its class, the text's weight shared among its prefixes,
+    positives half, the concept's negatives a quarter and the background a quarter."""
+    data = _with_background(_concept(), shift=0.5)
+    raw = (data.rows @ fitting.fit_direction("diff_means", data.examples())).numpy()
+    text, labels, ordinary = data.text.numpy(), data.labels.numpy(), data.ordinary.numpy()
+    x = np.concatenate([np.cumsum(raw[text == t]) / np.arange(1, (text == t).sum() + 1) for t in range(data.texts)])
+    per_text = np.where(
+        labels, 0.5 / labels.sum(), np.where(ordinary, 0.25 / ordinary.sum(), 0.25 / (~labels & ~ordinary).sum())
+    )
+    weights = per_text[text] / np.bincount(text)[text]
+    center, spread = x.mean(), x.std(ddof=1)
+    reference = LogisticRegression(C=1 / fitting.CALIBRATION_L2, tol=1e-12, max_iter=10_000)
+    reference.fit(((x - center) / spread)[:, None], labels[text], sample_weight=weights)
+    got = fitting.calibrate_running(torch.from_numpy(raw), data)
+    expected = reference.predict_proba(((x - center) / spread)[:, None])[:, 1]
+    np.testing.assert_allclose(got(torch.from_numpy(x)).numpy(), expected, atol=1e-6)
+
+
+def test_folds_keep_pairs_together_and_deal_the_background() -> None:
+    labels = torch.tensor([True, False] * 20 + [True] * 6 + [False] * 4 + [False] * 15)
+    pairs = torch.tensor([i // 2 for i in range(40)] + [-1] * 25)
+    background = torch.tensor([False] * 50 + [True] * 15)
+    fold = fitting.folds(labels, 5, 0, pairs=pairs, background=background)
+    assert torch.equal(fold[0:40:2], fold[1:40:2])  # each pair in one fold
+    assert sorted(torch.bincount(fold[background]).tolist()) == [3] * 5
+    per_fold = torch.bincount(fold[~background & labels], minlength=5)
+    assert int(per_fold.max() - per_fold.min()) <= 1
+
+
+def test_background_false_positives_are_held_out_and_calibrated_away() -> None:
+    """Background texts move the calibration, never the direction; the false-positive rate counts
+    held-out background texts scoring above 0.5."""
+    data = _concept(signal=3.0)
+    plain = _with_background(data, shift=0.0)
+    fold = fitting.folds(plain.labels, 5, 0, background=plain.background)
+    fit = fitting.cross_validate("diff_means", 0, plain, fold)
+    assert fit.background_texts == 30 and fit.background_fpr is not None and fit.background_fpr <= 0.1
+    assert torch.allclose(
+        fitting.fit_direction("diff_means", plain.examples()), fitting.fit_direction("diff_means", data)
+    )
+    # Background leaning halfway to the positives reads positive more often, and the figure says so.
+    leaning = _with_background(data, shift=6.0)
+    worse = fitting.cross_validate(
+        "diff_means", 0, leaning, fitting.folds(leaning.labels, 5, 0, background=leaning.background)
+    )
+    assert worse.background_fpr > fit.background_fpr
+    lo, hi = worse.background_fpr_interval
+    assert lo <= worse.background_fpr <= hi
+
+
+def test_bootstrap_intervals_resample_texts_within_each_class() -> None:
+    """The vectorised bootstrap equals the figures recomputed on each resample, drawn the same way."""
+    generator = torch.Generator().manual_seed(5)
+    labels = torch.arange(40) % 2 == 0
+    background = torch.arange(40) >= 30
+    labels &= ~background
+    score = torch.rand(40, generator=generator, dtype=torch.float64) * 0.6 + labels.double() * 0.3
+    got = fitting.bootstrap(score, labels, background, samples=200)
+    draws = torch.Generator().manual_seed(0)
+    groups = [score[~background & labels], score[~background & ~labels], score[background]]
+    picks = [g[torch.randint(0, len(g), (200, len(g)), generator=draws)] for g in groups]
+    aurocs, accuracies, fprs = [], [], []
+    for pos, neg, bg in zip(*picks, strict=True):
+        both = torch.cat([pos, neg])
+        truth = torch.cat([torch.ones(len(pos), dtype=torch.bool), torch.zeros(len(neg), dtype=torch.bool)])
+        aurocs.append(fitting.auroc(both, truth))
+        accuracies.append(float(((both > 0.5) == truth).double().mean()))
+        fprs.append(float((bg > 0.5).double().mean()))
+    for name, values in (("auroc", aurocs), ("accuracy", accuracies), ("background_fpr", fprs)):
+        expected = np.quantile(np.array(values), [0.025, 0.975])
+        np.testing.assert_allclose(got[name], expected, atol=1e-12, err_msg=name)

@@ -16,6 +16,7 @@ import torch
 
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import SamplingOptions
+from salience.core.probes.calibration import ReadoutView
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import Intervention, Op
 from salience.core.serving import live_concepts
@@ -200,16 +201,22 @@ async def test_a_concept_fitted_from_examples_is_the_builders_fit_of_the_referen
         assert got["scale"] == pytest.approx(ref["scale"], rel=1e-3)
     # Calibrated: it reads as a probability, through its calibration; the hand-made set's concepts read None.
     raw = await engine.prefill(PROMPT, readout_ranges=[(1, 4)])
-    probabilities = await engine.prefill(PROMPT, readout_ranges=[(1, 4)], probabilities=True)
+    probabilities = await engine.prefill(PROMPT, readout_ranges=[(1, 4)], readout_view=ReadoutView.TOKEN)
+    running = await engine.prefill(PROMPT, readout_ranges=[(1, 4)], readout_view=ReadoutView.RUNNING)
     width = len(TINY_CONCEPTS) + 1
     for position, row in probabilities.readouts.items():
         for slot, fit in enumerate(info["layers"]):
             for k, p in enumerate(row[slot * width : (slot + 1) * width]):
                 if k < len(TINY_CONCEPTS):
-                    assert p is None
+                    assert p is None and running.readouts[position][slot * width + k] is None
                 else:
                     x = raw.readouts[position][slot * width + k]
                     assert p == pytest.approx(1 / (1 + math.exp(-(fit["scale"] * x + fit["offset"]))), rel=1e-9)
+                    mean = sum(raw.readouts[q][slot * width + k] for q in range(1, position + 1)) / position
+                    z = fit["running_scale"] * mean + fit["running_offset"]
+                    assert running.readouts[position][slot * width + k] == pytest.approx(
+                        1 / (1 + math.exp(-z)), rel=1e-9
+                    )
 
 
 async def test_a_define_refuses_examples_beyond_the_residual_limit(

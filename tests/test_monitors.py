@@ -26,6 +26,7 @@ from salience.core.probes.calibration import Action, Monitor
 from salience.core.probes.concepts import ConceptSet
 from salience.errors import InvalidArgument
 from salience.lmtp.client import LmtpClient, LmtpStreamError
+from salience.lmtp.codec import readout_values
 from salience.proto.salience.ext.v1 import extensions_pb2 as ext
 from salience.proto.salience.ext.v1 import extensions_pb2_grpc
 from salience.proto.salience.v1 import salience_pb2 as pb
@@ -60,9 +61,13 @@ def calibrated(tiny_concepts: ConceptSet, reference: Reference, continuations: l
         layers = []
         for i, layer in enumerate(TINY_LAYERS):
             scale = (1 + c / 2) / float(spread[i, c])  # probabilities spread over (0, 1), steeper per concept
+            offset = -scale * float(median[i, c])
             layers.append(
-                {"layer": layer, "scale": scale, "offset": -scale * float(median[i, c]), "auroc": 0.5, "accuracy": 0.5}
-            )
+                {
+                    "layer": layer, "scale": scale, "offset": offset, "running_scale": 3 * scale,
+                    "running_offset": 3 * offset + 0.25, "auroc": 0.5, "accuracy": 0.5,
+                }
+            )  # fmt: skip
         info.append(
             {
                 "name": name, "recommended_layer": TINY_LAYERS[c % 3], "method": "diff_means", "n_fit": 0,
@@ -123,6 +128,9 @@ def expected(p: torch.Tensor, above: float, action: Action) -> list[int]:
 async def test_probabilities_are_the_published_map_of_the_readouts(
     served: Frontends, calibrated: ConceptSet, reference: Reference, continuations: list[list[int]]
 ) -> None:
+    """Each view is the manifest's map applied to the raw rows the same request reads (1e-9): the
+    token view row by row, the running view to the mean of the rows read so far. Position 0 is
+    not read in either (null), nor counted in a running mean."""
     client = await LmtpClient.connect(served.ws)
     try:
         info = (await client.request("MODEL_INFO"))["model_info"]["readout_manifest"]
@@ -130,26 +138,41 @@ async def test_probabilities_are_the_published_map_of_the_readouts(
         fields = {"prompt": PROMPTS[0], "max_tokens": DECODE, "temperature": 0.0, "ignore_eos": True}
         fields["readout"] = [[0, 100]]
         raw = [p async for p in client.stream("GENERATE", **fields)]
-        prob = [p async for p in client.stream("GENERATE", **fields, readout_format="probability")]
         decoded = continuations[0][len(PROMPTS[0]) :]
         assert [p["token"] for p in raw if not p.get("prompt")] == decoded
-        assert [p["token"] for p in prob if not p.get("prompt")] == decoded
         want = probabilities(calibrated, reference_readouts(reference, calibrated, continuations[0]))
-        for r, p in zip(raw, prob, strict=True):
-            assert r["position"] == p["position"]
-            # The manifest's map applied to the raw readout is what streams, to 1e-6.
-            mapped = probabilities(calibrated, torch.tensor([r["readout"]], dtype=torch.float64))[0]
-            assert p["readout"] == pytest.approx(mapped.tolist(), abs=1e-6)
-            assert p["readout"] == pytest.approx(want[p["position"]].tolist(), abs=1e-4)
-        scored = [
-            p
-            async for p in client.stream(
-                "SCORE", prompt=PROMPTS[1][:10], scored=PROMPTS[1][10:], readout=[[8, 12]], readout_format="probability"
-            )
-        ]
-        want = probabilities(calibrated, reference_readouts(reference, calibrated, PROMPTS[1]))
-        for payload in (p for p in scored if "readout" in p):
-            assert payload["readout"] == pytest.approx(want[payload["position"]].tolist(), abs=1e-4)
+        rows = torch.tensor([r["readout"] for r in raw], dtype=torch.float64)
+        assert [r["position"] for r in raw] == list(range(len(raw)))
+        views = {
+            "probability": probabilities(calibrated, rows),
+            "token": probabilities(calibrated, rows),
+            "running": probabilities(calibrated, rows[1:], "running"),
+        }
+        for view, mapped in views.items():
+            shown = [p async for p in client.stream("GENERATE", **fields, readout_format=view)]
+            assert [p["token"] for p in shown if not p.get("prompt")] == decoded
+            assert [p["position"] for p in shown] == list(range(len(raw)))
+            assert shown[0]["readout"] == [None] * len(TINY_LAYERS) * len(TINY_CONCEPTS), view
+            got = torch.tensor([p["readout"] for p in shown[1:]], dtype=torch.float64)
+            assert torch.allclose(got, mapped if view == "running" else mapped[1:], rtol=0, atol=1e-9), view
+        # The token view equals the reference's map of its own readouts, to float32 readouts' precision.
+        assert torch.allclose(views["token"][1:], want[1 : len(raw)], atol=1e-4)
+        # A running mean starts where the request reads: here, at position 8 of a SCORE.
+        score = {"prompt": PROMPTS[1][:10], "scored": PROMPTS[1][10:], "readout": [[8, 12]]}
+        raw_scored = [p for p in [p async for p in client.stream("SCORE", **score)] if "readout" in p]
+        for view in ("token", "running"):
+            shown = [
+                p for p in [p async for p in client.stream("SCORE", **score, readout_format=view)] if "readout" in p
+            ]
+            assert [p["position"] for p in shown] == [p["position"] for p in raw_scored] == [8, 9, 10, 11]
+            rows = torch.tensor([p["readout"] for p in raw_scored], dtype=torch.float64)
+            got = torch.tensor([p["readout"] for p in shown], dtype=torch.float64)
+            assert torch.allclose(got, probabilities(calibrated, rows, view), rtol=0, atol=1e-9), view
+        # f32 carries the same numbers, the unread first token as NaN.
+        f32 = [p async for p in client.stream("GENERATE", **fields, readout_format="running", readout_encoding="f32")]
+        values = [readout_values(p["readout"]) for p in f32]
+        assert all(math.isnan(v) for v in values[0])
+        assert torch.allclose(torch.tensor(values[1:], dtype=torch.float64), views["running"], atol=1e-6)
     finally:
         await client.close()
 
@@ -286,15 +309,16 @@ async def test_over_grpc(served: Frontends, calibrated: ConceptSet, reference: R
                 session_id=session, append_tokens=PROMPTS[6], max_tokens=DECODE, top_k=1,
                 readout_ranges=[pb.PositionRange(start=len(PROMPTS[6]), end=len(PROMPTS[6]) + DECODE)],
             ),
-            readout_format=ext.ExtendedGenerateRequest.READOUT_FORMAT_PROBABILITY,
+            readout_format=ext.ExtendedGenerateRequest.READOUT_FORMAT_RUNNING,
             monitors=[ext.Monitor(concept=concept, layer=layer, above=above, action=ext.Monitor.ACTION_STOP)],
         )  # fmt: skip
         events = [e async for e in extensions.ExtendedGenerate(request)]
         tokens = [e for e in events if e.event.HasField("token")]
         assert len(tokens) == stop + 1
-        want = probabilities(calibrated, raw)
-        for event in tokens:
-            assert list(event.event.token.readout) == pytest.approx(want[event.event.token.position].tolist(), abs=1e-4)
+        # The running view over the positions read: the generated ones, from the first on.
+        want = probabilities(calibrated, raw[len(PROMPTS[6]) : len(PROMPTS[6]) + len(tokens)], "running")
+        for event, expected_row in zip(tokens, want, strict=True):
+            assert list(event.event.token.readout) == pytest.approx(expected_row.tolist(), abs=1e-4)
         assert tokens[-1].monitors[0].action == ext.Monitor.ACTION_STOP
         done = events[-1]
         assert done.event.done.finish_reason == pb.GenerateDone.FINISH_REASON_UNSPECIFIED

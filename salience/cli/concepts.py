@@ -38,7 +38,8 @@ def run_concepts(args: argparse.Namespace) -> int:
     from salience.core.models.default_model import ensure_default_model
     from salience.core.models.folders import inspect_model_folder
     from salience.core.probes.concepts import ConceptSet
-    from salience.core.serving.concept_builder import build_concept_set, describe, load_spec
+    from salience.core.serving.concept_builder import build_concept_set, describe
+    from salience.core.serving.concept_spec import load_spec
 
     if args.concepts_command == "show":
         print(describe(ConceptSet.load(args.file)))

@@ -161,7 +161,8 @@ def _default_concepts(model: Path) -> Path:
     """The built-in concept set for the default model, built once into the cache."""
     from salience.core.models.atomic import build_folder_once
     from salience.core.models.home import salience_home
-    from salience.core.serving.concept_builder import build_concept_set, load_spec
+    from salience.core.serving.concept_builder import build_concept_set
+    from salience.core.serving.concept_spec import load_spec
 
     spec_path = Path(__file__).parent.parent / "concept_specs" / "default.yaml"
     spec = load_spec(spec_path)

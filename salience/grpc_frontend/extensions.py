@@ -10,7 +10,7 @@ import grpc
 
 from salience.core.engine.images import Vision
 from salience.core.engine.requests import FeatureRequest, ResidualRequest
-from salience.core.probes.calibration import Action, Monitor, MonitorEvent, calibrated, parse_monitors
+from salience.core.probes.calibration import Action, Monitor, MonitorEvent, ReadoutView, calibrated, parse_monitors
 from salience.core.probes.steering import MAX_INTERVENTIONS, MAX_MAGNITUDE, Intervention, Op
 from salience.core.serving import live_concepts
 from salience.core.serving.conversations import ChatTurn
@@ -36,8 +36,25 @@ _OPS = {
     ext.Intervention.OP_CAP: Op.CAP,
 }
 _ACTIONS = {ext.Monitor.ACTION_FLAG: "flag", ext.Monitor.ACTION_STOP: "stop"}
-_INFO_FIELDS = ("name", "recommended_layer", "method", "n_fit", "n_heldout", "validation")
+_INFO_FIELDS = (
+    "name",
+    "recommended_layer",
+    "method",
+    "n_fit",
+    "n_heldout",
+    "validation",
+    "n_positive",
+    "n_negative",
+    "n_pairs",
+    "n_background",
+    "warning",
+)
 _FIT_FIELDS = tuple(ext.LayerFit.DESCRIPTOR.fields_by_name)
+_VIEWS = {
+    ext.ExtendedGenerateRequest.READOUT_FORMAT_RAW: ReadoutView.RAW,
+    ext.ExtendedGenerateRequest.READOUT_FORMAT_TOKEN: ReadoutView.TOKEN,
+    ext.ExtendedGenerateRequest.READOUT_FORMAT_RUNNING: ReadoutView.RUNNING,
+}
 
 
 class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
@@ -191,9 +208,11 @@ def extended_turn(request: ext.ExtendedGenerateRequest) -> Turn:
             k=request.features.k,
             ranges=tuple((r.start, r.end) for r in request.features.ranges),
         )
-    probabilities = request.readout_format == ext.ExtendedGenerateRequest.READOUT_FORMAT_PROBABILITY
+    view = _VIEWS.get(request.readout_format)
+    if view is None:
+        raise InvalidArgument(f"readout_format {request.readout_format} is not a ReadoutFormat")
     steer, watch = interventions(request.interventions), monitors(request.monitors)
-    return turn_from(request.generate, REQUEST_ID.get(), steer, watch, probabilities, residual, features)
+    return turn_from(request.generate, REQUEST_ID.get(), steer, watch, view, residual, features)
 
 
 def extended_event(item: SessionToken | TurnDone) -> ext.ExtendedGenerateEvent:
@@ -217,11 +236,21 @@ def _concept_info(info: dict) -> ext.ConceptInfo:
     writes = info.get("writes") or {}
     return ext.ConceptInfo(
         **{field: info[field] for field in _INFO_FIELDS if field in info},
-        layers=[ext.LayerFit(**{f: fit[f] for f in _FIT_FIELDS if f in fit}) for fit in info["layers"]],
+        layers=[_layer_fit(fit) for fit in info["layers"]],
         writes_layer=writes.get("layer", 0),
         raises=writes.get("raises", ()),
         lowers=writes.get("lowers", ()),
     )
+
+
+def _layer_fit(fit: dict) -> ext.LayerFit:
+    """One layer's figures; an interval [low, high] as its two fields."""
+    bounds = {
+        f"{name}_{end}": value
+        for name in ("auroc", "accuracy", "background_fpr")
+        for end, value in zip(("low", "high"), fit.get(f"{name}_interval") or (), strict=False)
+    }
+    return ext.LayerFit(**{f: fit[f] for f in _FIT_FIELDS if f in fit}, **bounds)
 
 
 def monitors(messages) -> tuple[Monitor, ...]:

@@ -10,7 +10,7 @@ import grpc
 
 from salience import metrics
 from salience.core.engine.requests import FeatureRequest, FinishReason, ImageBlock, ResidualRequest, SamplingOptions
-from salience.core.probes.calibration import Monitor
+from salience.core.probes.calibration import Monitor, ReadoutView
 from salience.core.probes.steering import Intervention
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import Admitted, ServerStatus
@@ -136,7 +136,7 @@ def turn_from(
     request_id: str | None = None,
     steer: Sequence[Intervention] = (),
     monitors: Sequence[Monitor] = (),
-    probabilities: bool = False,
+    readout_view: ReadoutView = ReadoutView.RAW,
     residual: ResidualRequest | None = None,
     features: FeatureRequest | None = None,
 ) -> Turn:
@@ -146,7 +146,7 @@ def turn_from(
         **CLIENT.get().engine_keywords(),
         steer=steer,
         monitors=monitors,
-        probabilities=probabilities,
+        readout_view=readout_view,
         residual=residual,
         features=features,
         request_id=request_id,

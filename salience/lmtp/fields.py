@@ -220,7 +220,7 @@ def _features(value: Any, name: str) -> FeatureRequest:
 
 
 _Reader = Callable[[Any, str], Any]
-READOUT_FORMATS = ("raw", "probability")
+READOUT_FORMATS = ("raw", "running", "token", "probability")  # "probability" is "token" (its old name)
 READOUT_ENCODINGS = ("json", "f32")  # a list of numbers, or base64 of little-endian float32
 _GENERATE: dict[str, _Reader] = {
     "stream_id": _int,

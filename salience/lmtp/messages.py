@@ -67,7 +67,7 @@ class Generate:
     readout: tuple[tuple[int, int], ...] = ()
     request_id: str | None = None  # the client's id for the stream (default: the server makes one)
     steer: tuple[Intervention, ...] = ()  # interventions on the residual stream (docs/steering.md)
-    readout_format: str = "raw"  # or "probability": each value through its calibration (docs/readouts.md)
+    readout_format: str = "raw"  # or a probability view: "running", "token" (calibration.ReadoutView)
     readout_encoding: str = "json"  # or "f32": base64 of little-endian float32, as residual rows
     monitors: tuple[Monitor, ...] = ()  # watched on every generated token (docs/readouts.md#monitors)
     residual: ResidualRequest | None = None  # raw residual rows at these layers and positions

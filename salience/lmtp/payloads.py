@@ -12,7 +12,7 @@ import numpy as np
 from salience.auth import Client
 from salience.core.engine.detokenizer import TextStream
 from salience.core.engine.requests import Features, FinishReason, SamplingOptions, ScoredToken, TokenEvent
-from salience.core.probes.calibration import MonitorEvent
+from salience.core.probes.calibration import MonitorEvent, ReadoutView
 from salience.core.serving.turns import SessionToken, Turn, TurnDone
 from salience.lmtp.messages import Generate, SessionGenerate
 
@@ -75,7 +75,7 @@ def turn(request: SessionGenerate, request_id: str, client: Client) -> Turn:
         request_id=request_id,
         steer=request.steer,
         monitors=request.monitors,
-        probabilities=request.readout_format == "probability",
+        readout_view=ReadoutView.named(request.readout_format),
         residual=request.residual,
         features=request.features,
     )

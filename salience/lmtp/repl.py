@@ -33,7 +33,7 @@ from salience.lmtp.codec import readout_values
 from salience.lmtp.repl_chat import CHAT_COMMANDS, ChatMode, Reply, is_end_of_turn
 from salience.lmtp.repl_features import FeatureView, choose_features, feature_lines
 from salience.lmtp.repl_parsing import parse_line, parse_monitor, parse_steer
-from salience.lmtp.repl_readouts import ReadoutView, choose_readout, readout_summary, readout_table
+from salience.lmtp.repl_readouts import ReadoutView, choose_readout, concept_facts, readout_summary, readout_table
 from salience.tls import ClientTls
 
 __all__ = ["run_repl"]
@@ -49,9 +49,11 @@ HELP = """\
   /history                   the conversation so far
   /score PROMPT || CONT      logprob of each token of CONT after PROMPT
   /top K                     show the K most likely alternatives of each generated token (0: off)
-  /readout                   show every token's concept probabilities (0.00-1.00), each concept at
-                             its recommended layer (a calibrated concept set; docs/readouts.md); in
-                             chat mode the reply's tokens, then each concept's mean and max over them
+  /readout [running|token]   show every token's concept probabilities (0.00-1.00), each concept at
+                             its recommended layer (a calibrated concept set; docs/readouts.md):
+                             running (the default), p that the text so far has the concept; token,
+                             p that this token belongs to such a text. Position 0 is not read (-).
+                             In chat mode the reply's tokens, then each concept's summary over them
   /readout raw [LAYER]       show every token's raw readouts at LAYER (default: the deepest read)
   /readout off               stop showing readouts
   /features [K] [SAE]        show every token's K most active SAE features (default 5) at the SAE's
@@ -191,11 +193,7 @@ class Repl:
         )
         for name, info in zip(manifest["concepts"], manifest["concept_info"], strict=True):
             kind = "live" if name in manifest["live"] else "loaded"
-            if calibrated(info):
-                best = next(fit for fit in info["layers"] if fit["layer"] == info["recommended_layer"])
-                facts = f"{info['method']}, layer {info['recommended_layer']}, held-out AUROC {best['auroc']:.3f}"
-            else:
-                facts = "not validated (raw readouts only)"
+            facts = concept_facts(info) if calibrated(info) else "not validated (raw readouts only)"
             print(f"  {name:<24} {kind:<7} {facts}")
 
     def save(self, path: str) -> None:
@@ -287,7 +285,7 @@ class Repl:
             fields["readout"] = [[0, 2**31]]  # every position: the prompt's and the generated ones
             fields["readout_encoding"] = "f32"  # a fifth of JSON's bytes, and nothing to parse
             if self.readout.probability:
-                fields["readout_format"] = "probability"
+                fields["readout_format"] = self.readout.mode
         if self.steer:
             fields["steer"] = self.steer
         if self.monitors and kind == "GENERATE":

@@ -14,6 +14,7 @@ from salience.core.engine.detokenizer import TextStream
 from salience.core.engine.engine import Engine
 from salience.core.engine.generation import Generation
 from salience.core.engine.prompts import Prompt
+from salience.core.probes.calibration import ReadoutView
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.turns import TurnRun
 from salience.errors import InvalidArgument
@@ -72,7 +73,7 @@ async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit
         readout_ranges=request.readout,
         steer=request.steer,
         monitors=request.monitors,
-        probabilities=request.readout_format == "probability",
+        readout_view=ReadoutView.named(request.readout_format),
         residual=request.residual,
         features=request.features,
     )
@@ -134,7 +135,7 @@ async def score(stream: Stream, engine: Engine, request: Score, emit: Emit) -> N
             readout_ranges=request.readout,
             request_id=stream.request_id,
             steer=steer,
-            probabilities=request.readout_format == "probability",
+            readout_view=ReadoutView.named(request.readout_format),
             residual=request.residual,
             features=request.features,
         )

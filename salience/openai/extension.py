@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from salience.core.engine.requests import FeatureRequest
-from salience.core.probes.calibration import Monitor, parse_monitors
+from salience.core.probes.calibration import Monitor, ReadoutView, parse_monitors
 from salience.core.probes.steering import Intervention
 from salience.core.probes.steering_json import parse_interventions
 from salience.openai.errors import bad_request, naming
 
 __all__ = ["FORMATS", "SPANS", "Extension", "Features", "Readouts", "parse_extension"]
 
-FORMATS = ("raw", "probability")  # what a readout value is: as LMTP's readout_format
+FORMATS = ("raw", "running", "token", "probability")  # what a readout value is: as LMTP's readout_format
 SPANS = ("prompt", "completion", "all")
 _FIELDS = ("readouts", "features", "monitors", "steer")
 
@@ -58,7 +58,7 @@ class Extension:
         readouts, features = self.readouts, self.features
         return {
             "readout_ranges": (_span(readouts.over, prompt_len, max_tokens),) if readouts else (),
-            "probabilities": readouts is not None and readouts.format == "probability",
+            "readout_view": ReadoutView.named(readouts.format if readouts else "raw"),
             "features": FeatureRequest(
                 sae=features.sae, k=features.k, ranges=(_span(features.over, prompt_len, max_tokens),)
             )
@@ -111,7 +111,7 @@ def _choice(part: dict, key: str, options: tuple[str, ...], default: str, where:
 
 def _readouts(value: Any, where: str) -> Readouts:
     if not isinstance(value, dict) or set(value) - {"format", "over"}:
-        raise bad_request(f'{where} must be {{"format": "raw" | "probability", "over": {" | ".join(SPANS)}}}', where)
+        raise bad_request(f'{where} must be {{"format": {" | ".join(FORMATS)}, "over": {" | ".join(SPANS)}}}', where)
     return Readouts(
         format=_choice(value, "format", FORMATS, "raw", where), over=_choice(value, "over", SPANS, "completion", where)
     )

@@ -3,12 +3,15 @@
 Per completion token, an entry in the order of logprobs' content: `position`, and where the
 request asked for them its `readout` row (layer-major, as LMTP's), its top `features` and the
 `monitors` that fired on it. Per prompt position the request covered, the same with the token.
-At the choice's end, a summary per calibrated concept at its recommended layer: the mean
-probability over the completion tokens read, the largest and the token where it occurs; and,
+At the choice's end, a summary per calibrated concept at its recommended layer: `running`, p
+that the completion has the concept (the running view at its last token read), then the
+token view's mean and largest over the completion and the token where the largest is; and,
 when a `stop` monitor ended the choice, which monitor, concept and token.
 
-Probabilities for the summary come from the readout rows through the concept set's calibration
-(probes/calibration.py), whichever format the client asked the rows in.
+The summary's probabilities come from the readout rows through the concept set's calibration
+(probes/calibration.py), whichever format the client asked the rows in, where that format
+holds them: rows in the running view carry no token view (the summary then has `running` only),
+rows in the token view no running mean (`running` is left out).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from salience.core.engine.requests import TokenEvent
-from salience.core.probes.calibration import Calibration, MonitorEvent
+from salience.core.probes.calibration import Calibration, MonitorEvent, Presenter, ReadoutView
 from salience.core.probes.live import ConceptView
 from salience.errors import InvalidArgument
 from salience.openai.extension import Extension
@@ -35,12 +38,13 @@ def layout(extension: Extension | None, view: ConceptView | None) -> dict | None
 
 
 class _Peak:
-    """One concept's running mean and maximum over the completion."""
+    """One concept's token-view mean and maximum over the completion, and its last running p."""
 
-    __slots__ = ("at", "count", "max", "total")
+    __slots__ = ("at", "count", "max", "running", "total")
 
     def __init__(self) -> None:
         self.total, self.count, self.max, self.at = 0.0, 0, -1.0, (0, 0, 0)
+        self.running: float | None = None
 
     def add(self, p: float, at: tuple[int, int, int]) -> None:
         self.total += p
@@ -55,9 +59,10 @@ class Readings:
     def __init__(self, extension: Extension, view: ConceptView | None, pieces: TokenText) -> None:
         self._pieces = pieces
         self.per_token = extension.per_token  # whether each completion token gets an entry
-        self._probabilities = extension.readouts is not None and extension.readouts.format == "probability"
+        self._format = ReadoutView.named(extension.readouts.format) if extension.readouts else ReadoutView.RAW
         self._watch: list[tuple[str, int, int]] = []  # concept, layer, index in a row
         self._calibration: Calibration | None = None
+        self._running: Presenter | None = None  # the running view of raw rows
         if view is not None and extension.readouts is not None and extension.readouts.over != "prompt":
             with contextlib.suppress(InvalidArgument):  # no calibrated concept: rows, but no summary
                 self._calibration = view.calibration
@@ -67,6 +72,8 @@ class Readings:
                 if layer in calibration.layers:
                     self._watch.append((concept, layer, calibration.index(concept, layer)))
         self._peaks = {concept: _Peak() for concept, _, _ in self._watch}
+        if self._watch and self._format is ReadoutView.RAW and self._calibration.running_scale:  # type: ignore[union-attr]
+            self._running = self._calibration.presenter(ReadoutView.RUNNING)  # type: ignore[union-attr]
 
     def prompt(self, prompt: Sequence[int], readouts: Mapping[int, Any], rows: Mapping[str, Mapping]) -> list[dict]:
         """The covered prompt positions' entries, in order."""
@@ -88,16 +95,30 @@ class Readings:
         row = event.readout
         if row is not None:
             entry["readout"] = row
-            calibration = self._calibration
-            for concept, _, column in self._watch:
-                p = row[column] if self._probabilities or calibration is None else calibration.probability(row, column)
-                if p is not None:
-                    self._peaks[concept].add(p, (index, event.position, event.token_id))
+            self._read(row, (index, event.position, event.token_id))
         if event.features is not None:
             entry["features"] = [list(pair) for pair in event.features]
         if event.monitors:
             entry["monitors"] = [fired.as_dict() for fired in event.monitors]
         return entry
+
+    def _read(self, row: Sequence, at: tuple[int, int, int]) -> None:
+        calibration = self._calibration
+        running = self._running(at[1], row) if self._running is not None else None
+        for concept, _, column in self._watch:
+            peak = self._peaks[concept]
+            if self._format is ReadoutView.RUNNING:
+                peak.running = row[column] if row[column] is not None else peak.running
+                continue
+            if running is not None:
+                peak.running = running[column]
+            p = (
+                row[column]
+                if self._format is ReadoutView.TOKEN or calibration is None
+                else calibration.probability(row, column)
+            )
+            if p is not None:
+                peak.add(p, at)
 
     def summary(self) -> dict | None:
         """Per concept read over the completion: mean and max probability, and where the max is."""
@@ -106,14 +127,16 @@ class Readings:
         out = {}
         for concept, layer, _ in self._watch:
             peak = self._peaks[concept]
+            entry: dict[str, Any] = {"layer": layer}
+            if peak.running is not None:
+                entry["running"] = peak.running
             if peak.count:
                 index, position, token = peak.at
-                out[concept] = {
-                    "layer": layer,
-                    "mean": peak.total / peak.count,
-                    "max": peak.max,
-                    "max_at": {"index": index, "position": position, "token": self._pieces.text(token)},
-                }
+                entry["mean"] = peak.total / peak.count
+                entry["max"] = peak.max
+                entry["max_at"] = {"index": index, "position": position, "token": self._pieces.text(token)}
+            if len(entry) > 1:
+                out[concept] = entry
         return out
 
     def stopped_by(self, monitor: MonitorEvent, index: int, token_id: int) -> dict:

@@ -130,7 +130,9 @@ async def test_repl_generates_scores_cancels_and_survives_errors(lmtp_server: Lm
         assert "logprob" in out
 
         terminal.send("/readout two\r")
-        await terminal.expect(r"\[error\] /readout takes nothing, 'raw \[LAYER\]' or 'off', not 'two'")
+        await terminal.expect(
+            r"\[error\] /readout takes nothing, 'running', 'token', 'raw \[LAYER\]' or 'off', not 'two'"
+        )
         terminal.send("/readout\r")  # this set was made by hand: no calibration, so no probabilities
         await terminal.expect(r"\[error\] the concept set has no calibration: use /readout raw \[LAYER\]")
         terminal.send("/readout raw 1\r")
@@ -458,6 +460,16 @@ MANIFEST = {
 }
 
 
+def test_the_first_token_is_shown_as_not_read_and_says_why() -> None:
+    nan = float("nan")
+    rows = [{"position": 0, "readout": [nan] * 4}, {"position": 1, "readout": [0.0, 0.3, 0.8, 0.9]}]
+    table = readout_table(choose_readout("", MANIFEST), MANIFEST, rows, ["<s>", "The"])
+    assert table[1].split() == ["0", "'<s>'", "-", "-"] and table[2].split() == ["1", "'The'", "0.80", "0.30"]
+    assert table[-1].startswith("-: position 0 is not read as a probability (the first token holds")
+    raw = [{"position": 0, "readout": [1.5, 2.5, 3.5, 4.5]}]
+    assert "position 0" not in readout_table(choose_readout("raw", MANIFEST), MANIFEST, raw, ["<s>"])[-1]
+
+
 def test_a_reply_summary_has_each_concepts_mean_and_max() -> None:
     rows = [
         {"position": 7, "readout": [0.0, 0.1, 0.2, 0.9]},
@@ -465,20 +477,28 @@ def test_a_reply_summary_has_each_concepts_mean_and_max() -> None:
         {"position": 9, "readout": [0.0, 0.7, 0.4, 0.9]},
     ]
     texts = ["The", " capital", " is"]
-    view = choose_readout("", MANIFEST)
-    assert view == ReadoutView("probability") and view.columns(MANIFEST) == [2, 1]
+    view = choose_readout("token", MANIFEST)
+    assert view == ReadoutView("token") and view.columns(MANIFEST) == [2, 1]
     assert readout_table(view, MANIFEST, rows, texts)[1].split() == ["7", "'The'", "0.20", "0.10"]
     assert readout_summary(view, MANIFEST, rows, texts) == [
-        "the reply's 3 tokens (positions 7-9), each concept's mean and largest probability:",
+        "the reply's 3 tokens (positions 7-9), each concept's mean and largest token probability:",
         "  alpha  mean 0.40  max 0.60 at ' capital' (position 8)",
         "  beta   mean 0.50  max 0.70 at ' capital' (position 8)",  # the first of equal maxima
+    ]
+    # The default is the running view: its summary is the value at the reply's last token.
+    running = choose_readout("", MANIFEST)
+    assert running == ReadoutView("running") == choose_readout("running", MANIFEST)
+    assert readout_summary(running, MANIFEST, rows, texts)[1:] == [
+        "  alpha  last 0.40  max 0.60 at ' capital' (position 8)",
+        "  beta   last 0.70  max 0.70 at ' capital' (position 8)",
     ]
     raw = choose_readout("raw", MANIFEST)
     assert raw == ReadoutView("raw", 2) and raw.columns(MANIFEST) == [2, 3]
     assert readout_summary(raw, MANIFEST, rows, texts)[0].endswith("mean and largest raw value at layer 2:")
     assert readout_summary(view, MANIFEST, [], []) == ["no reply tokens were read out"]
     for arg, manifest, message in (
-        ("two", MANIFEST, "/readout takes nothing, 'raw [LAYER]' or 'off', not 'two'"),
+        ("two", MANIFEST, "/readout takes nothing, 'running', 'token', 'raw [LAYER]' or 'off', not 'two'"),
+        ("token 2", MANIFEST, "not 'token 2'"),
         ("raw 1", MANIFEST, "layer 1 is not read out; the concept set reads layers [0, 2]"),
         ("raw x", MANIFEST, "not 'raw x'"),
         ("", MANIFEST | {"concept_info": None}, "the concept set has no calibration"),
@@ -535,7 +555,7 @@ def test_chat_mode_sends_the_conversation_and_shows_the_replys_readouts(capsys: 
         assert client.sent[0]["max_tokens"] == 8 and "prompt" not in client.sent[0]
         repl.handle("/readout")
         repl.handle("And Italy?")
-        assert client.sent[1]["max_tokens"] == 256 and client.sent[1]["readout_format"] == "probability"
+        assert client.sent[1]["max_tokens"] == 256 and client.sent[1]["readout_format"] == "running"
         assert client.sent[1]["messages"][1:] == [
             {"role": "assistant", "content": "Paris."},
             {"role": "user", "content": "And Italy?"},
@@ -643,9 +663,9 @@ async def test_repl_chats_on_a_model_with_a_template(chat_url: str, default_engi
         assert f"user: {question}\nassistant: {first.text.splitlines()[0]}" in out
 
         terminal.send("/readout\r")
-        await terminal.expect(r"concept probabilities, each at its recommended layer: ")
+        await terminal.expect(r"concept probabilities \(running: p that the text so far has the concept\), each at ")
         terminal.send(f"{follow_up} max_tokens=24\r")
-        summary = r"each concept's mean and largest probability:\s*\n" + r"(?:.*\n)" * len(concepts)
+        summary = r"each concept's last and largest running probability:\s*\n" + r"(?:.*\n)" * len(concepts)
         out = (await terminal.expect(r"\n\[(stop|length)\]\s*\n(?:.*\n)*?.*" + summary)).replace("\r", "")
         turns = [
             {"role": "user", "content": question},
@@ -661,11 +681,11 @@ async def test_repl_chats_on_a_model_with_a_template(chat_url: str, default_engi
         for k, concept in enumerate(concepts):
             shown = [row[len(row) - len(concepts) + k] for row in rows]
             match = re.search(
-                rf"\n  {re.escape(concept)}\s+mean (\d\.\d\d)  max (\d\.\d\d) at .* \(position (\d+)\)\n", out
+                rf"\n  {re.escape(concept)}\s+last (\d\.\d\d)  max (\d\.\d\d) at .* \(position (\d+)\)\n", out
             )
             assert match, f"no summary line for {concept}:\n{out}"
-            mean, top, position = float(match[1]), match[2], int(match[3])
-            assert mean == pytest.approx(sum(map(float, shown)) / len(shown), abs=0.011)  # of rounded values
+            last, top, position = match[1], match[2], int(match[3])
+            assert last == shown[-1]  # the text so far, at the reply's last token
             assert top == max(shown, key=float) == shown[position - second.start]
         await terminal.expect(">>> ")
 

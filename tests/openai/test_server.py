@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 from salience.auth import Tokens
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import SamplingOptions
+from salience.core.probes.calibration import ReadoutView
 from salience.lmtp.session import LmtpConfig
 from tests.inprocess import Frontends, frontends
 from tests.reference import Reference
@@ -120,7 +121,7 @@ async def test_async_completions_on_token_ids_and_a_repeat_reads_the_prefix_cach
 async def test_readouts_ride_with_each_token_as_the_core_gives_them_to_lmtp(
     served: Frontends, default_engine: Engine, prompt: list[int]
 ) -> None:
-    extension = {"salience": {"readouts": {"format": "probability", "over": "completion"}}}
+    extension = {"salience": {"readouts": {"format": "running", "over": "completion"}}}
     reply = await asyncio.to_thread(
         lambda: client(served).chat.completions.create(
             model=NAME, messages=QUESTION, max_tokens=6, temperature=0, extra_body=extension
@@ -128,14 +129,19 @@ async def test_readouts_ride_with_each_token_as_the_core_gives_them_to_lmtp(
     )
     extra = reply.choices[0].model_extra["salience"]
     options = SamplingOptions(max_tokens=6, temperature=0.0)
-    generation = default_engine.generate(prompt, options, readout_ranges=[(len(prompt), 10**6)], probabilities=True)
+    generation = default_engine.generate(
+        prompt, options, readout_ranges=[(len(prompt), 10**6)], readout_view=ReadoutView.RUNNING
+    )
     events = [e async for e in generation]
     assert [t["position"] for t in extra["tokens"]] == [e.position for e in events]
     for token, event in zip(extra["tokens"], events, strict=True):
         assert token["readout"] == pytest.approx(list(event.readout), abs=1e-5)
     summary = extra["summary"]
-    assert set(summary) <= set(reply.model_extra["salience"]["concepts"]) and summary
-    assert all(0.0 <= s["mean"] <= s["max"] <= 1.0 for s in summary.values())
+    layout = reply.model_extra["salience"]
+    assert set(summary) <= set(layout["concepts"]) and summary
+    for concept, read in summary.items():  # in the running view: the completion's p, at its last token
+        column = layout["layers"].index(read["layer"]) * len(layout["concepts"]) + layout["concepts"].index(concept)
+        assert read["running"] == extra["tokens"][-1]["readout"][column] and "mean" not in read
     plain = await asyncio.to_thread(
         lambda: client(served).chat.completions.create(model=NAME, messages=QUESTION, max_tokens=2, temperature=0)
     )

@@ -42,7 +42,7 @@ from salience.core.engine.served_saes import served_saes
 from salience.core.engine.settings import EngineSettings
 from salience.core.engine.token_meter import TokenMeter
 from salience.core.features.served import ServedSAE
-from salience.core.probes.calibration import Calibration, Monitor, MonitorState
+from salience.core.probes.calibration import Calibration, Monitor, MonitorState, Presenter, ReadoutView
 from salience.core.probes.live import ConceptView
 from salience.core.probes.readout_worker import TAG
 from salience.core.probes.readouts import READ_TO_END, ReadoutHub, check_ranges, each_engine
@@ -97,6 +97,10 @@ class Engine(Passes):
                 "probabilities and monitors need concept readouts, and this server has no concept set loaded"
             )
         return view.calibration
+
+    def presenter(self, view: ConceptView | None, readout_view: ReadoutView) -> Presenter | None:
+        """A new request's way of showing its readouts in `readout_view` (None: raw, as read)."""
+        return None if readout_view is ReadoutView.RAW else self.calibration(view).presenter(readout_view)
 
     async def _rpc(self, method: str, args: tuple = ()) -> list:
         """collective_rpc on every data-parallel engine's workers."""
@@ -188,7 +192,7 @@ class Engine(Passes):
         steer: Sequence[Intervention] = (),
         dp_rank: int | None = None,
         monitors: Sequence[Monitor] = (),
-        probabilities: bool = False,
+        readout_view: ReadoutView = ReadoutView.RAW,
         residual: ResidualRequest | None = None,
         features: FeatureRequest | None = None,
         client: str = ANONYMOUS,
@@ -208,7 +212,7 @@ class Engine(Passes):
 
         `monitors` watch calibrated concept probabilities on every generated token
         (calibration.py); they read those tokens' readouts whether or not `readout_ranges`
-        shows them. With `probabilities`, readouts come as calibrated probabilities. `residual`
+        shows them. `readout_view` says what a shown readout value is (calibration.ReadoutView). `residual`
         asks for raw residual rows: each covered event carries them (TokenEvent.residual), the
         prompt's in `Generation.prompt_rows`; `features` likewise for an SAE's top features.
 
@@ -238,7 +242,7 @@ class Engine(Passes):
         try:
             concept_monitors = any(m.feature is None for m in monitors)
             watch = MonitorState(monitors, self.calibration(hold.view) if concept_monitors else None, self.saes)
-            present = self.calibration(hold.view).probabilities if probabilities else None
+            present = self.presenter(hold.view, readout_view)
             shown = check_ranges(readout_ranges)
             read = [*shown, [len(prompt), READ_TO_END]] if watch.concepts else shown
             shown_features = None

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from salience.core.engine.prompts import check_expansion
 from salience.core.engine.requests import Features, FinishReason, ScoredToken, TokenEvent, covers
-from salience.core.probes.calibration import MonitorState
+from salience.core.probes.calibration import MonitorState, Presenter
 from salience.errors import EngineError, InvalidArgument
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def _top(entry, k: int) -> tuple[tuple[int, float], ...]:
     return tuple((token, logprob) for _, token, logprob in ranked)
 
 
-def _as_read(row: tuple[float, ...]) -> tuple[float, ...]:
+def _as_read(position: int, row: tuple[float, ...]) -> tuple[float, ...]:
     return row
 
 
@@ -167,7 +167,7 @@ class Generation:
         shown: list[list[int]] | None = None,
         monitors: MonitorState | None = None,
         readout_concepts: int = 0,
-        present: Callable[[tuple[float, ...]], tuple] | None = None,
+        present: Presenter | None = None,
         rows: Sequence[RowPlan] = (),
         shown_features: tuple[int, list[list[int]]] | None = None,
         ticket: Ticket | None = None,
@@ -314,7 +314,7 @@ class Generation:
         prompt = [p for p in range(self.prompt_tokens) if self._covered(p)] if first else []
         got, rows = await self._take(prompt + wanted)
         present = self._present or _as_read
-        self.prompt_readouts.update((p, present(got[p])) for p in prompt if p in got)
+        self.prompt_readouts.update((p, present(p, got[p])) for p in prompt if p in got)
         for field, taken in rows.items():
             self.prompt_rows[field].update((p, taken[p]) for p in prompt if p in taken)
         mine = self.prompt_rows.get("features", {})
@@ -339,7 +339,7 @@ class Generation:
             fired = ()
             if self._monitors and (row is not None or not self._monitors.concepts):
                 fired = self._monitors.step(event.position, row, watched.get(event.position))
-            shown = present(row) if row is not None and covers(self._shown, event.position) else None
+            shown = present(event.position, row) if row is not None and covers(self._shown, event.position) else None
             found = {field: taken[event.position] for field, taken in rows.items() if event.position in taken}
             if "features" in found:
                 found["features"] = self._client_features(event.position, found["features"])

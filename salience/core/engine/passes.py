@@ -15,6 +15,7 @@ from salience.core.engine.generation import PromptScores, guarded
 from salience.core.engine.prompts import check_expansion
 from salience.core.engine.requests import FeatureRequest, ResidualRequest, ScoredToken, covers
 from salience.core.engine.rows import RowPlan, feature_plan, residual_plan
+from salience.core.probes.calibration import ReadoutView
 from salience.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ class Passes:
         request_id: str | None = None,
         steer: Sequence[Intervention] = (),
         dp_rank: int | None = None,
-        probabilities: bool = False,
+        readout_view: ReadoutView = ReadoutView.RAW,
         residual: ResidualRequest | None = None,
         features: FeatureRequest | None = None,
         client: str = ANONYMOUS,
@@ -59,7 +60,7 @@ class Passes:
             request_id=request_id,
             steer=steering.interventions,
             dp_rank=dp_rank,
-            probabilities=probabilities,
+            readout_view=readout_view,
             residual=residual,
             features=features,
             client=client,
@@ -82,7 +83,7 @@ class Passes:
         request_id: str | None = None,
         steer: Sequence[Intervention] = (),
         dp_rank: int | None = None,
-        probabilities: bool = False,
+        readout_view: ReadoutView = ReadoutView.RAW,
         residual: ResidualRequest | None = None,
         features: FeatureRequest | None = None,
         hold: Hold | None = None,
@@ -91,7 +92,7 @@ class Passes:
     ) -> PromptScores:
         """Run `tokens` through the model once: the logprob of every position from `logprobs_from`
         on (with `top_logprobs` alternatives; None computes none) and the readouts `readout_ranges` cover
-        (calibrated with `probabilities`), under `steer` (all of `tokens` are its prompt positions).
+        (shown in `readout_view`), under `steer` (all of `tokens` are its prompt positions).
         `residual`: raw residual rows too, [its layers, hidden] float32 arrays by position;
         `features`: an SAE's top features by position.
         `request_id` is vLLM's id for the pass (default: a new uuid4 hex). `hold`: run under a
@@ -120,7 +121,7 @@ class Passes:
         own = hold is None
         hold = self._hold(steer, len(ids)) if hold is None else hold
         try:
-            present = self.calibration(hold.view).probabilities if probabilities else None
+            present = self.presenter(hold.view, readout_view)
             scored_from = None if top_logprobs is None else logprobs_from
             key, checked, submitted = self._prepare(
                 params, request_id, readout_ranges, ids, images, hold, dp_rank, plans, scored_from
@@ -152,7 +153,7 @@ class Passes:
             if checked:
                 readouts = await self.readouts.take(key, [p for p in range(len(ids)) if covers(checked, p)])
                 if present is not None:
-                    readouts = {p: present(row) for p, row in readouts.items()}
+                    readouts = {p: present(p, readouts[p]) for p in sorted(readouts)}
             for plan in plans:
                 rows[plan.field] = await plan.take(self.readouts, key, range(len(ids)))
         finally:

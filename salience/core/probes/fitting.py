@@ -1,26 +1,40 @@
-"""Concept directions and their calibration, fitted from labelled texts and validated on held-out ones.
+"""Concept directions and their calibrations, fitted from labelled texts and validated on held-out ones.
 
-Theory of operation. A concept is given as positive and negative example texts. Each text
-contributes its residuals at every read layer, one row per token after the first (the first
-token's residual is an attention sink, orders of magnitude larger than the rest, and says
-nothing about the text). At one layer:
+Theory of operation. A concept is given as positive and negative example texts, optionally
+in matched pairs (a positive and a negative that differ only in the concept), and the builder
+may add **background** texts: ordinary text of several domains that shows neither side. Each
+text contributes its residuals at every read layer, one row per token after the first (the
+first token's residual is an attention sink, orders of magnitude larger than the rest, and
+says nothing about the text). At one layer:
 
-- A **direction** d (unit length) is fitted from the fit texts, by one of two methods:
-  `diff_means`, the difference of the class means of per-text mean residuals; or `logreg`, an
-  L2-regularised logistic regression on the per-text mean residuals, standardised per
-  dimension, mapped back to the residual's own coordinates. The readout is <h, d>.
-- A **calibration** maps a token's readout r to a probability, p = 1 / (1 + exp(-(scale * r +
-  offset))): a logistic regression of the token's label (its text's class) on r, each text
-  weighing the same whatever its length, each class half. 0.5 is then the decision boundary.
-- A **text's score** is the mean p over its tokens. Per-text AUROC and accuracy (score > 0.5)
-  are what `concept_info` publishes; per-token figures (each token labelled with its text's
-  class) are published beside them as `token_*`.
+- A **direction** d (unit length) is fitted from the example texts only (never the background),
+  by one of two methods: `diff_means`, the difference of the class means of per-text mean
+  residuals; or `logreg`, an L2-regularised logistic regression on the per-text mean
+  residuals, standardised per dimension, mapped back to the residual's own coordinates. The
+  readout is <h, d>.
+- Two **calibrations** map readouts to probabilities, each p = 1 / (1 + exp(-(scale * x + offset))),
+  each a logistic regression with every text weighing the same whatever its length, positives
+  one half, negatives the other (a quarter for the concept's negatives and a quarter for the
+  background when there is one):
+  - `token`: x is one token's readout, labelled with its text's class: p that this token
+    belongs to a text with the concept.
+  - `running`: x is the mean readout over the tokens so far (the first left out), labelled with
+    the text's class at every prefix: p that the text so far has the concept. On a text's last
+    token this is the **text's score**.
+  Calibrating the running mean directly, rather than averaging token probabilities, is what
+  validates better (held-out AUROC at least as high, and a probability that means what it
+  says at every length): `token_mean_auroc` publishes the other way's AUROC beside it.
+- Per-text AUROC and accuracy (score > 0.5) are what `concept_info` publishes, with 95%
+  bootstrap intervals over the held-out texts; the background's **false-positive rate** is the
+  share of held-out background texts scoring above 0.5. Per-token figures (each token labelled
+  with its text's class) are published beside them as `token_*` and `running_token_auroc`.
 
-Validation is stratified k-fold with a fixed seed: every text is held out exactly once, scored
-by a direction and calibration fitted without it, and the figures are computed over all
-held-out scores. The directions and calibrations that are stored are then refitted on every
-text. The recommended layer is the one with the best held-out per-text AUROC (then per-token
-AUROC, then the earliest layer).
+Validation is stratified k-fold with a fixed seed (a pair stays in one fold; background texts
+are dealt like a third class): every text is held out exactly once, scored by a direction and
+calibrations fitted without it, and the figures are computed over all held-out scores. The
+directions and calibrations that are stored are then refitted on every text. The recommended
+layer is the one with the best held-out per-text AUROC less the background false-positive
+rate (then per-token AUROC, then the earliest layer).
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "FEW_EXAMPLES",
     "METHODS",
     "Calibration",
     "LayerFit",
@@ -39,29 +54,42 @@ __all__ = [
     "auroc",
     "best_layer",
     "calibrate",
+    "calibrate_running",
     "cross_validate",
     "fit_direction",
     "folds",
     "logit_lens",
+    "running_means",
 ]
 
 METHODS = ("diff_means", "logreg")
 LOGREG_L2 = 1e-2  # on standardised per-text means: enough for a few dozen texts in hundreds of dimensions
 CALIBRATION_L2 = 1e-3  # on the standardised readout: keeps the scale finite when the classes separate
+BACKGROUND_SHARE = 0.5  # of the negative side's weight, when there is a background
 ECE_BINS = 10
+FEW_EXAMPLES = 24  # per class: below it, held-out figures are too rough to read without their intervals
+BOOTSTRAP_SAMPLES = 1000
+INTERVAL = (0.025, 0.975)
 
 
 @dataclass(frozen=True)
 class Residuals:
-    """One concept's texts at one layer: every token row, which text it belongs to, each text's class."""
+    """One concept's texts at one layer: every token row, which text it belongs to (each text's
+    rows contiguous and in order), each text's class, and which texts are background."""
 
     rows: torch.Tensor  # [tokens, hidden] float64
     text: torch.Tensor  # [tokens] int64: the index of the row's text
     labels: torch.Tensor  # [texts] bool: positive or not
+    background: torch.Tensor | None = None  # [texts] bool: ordinary text (labelled negative)
 
     @property
     def texts(self) -> int:
         return len(self.labels)
+
+    @property
+    def ordinary(self) -> torch.Tensor:
+        """[texts] bool: the background texts (none without a background)."""
+        return torch.zeros_like(self.labels) if self.background is None else self.background
 
     def means(self) -> torch.Tensor:
         """[texts, hidden]: each text's mean residual."""
@@ -72,7 +100,12 @@ class Residuals:
         """The texts `keep` (a [texts] bool mask) names, renumbered in order."""
         renumber = torch.cumsum(keep.long(), 0) - 1
         rows = keep[self.text]
-        return Residuals(self.rows[rows], renumber[self.text[rows]], self.labels[keep])
+        background = None if self.background is None else self.background[keep]
+        return Residuals(self.rows[rows], renumber[self.text[rows]], self.labels[keep], background)
+
+    def examples(self) -> Residuals:
+        """The concept's own texts, without the background: what a direction is fitted on."""
+        return self if self.background is None else self.subset(~self.background)
 
 
 @dataclass(frozen=True)
@@ -86,20 +119,33 @@ class Calibration:
 
 @dataclass(frozen=True, kw_only=True)
 class LayerFit:
-    """One layer's held-out figures (k-fold) and, after the refit on every text, its calibration."""
+    """One layer's held-out figures (k-fold) and, after the refit on every text, its calibrations."""
 
     layer: int
-    scale: float
+    scale: float  # the token view's calibration
     offset: float
-    auroc: float  # per text, held out
+    running_scale: float  # the running view's
+    running_offset: float
+    auroc: float  # per text (its running p at the last token), held out
+    auroc_interval: tuple[float, float]
     accuracy: float
-    token_auroc: float  # per token, held out
+    accuracy_interval: tuple[float, float]
+    token_auroc: float  # per token, token view, held out
     token_accuracy: float
-    brier: float  # per token, held out
+    running_token_auroc: float  # per token, running view
+    token_mean_auroc: float  # per text, scored by the mean token-view p instead
+    brier: float  # per token, token view, held out
     ece: float
+    background_fpr: float | None = None  # held-out background texts scoring above 0.5
+    background_fpr_interval: tuple[float, float] | None = None
+    background_texts: int = 0
 
     def as_dict(self) -> dict:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return {
+            name: list(value) if isinstance(value, tuple) else value
+            for name in self.__dataclass_fields__
+            if (value := getattr(self, name)) is not None
+        }
 
 
 def fit_direction(method: str, data: Residuals, l2: float = LOGREG_L2) -> torch.Tensor:
@@ -110,7 +156,7 @@ def fit_direction(method: str, data: Residuals, l2: float = LOGREG_L2) -> torch.
         direction = positive.mean(0) - negative.mean(0)
     elif method == "logreg":
         center, spread = means.mean(0), means.std(0).clamp(min=1e-6)
-        weights = _logistic((means - center) / spread, data.labels.double(), _balanced(data.labels), l2)
+        weights = _logistic((means - center) / spread, data.labels.double(), _balanced(data), l2)
         direction = weights[:-1] / spread
     else:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
@@ -118,56 +164,141 @@ def fit_direction(method: str, data: Residuals, l2: float = LOGREG_L2) -> torch.
 
 
 def calibrate(raw: torch.Tensor, data: Residuals) -> Calibration:
-    """The logistic map from a token's readout to its text's class, every text weighing the same."""
-    per_text = _balanced(data.labels)
-    weights = per_text[data.text] / torch.bincount(data.text, minlength=data.texts)[data.text]
+    """The token view: the logistic map from a token's readout to its text's class, every text
+    weighing the same."""
+    return _calibration(raw, data)
+
+
+def calibrate_running(raw: torch.Tensor, data: Residuals) -> Calibration:
+    """The running view: the logistic map from the mean readout over a text's tokens so far to
+    the text's class, every prefix of a text sharing that text's weight."""
+    return _calibration(running_means(raw, data.text), data)
+
+
+def running_means(raw: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    """[tokens]: each token's mean readout over its text's tokens up to and including it."""
+    lengths = torch.bincount(text)
+    first = torch.cumsum(lengths, 0) - lengths
+    sums = torch.cumsum(raw, 0)
+    before = torch.cat([sums.new_zeros(1), sums])[first[text]]
+    count = torch.arange(len(raw), dtype=raw.dtype) - first[text].to(raw.dtype) + 1
+    return (sums - before) / count
+
+
+def _calibration(x: torch.Tensor, data: Residuals) -> Calibration:
+    weights = _balanced(data)[data.text] / torch.bincount(data.text, minlength=data.texts)[data.text]
     # Standardise so one Newton solve suits readouts of any magnitude, then undo it.
-    center, spread = raw.mean(), raw.std().clamp(min=1e-12)
+    center, spread = x.mean(), x.std().clamp(min=1e-12)
     labels = data.labels[data.text].double()
-    scale, offset = _logistic(((raw - center) / spread).unsqueeze(1), labels, weights, CALIBRATION_L2)
+    scale, offset = _logistic(((x - center) / spread).unsqueeze(1), labels, weights, CALIBRATION_L2)
     return Calibration(scale=float(scale / spread), offset=float(offset - scale * center / spread))
 
 
-def folds(labels: torch.Tensor, k: int, seed: int) -> torch.Tensor:
+def folds(
+    labels: torch.Tensor,
+    k: int,
+    seed: int,
+    *,
+    pairs: torch.Tensor | None = None,
+    background: torch.Tensor | None = None,
+) -> torch.Tensor:
     """[texts] fold index: each class shuffled with `seed` and dealt round-robin, so every fold
-    holds both classes in proportion."""
+    holds both classes in proportion. `pairs` ([texts] int, -1 for a text in no pair) keeps a
+    matched pair in one fold; `background` texts are dealt as a class of their own."""
     generator = torch.Generator().manual_seed(seed)
     fold = torch.empty(len(labels), dtype=torch.long)
-    for side in (True, False):
-        members = torch.nonzero(labels == side).squeeze(1)
+    pairs = torch.full_like(labels, -1, dtype=torch.long) if pairs is None else pairs
+    background = torch.zeros_like(labels) if background is None else background
+    ids = torch.unique(pairs[pairs >= 0])
+    ids = ids[torch.randperm(len(ids), generator=generator)]
+    for i, pair in enumerate(ids.tolist()):
+        fold[pairs == pair] = i % k
+    single = (pairs < 0) & ~background
+    for members, start in (
+        (single & labels, len(ids)),
+        (single & ~labels, len(ids)),
+        (background, 0),
+    ):
+        members = torch.nonzero(members).squeeze(1)
         members = members[torch.randperm(len(members), generator=generator)]
-        fold[members] = torch.arange(len(members)) % k
+        fold[members] = (torch.arange(len(members)) + start) % k
     return fold
 
 
 def cross_validate(method: str, layer: int, data: Residuals, fold: torch.Tensor) -> LayerFit:
-    """Held-out figures over every fold, and the calibration of the direction refitted on every text."""
+    """Held-out figures over every fold, and the calibrations of the direction refitted on every text."""
     token_p = torch.empty(len(data.rows), dtype=torch.float64)
+    running_p = torch.empty(len(data.rows), dtype=torch.float64)
     for f in range(int(fold.max()) + 1):
-        held = fold == f
-        fit = data.subset(~held)
-        direction = fit_direction(method, fit)
-        calibration = calibrate(fit.rows @ direction, fit)
-        token_p[held[data.text]] = calibration(data.rows[held[data.text]] @ direction)
-    text_p = torch.zeros(data.texts, dtype=torch.float64).index_add_(0, data.text, token_p)
-    text_p /= torch.bincount(data.text, minlength=data.texts)
-    token_labels = data.labels[data.text]
-    final = calibrate(data.rows @ fit_direction(method, data), data)
+        held = (fold == f)[data.text]
+        fit = data.subset(fold != f)
+        direction = fit_direction(method, fit.examples())
+        raw_fit = fit.rows @ direction
+        raw = data.rows @ direction
+        token_p[held] = calibrate(raw_fit, fit)(raw[held])
+        running_p[held] = calibrate_running(raw_fit, fit)(running_means(raw, data.text)[held])
+    lengths = torch.bincount(data.text, minlength=data.texts)
+    score = running_p[torch.cumsum(lengths, 0) - 1]  # each text's last token
+    mean_token_p = torch.zeros(data.texts, dtype=torch.float64).index_add_(0, data.text, token_p) / lengths
+    own = ~data.ordinary
+    tokens = own[data.text]
+    token_labels = data.labels[data.text][tokens]
+    intervals = bootstrap(score, data.labels, data.ordinary)
+    final = data.rows @ fit_direction(method, data.examples())
+    token, running = calibrate(final, data), calibrate_running(final, data)
+    background = int(data.ordinary.sum())
     return LayerFit(
         layer=layer,
-        scale=final.scale,
-        offset=final.offset,
-        auroc=auroc(text_p, data.labels),
-        accuracy=_accuracy(text_p, data.labels),
-        token_auroc=auroc(token_p, token_labels),
-        token_accuracy=_accuracy(token_p, token_labels),
-        brier=float(((token_p - token_labels.double()) ** 2).mean()),
-        ece=_ece(token_p, token_labels),
+        scale=token.scale,
+        offset=token.offset,
+        running_scale=running.scale,
+        running_offset=running.offset,
+        auroc=auroc(score[own], data.labels[own]),
+        auroc_interval=intervals["auroc"],
+        accuracy=_accuracy(score[own], data.labels[own]),
+        accuracy_interval=intervals["accuracy"],
+        token_auroc=auroc(token_p[tokens], token_labels),
+        token_accuracy=_accuracy(token_p[tokens], token_labels),
+        running_token_auroc=auroc(running_p[tokens], token_labels),
+        token_mean_auroc=auroc(mean_token_p[own], data.labels[own]),
+        brier=float(((token_p[tokens] - token_labels.double()) ** 2).mean()),
+        ece=_ece(token_p[tokens], token_labels),
+        background_fpr=float((score[data.ordinary] > 0.5).double().mean()) if background else None,
+        background_fpr_interval=intervals.get("background_fpr"),
+        background_texts=background,
     )
 
 
+def bootstrap(
+    score: torch.Tensor, labels: torch.Tensor, background: torch.Tensor, samples: int = BOOTSTRAP_SAMPLES
+) -> dict[str, tuple[float, float]]:
+    """95% percentile intervals of the per-text figures, resampling texts with replacement within
+    each class (positives, negatives, background) with a fixed seed."""
+    generator = torch.Generator().manual_seed(0)
+
+    def counts(members: torch.Tensor) -> torch.Tensor:
+        """[samples, len(members)]: how often each member is drawn in each resample."""
+        n = int(members.sum())
+        drawn = torch.randint(0, n, (samples, n), generator=generator)
+        return torch.zeros(samples, n, dtype=torch.float64).scatter_add_(1, drawn, torch.ones_like(drawn).double())
+
+    own = ~background
+    positive, negative = score[own & labels], score[own & ~labels]
+    wins = (positive[:, None] > negative[None, :]).double() + 0.5 * (positive[:, None] == negative[None, :]).double()
+    up, down = counts(own & labels), counts(own & ~labels)
+    figures = {
+        "auroc": ((up @ wins) * down).sum(1) / (len(positive) * len(negative)),
+        "accuracy": (up @ (positive > 0.5).double() + down @ (negative <= 0.5).double())
+        / (len(positive) + len(negative)),
+    }
+    if background.any():
+        figures["background_fpr"] = counts(background) @ (score[background] > 0.5).double() / int(background.sum())
+    bounds = torch.tensor(INTERVAL, dtype=torch.float64)
+    return {name: tuple(torch.quantile(values, bounds).tolist()) for name, values in figures.items()}  # type: ignore[misc]
+
+
 def best_layer(fits: Sequence[LayerFit]) -> LayerFit:
-    return max(fits, key=lambda fit: (fit.auroc, fit.token_auroc, -fit.layer))
+    return max(fits, key=lambda fit: (fit.auroc - (fit.background_fpr or 0.0), fit.token_auroc, -fit.layer))
 
 
 def logit_lens(direction: torch.Tensor, norm: torch.Tensor, unembedding: torch.Tensor, k: int = 10):
@@ -208,10 +339,16 @@ def _ece(p: torch.Tensor, labels: torch.Tensor) -> float:
     return total / len(p)
 
 
-def _balanced(labels: torch.Tensor) -> torch.Tensor:
-    """Per-text weights: each class sums to one half."""
-    counts = {side: int((labels == side).sum()) for side in (True, False)}
-    return torch.tensor([0.5 / counts[bool(label)] for label in labels], dtype=torch.float64)
+def _balanced(data: Residuals) -> torch.Tensor:
+    """Per-text weights: positives sum to one half, negatives to the other; with a background,
+    it takes BACKGROUND_SHARE of the negatives' half."""
+    groups = (data.labels, ~data.labels & ~data.ordinary, data.ordinary)
+    shares = (0.5, 0.5 * (1 - BACKGROUND_SHARE), 0.5 * BACKGROUND_SHARE) if data.ordinary.any() else (0.5, 0.5, 0.0)
+    weights = torch.zeros(data.texts, dtype=torch.float64)
+    for members, share in zip(groups, shares, strict=True):
+        if members.any():
+            weights[members] = share / int(members.sum())
+    return weights
 
 
 def _logistic(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, l2: float) -> torch.Tensor:

@@ -5,15 +5,21 @@ Spec (JSON or YAML):
     name: my-concepts
     layers: all                # or a list of layer indices
     validation: {folds: 5, seed: 0}
+    background: examples/background.jsonl  # optional: {"text": ..., "shows": [concepts], "source": ...}
     concepts:
       - name: french
         examples: examples/french.jsonl    # {"label": "positive"|"negative", "text": ..., "source": ...}
         positive: ["Le chat dort sur le canapé.", ...]     # inline lists work too, alone or beside a file
         negative: ["The cat sleeps on the sofa.", ...]
+        pairs: [["Marie a faim.", "Mary is hungry."]]      # matched contrasts: [positive, negative]
         method: auto           # diff_means, logreg, or auto: the better held-out AUROC
 
-An `examples` path is relative to the spec's folder. Each concept needs at least MIN_EXAMPLES
-texts per class. The residuals come from the same readout taps the server uses, with identity
+An `examples` path is relative to the spec's folder; a line there may also be a matched pair,
+{"positive": ..., "negative": ..., "source": ...}: two texts that differ only in the concept,
+kept in one validation fold. Each concept needs at least MIN_EXAMPLES texts per class, and
+concept_info warns below fitting.FEW_EXAMPLES. The background's texts calibrate every concept
+they do not show (`shows` names those they do) and measure its false positives; they never fit
+a direction. The residuals come from the same readout taps the server uses, with identity
 matrices as "concepts", so the builder measures exactly what serving will project; how the
 directions and calibrations are fitted and validated is in probes/fitting.py.
 """
@@ -28,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from tqdm import tqdm
 
 from salience.core.engine.engine import Engine
@@ -38,61 +43,17 @@ from salience.core.models.folders import model_fingerprint, model_shape
 from salience.core.probes import fitting
 from salience.core.probes.calibration import calibrated
 from salience.core.probes.concepts import ConceptSet
+from salience.core.serving.concept_spec import SIDES, background_for
 from salience.errors import InvalidArgument
 
-__all__ = ["MIN_EXAMPLES", "SIDES", "build_concept_set", "describe", "describe_concept", "fit_concept", "load_spec"]
+__all__ = ["build_concept_set", "describe", "describe_concept", "fit_concept"]
 
+VIEWS = {
+    "token": "p that this token belongs to a text with the concept: scale * raw + offset, per token",
+    "running": "p that the text so far has the concept: running_scale * (mean raw over the tokens read so far, "
+    "the first token of a text left out) + running_offset; on a text's last token, its score",
+}
 READ_BATCH = 16  # texts read at once: their prefills share engine steps
-MIN_EXAMPLES = 4  # per class: k-fold validation needs both classes in every fit part
-SIDES = ("positive", "negative")
-
-
-def load_spec(path: Path) -> dict[str, Any]:
-    """The spec with every concept's examples files read into its `positive` and `negative` lists."""
-    try:
-        spec = yaml.safe_load(path.read_text())  # JSON is YAML too
-    except (OSError, yaml.YAMLError) as exc:
-        raise InvalidArgument(f"cannot read concept spec {path}: {exc}") from None
-    if not isinstance(spec, dict) or not isinstance(spec.get("concepts"), list) or not spec["concepts"]:
-        raise InvalidArgument(f"{path}: a spec needs a non-empty 'concepts' list")
-    for i, concept in enumerate(spec["concepts"]):
-        if not isinstance(concept, dict) or not isinstance(concept.get("name"), str):
-            raise InvalidArgument(f"{path}: concept {i} needs a 'name'")
-        name = concept["name"]
-        if concept.get("examples") is not None:
-            for side, texts in _examples_file(path.parent / concept["examples"], name).items():
-                concept[side] = [*(concept.get(side) or []), *texts]
-        for side in SIDES:
-            texts = concept.get(side)
-            if not isinstance(texts, list) or not all(isinstance(t, str) and t for t in texts):
-                raise InvalidArgument(f"{path}: concept {name!r} needs a '{side}' list of non-empty texts")
-            if len(texts) < MIN_EXAMPLES:
-                raise InvalidArgument(
-                    f"{path}: concept {name!r} has {len(texts)} {side} examples; it needs at least {MIN_EXAMPLES}"
-                )
-        method = concept.setdefault("method", "auto")
-        if method not in ("auto", *fitting.METHODS):
-            raise InvalidArgument(f"{path}: concept {name!r}: method {method!r} is not auto, diff_means or logreg")
-    return spec
-
-
-def _examples_file(path: Path, concept: str) -> dict[str, list[str]]:
-    texts: dict[str, list[str]] = {side: [] for side in SIDES}
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise InvalidArgument(f"concept {concept!r}: cannot read examples {path}: {exc}") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            example = json.loads(line)
-            texts[example["label"]].append(example["text"])
-        except (ValueError, KeyError, TypeError):
-            raise InvalidArgument(
-                f'{path}:{number}: an example is {{"label": "positive" or "negative", "text": ...}}'
-            ) from None
-    return texts
 
 
 async def build_concept_set(spec: dict[str, Any], model: Path, *, source: str = "") -> ConceptSet:
@@ -109,7 +70,14 @@ async def build_concept_set(spec: dict[str, Any], model: Path, *, source: str = 
     with tqdm(total=steps, desc="fitting and validating", unit="layer") as progress:
         for column, concept in enumerate(spec["concepts"]):
             fitted, concept_info = fit_concept(
-                concept, layers, residuals, model, tokenizer, validation, progress=progress.update
+                concept,
+                layers,
+                residuals,
+                model,
+                tokenizer,
+                validation,
+                background=background_for(spec, concept["name"]),
+                progress=progress.update,
             )
             vectors[:, column] = fitted
             info.append(concept_info)
@@ -122,9 +90,13 @@ async def build_concept_set(spec: dict[str, Any], model: Path, *, source: str = 
         info=tuple(info),
         provenance={
             "method": "per concept: difference of class means or L2 logistic regression of per-text mean residuals "
-            "(first token left out), unit-normalised, with a logistic calibration per layer (probes/fitting.py)",
+            "(first token left out), unit-normalised, with token and running logistic calibrations per layer "
+            "against the concept's negatives and the background (probes/fitting.py)",
             "spec": spec.get("name") or source,
-            "examples": {c["name"]: [len(c["positive"]), len(c["negative"])] for c in spec["concepts"]},
+            "examples": {
+                c["name"]: [len(c["positive"]), len(c["negative"]), len(c["pairs"])] for c in spec["concepts"]
+            },
+            "background": len(spec.get("background") or ()),
             "model": str(model),
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "seconds": round(time.monotonic() - started, 1),
@@ -144,18 +116,37 @@ def fit_concept(
     tokenizer: Any,
     validation: Mapping[str, Any],
     *,
+    background: Sequence[str] = (),
     candidates: Sequence[int] | None = None,
     progress: Callable[[], object] = lambda: None,
 ) -> tuple[torch.Tensor, dict]:
     """One concept's directions [layers, hidden] (unit, float32) and its concept_info, from each
-    example text's residuals [tokens after the first, layers, hidden]. The recommended layer is
-    the best held-out one among `candidates` (default: every layer). `progress` ticks per fit."""
+    text's residuals [tokens after the first, layers, hidden]: the concept's examples and pairs,
+    and the `background` texts that calibrate it. The recommended layer is the best held-out one
+    among `candidates` (default: every layer). `progress` ticks per fit."""
     layers = list(layers)
     norm, unembedding = folders.unembedding(model)
-    texts = [t for side in SIDES for t in concept[side]]
-    labels = torch.tensor([side == "positive" for side in SIDES for _ in concept[side]])
-    fold = fitting.folds(labels, min(int(validation["folds"]), len(concept["negative"])), int(validation["seed"]))
-    per_layer = [_residuals_at(residuals, texts, labels, i) for i in range(len(layers))]
+    pairs = concept.get("pairs") or []
+    texts = [*concept["positive"], *concept["negative"], *(t for pair in pairs for t in pair), *background]
+    labels = torch.tensor(
+        [True] * len(concept["positive"]) + [False] * len(concept["negative"]) + [True, False] * len(pairs)
+        + [False] * len(background)
+    )  # fmt: skip
+    pair_ids = torch.tensor(
+        [-1] * (len(concept["positive"]) + len(concept["negative"]))
+        + [i // 2 for i in range(2 * len(pairs))]
+        + [-1] * len(background)
+    )
+    ordinary = torch.arange(len(texts)) >= len(texts) - len(background)
+    per_class = min(int(labels.sum()), int((~labels & ~ordinary).sum()))
+    fold = fitting.folds(
+        labels,
+        min(int(validation["folds"]), per_class),
+        int(validation["seed"]),
+        pairs=pair_ids,
+        background=ordinary,
+    )
+    per_layer = [_residuals_at(residuals, texts, labels, ordinary, i) for i in range(len(layers))]
     methods = fitting.METHODS if concept["method"] == "auto" else (concept["method"],)
     fits: dict[str, list[fitting.LayerFit]] = {}
     for method in methods:
@@ -169,19 +160,27 @@ def fit_concept(
         return fitting.best_layer([fit for fit in fits[method] if fit.layer in allowed])
 
     method = max(methods, key=lambda m: (best(m).auroc, m == "diff_means"))
-    vectors = torch.stack([fitting.fit_direction(method, per_layer[i]).to(torch.float32) for i in range(len(layers))])
+    vectors = torch.stack(
+        [fitting.fit_direction(method, per_layer[i].examples()).to(torch.float32) for i in range(len(layers))]
+    )
     recommended = best(method).layer
     raises, lowers = fitting.logit_lens(vectors[layers.index(recommended)], norm, unembedding)
     info = {
         "name": concept["name"],
         "recommended_layer": recommended,
         "method": method,
-        "n_fit": len(texts),
-        "n_heldout": len(texts),
+        "n_fit": len(texts) - len(background),
+        "n_heldout": len(texts) - len(background),
+        "n_positive": len(concept["positive"]) + len(pairs),
+        "n_negative": len(concept["negative"]) + len(pairs),
+        "n_pairs": len(pairs),
+        "n_background": len(background),
         "validation": f"stratified {int(fold.max()) + 1}-fold, seed {validation['seed']}: every text "
         "held out once; the stored fit uses every text",
+        "views": VIEWS,
         "method_auroc": {m: best(m).auroc for m in methods},
         "layers": [fit.as_dict() for fit in fits[method]],
+        **few_examples(len(concept["positive"]) + len(pairs), len(concept["negative"]) + len(pairs)),
         # What the direction at the recommended layer writes: its logit lens.
         "writes": {
             "layer": recommended,
@@ -207,7 +206,15 @@ async def _read_residuals(
     engine = await Engine.start(
         EngineSettings(model=model, served_model_name="concept-builder", concepts=identity, max_model_len=2048)
     )
-    texts = list(dict.fromkeys(t for c in spec["concepts"] for side in SIDES for t in c[side]))
+    texts = list(
+        dict.fromkeys(
+            [
+                *(t for c in spec["concepts"] for side in SIDES for t in c[side]),
+                *(t for c in spec["concepts"] for pair in c["pairs"] for t in pair),
+                *(entry["text"] for entry in spec.get("background") or ()),
+            ]
+        )
+    )
     encoded = {text: engine.tokenizer.encode(text, add_special_tokens=False) for text in texts}
     for text, ids in encoded.items():
         if len(ids) < 2:
@@ -231,10 +238,22 @@ async def _read_residuals(
     return residuals, engine.tokenizer
 
 
-def _residuals_at(residuals: dict[str, torch.Tensor], texts: list[str], labels: torch.Tensor, i: int):
+def _residuals_at(
+    residuals: Mapping[str, torch.Tensor], texts: list[str], labels: torch.Tensor, ordinary: torch.Tensor, i: int
+) -> fitting.Residuals:
     blocks = [residuals[text][:, i].double() for text in texts]
     text = torch.repeat_interleave(torch.arange(len(texts)), torch.tensor([len(b) for b in blocks]))
-    return fitting.Residuals(torch.cat(blocks), text, labels)
+    return fitting.Residuals(torch.cat(blocks), text, labels, ordinary if ordinary.any() else None)
+
+
+def few_examples(positive: int, negative: int) -> dict[str, str]:
+    """concept_info's `warning` when either class is small enough that held-out figures prove little."""
+    if min(positive, negative) >= fitting.FEW_EXAMPLES:
+        return {}
+    return {
+        "warning": f"few examples ({positive} positive, {negative} negative; at least {fitting.FEW_EXAMPLES} "
+        "of each are advised): the held-out figures are rough, read them with their intervals"
+    }
 
 
 def describe(concept_set: ConceptSet) -> str:
@@ -261,17 +280,33 @@ def describe_concept(name: str, info: dict | None) -> list[str]:
         f"{name}: method {info['method']}, recommended layer {info['recommended_layer']}, "
         f"{info['n_fit']} texts ({info['validation']})"
     ]
+    if "n_positive" in info:
+        lines.append(
+            f"  examples: {info['n_positive']} positive, {info['n_negative']} negative ({info['n_pairs']} matched "
+            f"pairs among them); background: {info['n_background'] or 'none'}"
+        )
+    if info.get("warning"):
+        lines.append(f"  warning: {info['warning']}")
     if info.get("writes"):
         writes = info["writes"]
         lines.append(f"  writes (logit lens at layer {writes['layer']}):")
         lines.append(f"    raises: {' '.join(repr(t) for t in writes['raises'])}")
         lines.append(f"    lowers: {' '.join(repr(t) for t in writes['lowers'])}")
-    lines.append("  layer  auroc  acc    tok_auroc  tok_acc  brier  ece    scale       offset")
+    lines.append("  layer  auroc (95% interval)   acc    bg_fpr (95% interval)  tok_auroc  run_tok_auroc  brier  ece")
     for fit in info["layers"]:
         mark = " <" if fit["layer"] == info["recommended_layer"] else ""
         lines.append(
-            f"  {fit['layer']:>5}  {fit['auroc']:.3f}  {fit['accuracy']:.3f}  {fit['token_auroc']:.3f}      "
-            f"{fit['token_accuracy']:.3f}    {fit['brier']:.3f}  {fit['ece']:.3f}  {fit['scale']:<+10.4g}  "
-            f"{fit['offset']:<+10.4g}{mark}"
+            f"  {fit['layer']:>5}  {fit['auroc']:.3f} {_interval(fit.get('auroc_interval'))}  "
+            f"{fit['accuracy']:.3f}  {_figure(fit.get('background_fpr'))} "
+            f"{_interval(fit.get('background_fpr_interval'))}  {fit['token_auroc']:.3f}      "
+            f"{_figure(fit.get('running_token_auroc'))}          {fit['brier']:.3f}  {fit['ece']:.3f}{mark}"
         )
     return lines
+
+
+def _interval(bounds: Sequence[float] | None) -> str:
+    return f"({bounds[0]:.3f}-{bounds[1]:.3f})" if bounds else " " * 13
+
+
+def _figure(value: float | None) -> str:
+    return f"{value:.3f}" if value is not None else "  -  "

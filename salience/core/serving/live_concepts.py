@@ -22,7 +22,8 @@ import torch
 from salience.core.engine.requests import ResidualRequest
 from salience.core.probes import fitting
 from salience.core.probes.live import check_name
-from salience.core.serving.concept_builder import MIN_EXAMPLES, READ_BATCH, SIDES, describe_concept, fit_concept
+from salience.core.serving.concept_builder import READ_BATCH, describe_concept, fit_concept
+from salience.core.serving.concept_spec import MIN_EXAMPLES, SIDES
 from salience.core.serving.status import ServerStatus
 from salience.errors import ContextOverflow, InvalidArgument
 

@@ -24,7 +24,7 @@ from salience.core.engine.requests import (
     SamplingOptions,
     covers,
 )
-from salience.core.probes.calibration import Monitor, MonitorEvent
+from salience.core.probes.calibration import Monitor, MonitorEvent, ReadoutView
 from salience.core.probes.steering import Intervention
 
 __all__ = ["Range", "SessionToken", "Turn", "TurnDone", "TurnRun"]
@@ -48,7 +48,7 @@ class Turn:
     # This call's interventions: `prompt` is the session's tokens after the append, `generated` what it decodes.
     steer: Sequence[Intervention] = ()
     monitors: Sequence[Monitor] = ()  # watched on every decoded token (calibration.py)
-    probabilities: bool = False  # readouts as calibrated probabilities
+    readout_view: ReadoutView = ReadoutView.RAW  # what a readout value shows (calibration.py)
     residual: ResidualRequest | None = None  # raw residual rows (absolute positions)
     features: FeatureRequest | None = None  # an SAE's top features (absolute positions)
     client: str = ANONYMOUS  # whose turn it is, and that client's share weight (engine/fair_share.py)

@@ -75,8 +75,12 @@ class ExtendedGenerateRequest(_message.Message):
         __slots__ = ()
         READOUT_FORMAT_RAW: _ClassVar[ExtendedGenerateRequest.ReadoutFormat]
         READOUT_FORMAT_PROBABILITY: _ClassVar[ExtendedGenerateRequest.ReadoutFormat]
+        READOUT_FORMAT_TOKEN: _ClassVar[ExtendedGenerateRequest.ReadoutFormat]
+        READOUT_FORMAT_RUNNING: _ClassVar[ExtendedGenerateRequest.ReadoutFormat]
     READOUT_FORMAT_RAW: ExtendedGenerateRequest.ReadoutFormat
     READOUT_FORMAT_PROBABILITY: ExtendedGenerateRequest.ReadoutFormat
+    READOUT_FORMAT_TOKEN: ExtendedGenerateRequest.ReadoutFormat
+    READOUT_FORMAT_RUNNING: ExtendedGenerateRequest.ReadoutFormat
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     INTERVENTIONS_FIELD_NUMBER: _ClassVar[int]
     READOUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -284,7 +288,7 @@ class Concept(_message.Message):
     def __init__(self, name: _Optional[str] = ..., info: _Optional[_Union[ConceptInfo, _Mapping]] = ..., live: _Optional[bool] = ...) -> None: ...
 
 class ConceptInfo(_message.Message):
-    __slots__ = ("name", "recommended_layer", "method", "n_fit", "n_heldout", "layers", "validation", "writes_layer", "raises", "lowers")
+    __slots__ = ("name", "recommended_layer", "method", "n_fit", "n_heldout", "layers", "validation", "writes_layer", "raises", "lowers", "n_positive", "n_negative", "n_pairs", "n_background", "warning")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RECOMMENDED_LAYER_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +299,11 @@ class ConceptInfo(_message.Message):
     WRITES_LAYER_FIELD_NUMBER: _ClassVar[int]
     RAISES_FIELD_NUMBER: _ClassVar[int]
     LOWERS_FIELD_NUMBER: _ClassVar[int]
+    N_POSITIVE_FIELD_NUMBER: _ClassVar[int]
+    N_NEGATIVE_FIELD_NUMBER: _ClassVar[int]
+    N_PAIRS_FIELD_NUMBER: _ClassVar[int]
+    N_BACKGROUND_FIELD_NUMBER: _ClassVar[int]
+    WARNING_FIELD_NUMBER: _ClassVar[int]
     name: str
     recommended_layer: int
     method: str
@@ -305,10 +314,15 @@ class ConceptInfo(_message.Message):
     writes_layer: int
     raises: _containers.RepeatedScalarFieldContainer[str]
     lowers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., recommended_layer: _Optional[int] = ..., method: _Optional[str] = ..., n_fit: _Optional[int] = ..., n_heldout: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerFit, _Mapping]]] = ..., validation: _Optional[str] = ..., writes_layer: _Optional[int] = ..., raises: _Optional[_Iterable[str]] = ..., lowers: _Optional[_Iterable[str]] = ...) -> None: ...
+    n_positive: int
+    n_negative: int
+    n_pairs: int
+    n_background: int
+    warning: str
+    def __init__(self, name: _Optional[str] = ..., recommended_layer: _Optional[int] = ..., method: _Optional[str] = ..., n_fit: _Optional[int] = ..., n_heldout: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerFit, _Mapping]]] = ..., validation: _Optional[str] = ..., writes_layer: _Optional[int] = ..., raises: _Optional[_Iterable[str]] = ..., lowers: _Optional[_Iterable[str]] = ..., n_positive: _Optional[int] = ..., n_negative: _Optional[int] = ..., n_pairs: _Optional[int] = ..., n_background: _Optional[int] = ..., warning: _Optional[str] = ...) -> None: ...
 
 class LayerFit(_message.Message):
-    __slots__ = ("layer", "scale", "offset", "auroc", "accuracy", "token_auroc", "token_accuracy", "brier", "ece")
+    __slots__ = ("layer", "scale", "offset", "auroc", "accuracy", "token_auroc", "token_accuracy", "brier", "ece", "running_scale", "running_offset", "auroc_low", "auroc_high", "accuracy_low", "accuracy_high", "running_token_auroc", "token_mean_auroc", "background_fpr", "background_fpr_low", "background_fpr_high", "background_texts")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +332,18 @@ class LayerFit(_message.Message):
     TOKEN_ACCURACY_FIELD_NUMBER: _ClassVar[int]
     BRIER_FIELD_NUMBER: _ClassVar[int]
     ECE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_SCALE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    AUROC_LOW_FIELD_NUMBER: _ClassVar[int]
+    AUROC_HIGH_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_LOW_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_HIGH_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_TOKEN_AUROC_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MEAN_AUROC_FIELD_NUMBER: _ClassVar[int]
+    BACKGROUND_FPR_FIELD_NUMBER: _ClassVar[int]
+    BACKGROUND_FPR_LOW_FIELD_NUMBER: _ClassVar[int]
+    BACKGROUND_FPR_HIGH_FIELD_NUMBER: _ClassVar[int]
+    BACKGROUND_TEXTS_FIELD_NUMBER: _ClassVar[int]
     layer: int
     scale: float
     offset: float
@@ -327,7 +353,19 @@ class LayerFit(_message.Message):
     token_accuracy: float
     brier: float
     ece: float
-    def __init__(self, layer: _Optional[int] = ..., scale: _Optional[float] = ..., offset: _Optional[float] = ..., auroc: _Optional[float] = ..., accuracy: _Optional[float] = ..., token_auroc: _Optional[float] = ..., token_accuracy: _Optional[float] = ..., brier: _Optional[float] = ..., ece: _Optional[float] = ...) -> None: ...
+    running_scale: float
+    running_offset: float
+    auroc_low: float
+    auroc_high: float
+    accuracy_low: float
+    accuracy_high: float
+    running_token_auroc: float
+    token_mean_auroc: float
+    background_fpr: float
+    background_fpr_low: float
+    background_fpr_high: float
+    background_texts: int
+    def __init__(self, layer: _Optional[int] = ..., scale: _Optional[float] = ..., offset: _Optional[float] = ..., auroc: _Optional[float] = ..., accuracy: _Optional[float] = ..., token_auroc: _Optional[float] = ..., token_accuracy: _Optional[float] = ..., brier: _Optional[float] = ..., ece: _Optional[float] = ..., running_scale: _Optional[float] = ..., running_offset: _Optional[float] = ..., auroc_low: _Optional[float] = ..., auroc_high: _Optional[float] = ..., accuracy_low: _Optional[float] = ..., accuracy_high: _Optional[float] = ..., running_token_auroc: _Optional[float] = ..., token_mean_auroc: _Optional[float] = ..., background_fpr: _Optional[float] = ..., background_fpr_low: _Optional[float] = ..., background_fpr_high: _Optional[float] = ..., background_texts: _Optional[int] = ...) -> None: ...
 
 class SteeredGenerateRequest(_message.Message):
     __slots__ = ("generate", "interventions")
