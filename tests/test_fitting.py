@@ -161,8 +161,9 @@ def test_running_means_are_each_texts_prefix_means() -> None:
 
 
 def test_running_calibration_matches_scikit_learn_on_prefix_means() -> None:
-    """Every prefix of a text labelled with its class, the text's weight shared among its prefixes,
-    positives half, the concept's negatives a quarter and the background a quarter."""
+    """Every prefix of a text labelled with its class, the text's weight shared among its prefixes in
+    proportion to their length, positives half, the concept's negatives a quarter and the background
+    a quarter."""
     data = _with_background(_concept(), shift=0.5)
     raw = (data.rows @ fitting.fit_direction("diff_means", data.examples())).numpy()
     text, labels, ordinary = data.text.numpy(), data.labels.numpy(), data.ordinary.numpy()
@@ -170,7 +171,9 @@ def test_running_calibration_matches_scikit_learn_on_prefix_means() -> None:
     per_text = np.where(
         labels, 0.5 / labels.sum(), np.where(ordinary, 0.25 / ordinary.sum(), 0.25 / (~labels & ~ordinary).sum())
     )
-    weights = per_text[text] / np.bincount(text)[text]
+    t = np.concatenate([np.arange(1, (text == i).sum() + 1) for i in range(data.texts)])
+    n = np.bincount(text)[text]
+    weights = per_text[text] * t / (n * (n + 1) / 2)  # a prefix's share of its text grows with its length
     center, spread = x.mean(), x.std(ddof=1)
     reference = LogisticRegression(C=1 / fitting.CALIBRATION_L2, tol=1e-12, max_iter=10_000)
     reference.fit(((x - center) / spread)[:, None], labels[text], sample_weight=weights)

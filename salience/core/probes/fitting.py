@@ -19,8 +19,9 @@ says nothing about the text). At one layer:
   - `token`: x is one token's readout, labelled with its text's class: p that this token
     belongs to a text with the concept.
   - `running`: x is the mean readout over the tokens so far (the first left out), labelled with
-    the text's class at every prefix: p that the text so far has the concept. On a text's last
-    token this is the **text's score**.
+    the text's class at every prefix, a text's weight shared among its prefixes in proportion
+    to their length: p that the text so far has the concept. On a text's last token this is
+    the **text's score**.
   Calibrating the running mean directly, rather than averaging token probabilities, is what
   validates better (held-out AUROC at least as high, and a probability that means what it
   says at every length): `token_mean_auroc` publishes the other way's AUROC beside it.
@@ -165,14 +166,19 @@ def fit_direction(method: str, data: Residuals, l2: float = LOGREG_L2) -> torch.
 
 def calibrate(raw: torch.Tensor, data: Residuals) -> Calibration:
     """The token view: the logistic map from a token's readout to its text's class, every text
-    weighing the same."""
-    return _calibration(raw, data)
+    weighing the same, shared evenly among its tokens."""
+    lengths = torch.bincount(data.text, minlength=data.texts)
+    return _calibration(raw, data, 1.0 / lengths[data.text])
 
 
 def calibrate_running(raw: torch.Tensor, data: Residuals) -> Calibration:
     """The running view: the logistic map from the mean readout over a text's tokens so far to
-    the text's class, every prefix of a text sharing that text's weight."""
-    return _calibration(running_means(raw, data.text), data)
+    the text's class. Every text weighs the same, shared among its prefixes in proportion to
+    their length: a prefix of t tokens holds t tokens of evidence, and the whole text (what is
+    validated) weighs most."""
+    lengths = torch.bincount(data.text, minlength=data.texts)
+    t = _within(data.text).to(raw.dtype)
+    return _calibration(running_means(raw, data.text), data, t / (lengths * (lengths + 1) / 2)[data.text])
 
 
 def running_means(raw: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
@@ -181,12 +187,19 @@ def running_means(raw: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
     first = torch.cumsum(lengths, 0) - lengths
     sums = torch.cumsum(raw, 0)
     before = torch.cat([sums.new_zeros(1), sums])[first[text]]
-    count = torch.arange(len(raw), dtype=raw.dtype) - first[text].to(raw.dtype) + 1
-    return (sums - before) / count
+    return (sums - before) / _within(text).to(raw.dtype)
 
 
-def _calibration(x: torch.Tensor, data: Residuals) -> Calibration:
-    weights = _balanced(data)[data.text] / torch.bincount(data.text, minlength=data.texts)[data.text]
+def _within(text: torch.Tensor) -> torch.Tensor:
+    """[tokens]: each token's 1-based position within its text (rows contiguous, in order)."""
+    lengths = torch.bincount(text)
+    return torch.arange(len(text)) - (torch.cumsum(lengths, 0) - lengths)[text] + 1
+
+
+def _calibration(x: torch.Tensor, data: Residuals, share: torch.Tensor) -> Calibration:
+    """Logistic regression of each row's text class on x, a row weighing its text's balanced
+    weight times `share` (its part within the text)."""
+    weights = _balanced(data)[data.text] * share
     # Standardise so one Newton solve suits readouts of any magnitude, then undo it.
     center, spread = x.mean(), x.std().clamp(min=1e-12)
     labels = data.labels[data.text].double()
