@@ -8,6 +8,7 @@ browser download is never used. Every test leaves a screenshot in artifacts/ui/.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ COMPLETION = "ui/#completion"  # the page in its completion view (on a chat mode
 CHROMIUM = Path("/usr/bin/chromium")
 # Decoding shares two cores with whatever else runs: waits are generous, passing tests are not slowed.
 expect.set_options(timeout=60_000)
+# What the page says of position 0 in a probability view (salience/ui/static/js/heatmap.js).
+NOT_READ = "not read: the first token holds the model's attention-sink activations, which say nothing about the text"
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -42,6 +45,34 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
+
+
+def _logistic(x: float) -> float:
+    return 0.5 * (1 + math.tanh(x / 2))
+
+
+def probabilities(manifest: dict, readouts: dict[int, list[float]]) -> tuple[dict, dict]:
+    """The running and the token view of every (position, concept) at the concept's recommended layer,
+    as the server defines them (salience/core/probes/calibration.py), from the raw values the page
+    received for one stream (`readouts`: position -> raw row): running, the running map of the mean
+    raw value over the stream's positions up to this one (positions 1..t from the start of a text, or
+    a chat turn's from its first); token, the token map of the position's own. Position 0 is read in
+    neither, nor counted."""
+    concepts, layers, info = manifest["concepts"], manifest["layers"], manifest["concept_info"]
+    running, token = {}, {}
+    for k, concept in enumerate(info):
+        i = layers.index(concept["recommended_layer"])
+        fit = next(f for f in concept["layers"] if f["layer"] == concept["recommended_layer"])
+        total, count = 0.0, 0
+        for position in sorted(readouts):
+            if position == 0:
+                continue
+            raw = readouts[position][i * len(concepts) + k]
+            total += raw
+            count += 1
+            running[(position, k)] = _logistic(fit["running_scale"] * (total / count) + fit["running_offset"])
+            token[(position, k)] = _logistic(fit["scale"] * raw + fit["offset"])
+    return running, token
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from playwright.async_api import Locator, expect
 from transformers import AutoTokenizer
 
 from salience.lmtp.codec import parse_server_line
-from tests.ui.conftest import Ui
+from tests.ui.conftest import NOT_READ, Ui, probabilities
 
 QUESTION = "What is the capital of France?"
 
@@ -107,6 +107,14 @@ async def test_the_page_opens_in_chat_and_the_reply_is_what_lmtp_returns(
     assert expected[-3:] == ["template"] * 3  # <|im_start|>assistant\n
     assert await exchange.locator("thead th.template").count() == expected.count("template") > 3
     await expect(exchange.locator(".template-key")).to_be_visible()
+    # The first turn starts at position 0: not read in the running view, each concept's cell saying why.
+    manifest = ui.model_info()["readout_manifest"]
+    unread = exchange.locator("td.unread")
+    await expect(unread).to_have_count(len(manifest["concepts"]))
+    assert await unread.evaluate_all("tds => tds.map(td => Number(td.dataset.position))") == [0] * len(
+        manifest["concepts"]
+    )
+    assert NOT_READ in await unread.first.get_attribute("title")
     assert ui.errors == []
 
 
@@ -136,6 +144,16 @@ async def test_a_second_turn_sends_the_conversation_and_reset_empties_it(ui: Ui,
         "tds => tds.map(td => Number(td.dataset.position))"
     )
     assert positions[0] == start and positions == list(range(start, start + len(positions)))
+    # Its running view averages this turn's own positions, from `start` (read: it is not position 0).
+    readouts = {p["position"]: p["readout"] for p in stream if "readout" in p}
+    running, _ = probabilities(ui.model_info()["readout_manifest"], readouts)
+    shown = await exchange.locator(".heatmap td[data-value]").evaluate_all(
+        "tds => tds.map(td => [Number(td.dataset.position), Number(td.dataset.row), Number(td.dataset.value)])"
+    )
+    got = {(position, k): value for position, k, value in shown}
+    assert min(readouts) == start and got.keys() == running.keys()
+    assert all(abs(got[key] - running[key]) < 1e-9 for key in got)
+    await expect(exchange.locator("td.unread")).to_have_count(0)
     await expect(ui.page.locator("#chat .exchange")).to_have_count(2)
     await ui.screenshot("two-turns")
 

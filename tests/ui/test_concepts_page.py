@@ -1,6 +1,7 @@
 """Live concepts from the page in real Chromium against the default model: the "Define a concept"
 form sends DEFINE_CONCEPT and shows the held-out table; the concept then joins the monitors, the
-steering rows and the heatmap of the next request, until its delete button takes it out again."""
+steering rows and the heatmap of the next request (its few-examples warning shown beside it), until
+its delete button takes it out again."""
 
 from __future__ import annotations
 
@@ -100,6 +101,15 @@ async def test_a_defined_concept_joins_monitors_steering_and_the_heatmap_until_d
     assert {position: float(value) for position, value in shown} == {
         position: readout[last * len(concepts) + k] for position, readout in readouts.items()
     }
+    # Four examples a class: the builder's warning is in the concept's tooltip, marked beside its name,
+    # and under the monitor controls when it is chosen.
+    warning = f"warning: {manifest['concept_info'][-1]['warning']}"
+    assert warning.startswith("warning: few examples")
+    assert warning in await pane.get_by_role("button", name=NAME, exact=True).get_attribute("title")
+    await expect(pane.locator(".heatmap tbody tr").last.locator(".warning")).to_have_attribute("title", warning)
+    await expect(pane.locator(".heatmap .warning")).to_have_count(1)
+    await ui.page.locator("#monitors .concept").select_option(NAME)
+    await expect(ui.page.locator("#monitors .facts")).to_contain_text(warning)
     await ui.screenshot("defined")
 
     await section.get_by_role("button", name=f"delete {NAME}").click()

@@ -10,7 +10,7 @@ import asyncio
 import math
 
 import pytest
-from playwright.async_api import expect
+from playwright.async_api import Locator, expect
 
 from salience.auth import Tokens
 from salience.core.engine.engine import Engine
@@ -18,7 +18,7 @@ from salience.core.serving.status import ServerStatus
 from salience.lmtp.app import make_app
 from salience.lmtp.session import LmtpConfig
 from tests.conftest import free_port
-from tests.ui.conftest import COMPLETION, Ui, serve
+from tests.ui.conftest import COMPLETION, NOT_READ, Ui, probabilities, serve
 
 # Chromium reports a refused WebSocket as a console error; only the reconnect test expects it.
 REFUSED = "net::ERR_CONNECTION_REFUSED"
@@ -210,47 +210,92 @@ async def test_a_wrong_token_shows_unauthorized_and_the_right_one_connects(ui: U
     assert ui.errors == []
 
 
+async def shown_values(pane: Locator) -> dict[tuple[int, int], float]:
+    shown = await pane.locator("td[data-value]").evaluate_all(
+        "tds => tds.map(td => [Number(td.dataset.position), Number(td.dataset.row), Number(td.dataset.value)])"
+    )
+    return {(position, k): value for position, k, value in shown}
+
+
 async def test_heatmap_shows_probabilities_with_their_legend_writes_and_monitor_marks(ui: Ui, server: str) -> None:
-    """By default each concept at its recommended layer, p through the manifest's published map;
-    a flag monitor added in the form marks the columns where it fired."""
+    """By default the running view, each concept at its recommended layer, p through the manifest's
+    published running map of the mean raw value so far; the token view through the token map;
+    position 0 unread (grey, saying why) in both, its number in raw. A flag monitor added in the form
+    marks the columns where the token p starts to hold."""
     await open_page(
         ui, server + COMPLETION, prompt="def add(a, b):\n    return a + b\n\n", temperature="0", max_tokens="8"
     )
     manifest = ui.model_info()["readout_manifest"]
-    concepts, layers, info = manifest["concepts"], manifest["layers"], manifest["concept_info"]
+    concepts, info = manifest["concepts"], manifest["concept_info"]
     form = ui.page.locator("#monitors")
     await form.locator(".concept").select_option("code")
+    code_info = info[concepts.index("code")]
+    best = next(f for f in code_info["layers"] if f["layer"] == code_info["recommended_layer"])
+    facts = await form.locator(".facts").inner_text()
+    low, high = best["auroc_interval"]
+    assert f"AUROC {best['auroc']:.3f} (95% interval {low:.3f}–{high:.3f})" in facts
+    assert f"background false positives {100 * best['background_fpr']:.1f}%" in facts
     await form.locator(".threshold").fill("0.01")  # code after code: it holds from the first token
     await form.get_by_role("button", name="add monitor").click()
     await ui.page.get_by_role("button", name="Generate").click()
     pane = ui.page.locator(".pane").first
     await expect(pane.locator(".state")).to_contain_text("done")
+    await expect(pane.locator("td.none")).to_have_count(0)
 
     stream = ui.tokens(ui.stream_id("GENERATE"))
     readouts = {p["position"]: p["readout"] for p in stream if "readout" in p}
-    assert await pane.locator("select.view").input_value() == "probability"
-    shown = await pane.locator("td[data-value]").evaluate_all(
-        "tds => tds.map(td => [Number(td.dataset.position), Number(td.dataset.row), Number(td.dataset.value)])"
-    )
-    expected = {}
-    for k, concept in enumerate(info):
-        i = layers.index(concept["recommended_layer"])
-        fit = next(f for f in concept["layers"] if f["layer"] == concept["recommended_layer"])
-        for position, readout in readouts.items():
-            raw = readout[i * len(concepts) + k]
-            expected[(position, k)] = 0.5 * (1 + math.tanh((fit["scale"] * raw + fit["offset"]) / 2))
-    got = {(position, k): value for position, k, value in shown}
-    assert got.keys() == expected.keys()
-    assert all(abs(got[key] - expected[key]) < 1e-12 for key in got)
-    assert await pane.locator(".legend .lo").inner_text() == "p = 0"
-    writes = await pane.get_by_role("button", name="code").get_attribute("title")
-    assert "raises:" in writes and "lowers:" in writes
+    assert 0 in readouts and len(readouts) > 2
+    running, token = probabilities(manifest, readouts)
+    view = pane.locator("select.view")
+    assert await view.input_value() == "running"
+    legend = pane.locator(".legend")
+    await expect(legend.locator(".what")).to_contain_text("running: p that the text so far has the concept")
+    assert await legend.locator(".lo").inner_text() == "p = 0"
+    got = await shown_values(pane)
+    assert got.keys() == running.keys()
+    assert all(abs(got[key] - running[key]) < 1e-9 for key in got)
+
+    async def position_0_unread() -> None:
+        first = pane.locator('td[data-position="0"]')
+        await expect(first).to_have_count(len(concepts))
+        assert await first.evaluate_all(
+            "tds => tds.map(td => [td.classList.contains('unread'), td.dataset.value ?? null,"
+            " getComputedStyle(td).backgroundColor])"
+        ) == [[True, None, "rgb(190, 190, 190)"]] * len(concepts)
+        assert all(NOT_READ in title for title in await first.evaluate_all("tds => tds.map(td => td.title)"))
+        await first.first.hover()
+        await expect(pane.locator(".cell-info")).to_contain_text(NOT_READ)
+        await expect(pane.locator(".unread-key")).to_be_visible()
+
+    await position_0_unread()
+    await view.select_option("token")
+    await expect(legend.locator(".what")).to_contain_text("token: p that this token belongs to a text with the concept")
+    got = await shown_values(pane)
+    assert got.keys() == token.keys()
+    assert all(abs(got[key] - token[key]) < 1e-12 for key in got)
+    await position_0_unread()
+    await view.select_option("raw")
+    await expect(legend.locator(".what")).to_contain_text("raw: ")
+    await expect(pane.locator("td.unread")).to_have_count(0)
+    await expect(pane.locator(".unread-key")).to_be_hidden()
+    first = await pane.locator('td[data-position="0"]').evaluate_all("tds => tds.map(td => Number(td.dataset.value))")
+    layers = manifest["layers"]
+    assert first == [readouts[0][layers.index(c["recommended_layer"]) * len(concepts) + k] for k, c in enumerate(info)]
+    await view.select_option("running")
+
+    title = await pane.get_by_role("button", name="code").get_attribute("title")
+    assert "raises:" in title and "lowers:" in title
+    assert f"held out at layer {code_info['recommended_layer']} (the recommended layer)" in title
+    assert f"(95% interval {low:.3f}–{high:.3f})" in title
+    low_fpr, high_fpr = best["background_fpr_interval"]
+    assert f"(95% interval {100 * low_fpr:.1f}%–{100 * high_fpr:.1f}%)" in title
+    assert "warning" not in title and await pane.locator(".heatmap .warning").count() == 0  # 60+ examples a class
 
     events = [(p["position"], m) for p in stream for m in p.get("monitors", ())]
     assert events and all(m["concept"] == "code" and m["action"] == "flag" for _, m in events)
     code = concepts.index("code")
     generated = sorted(p["position"] for p in stream if "token" in p and not p.get("prompt"))
-    holds = [expected[(position, code)] > 0.01 for position in generated]
+    holds = [token[(position, code)] > 0.01 for position in generated]  # monitors watch the token view
     starts = [g for n, g in enumerate(generated) if holds[n] and (n == 0 or not holds[n - 1])]
     assert [position for position, _ in events] == starts
     marked = await pane.locator("thead th.monitor").count()

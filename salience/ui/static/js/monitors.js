@@ -3,15 +3,21 @@
 // Each row becomes one of the request's `monitors` (docs/readouts.md#monitors):
 //   {"concept": "code", "above": 0.9, "action": "stop"}   // or "below", "flag", "layer"
 // `flag` marks each token where the condition starts to hold; `stop` ends the generation there.
+// The server watches the token view's p (each token's own) at the concept's recommended layer; the
+// chosen concept's held-out figures there are shown under the controls, so a threshold is set
+// knowing how often ordinary text crosses 0.5.
 
-import { calibration } from "./heatmap.js";
+import { calibration, conceptFacts } from "./heatmap.js";
 
 export class MonitorControls {
   #fieldset;
 
+  #info = [];
+
   constructor(fieldset) {
     this.#fieldset = fieldset;
     fieldset.querySelector(".add").addEventListener("click", () => this.#add());
+    fieldset.querySelector(".concept").addEventListener("change", () => this.#facts());
   }
 
   /**
@@ -20,16 +26,34 @@ export class MonitorControls {
    * monitors on a concept no longer offered are dropped.
    */
   show(manifest) {
-    const calibrated = calibration(manifest) !== null;
-    const offered = calibrated ? manifest.concepts : [];
-    this.#fieldset.hidden = !calibrated;
+    const info = calibration(manifest);
+    const offered = info ? manifest.concepts : [];
+    this.#info = info ?? [];
+    this.#fieldset.hidden = !info;
     const select = this.#fieldset.querySelector(".concept");
     const chosen = select.value;
-    select.replaceChildren(...offered.map((name) => new Option(name, name)));
+    select.replaceChildren(
+      ...offered.map((name, k) => {
+        const option = new Option(name, name);
+        option.title = conceptFacts(info[k]).join("\n");
+        return option;
+      }),
+    );
     if (offered.includes(chosen)) select.value = chosen;
+    this.#facts();
     for (const row of this.#fieldset.querySelectorAll(".list li")) {
       if (!offered.includes(JSON.parse(row.dataset.monitor).concept)) row.remove();
     }
+  }
+
+  /** The chosen concept's held-out figures at its recommended layer, its warning included. */
+  #facts() {
+    const line = this.#fieldset.querySelector(".facts");
+    const k = this.#fieldset.querySelector(".concept").selectedIndex;
+    const info = this.#info[k];
+    line.hidden = !info;
+    line.textContent = info ? conceptFacts(info).join("\n") : "";
+    line.classList.toggle("warned", Boolean(info?.warning));
   }
 
   #add() {

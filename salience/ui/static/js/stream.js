@@ -118,7 +118,7 @@ export class StreamView {
     for (const m of events) {
       const item = document.createElement("li");
       item.dataset.action = m.action;
-      item.textContent = `${m.action}: ${m.concept} p = ${m.probability.toFixed(3)} at position ${m.position} (layer ${m.layer})`;
+      item.textContent = `${m.action}: ${m.concept} token p = ${m.probability.toFixed(3)} at position ${m.position} (layer ${m.layer})`;
       list.append(item);
     }
   }
