@@ -66,6 +66,7 @@ def calibrated(tiny_concepts: ConceptSet, reference: Reference, continuations: l
                 {
                     "layer": layer, "scale": scale, "offset": offset, "running_scale": 3 * scale,
                     "running_offset": 3 * offset + 0.25, "auroc": 0.5, "accuracy": 0.5,
+                    "auroc_interval": [0.4, 0.6], "background_fpr": 0.05, "background_fpr_interval": [0.0, 0.1],
                 }
             )  # fmt: skip
         info.append(
@@ -302,7 +303,12 @@ async def test_over_grpc(served: Frontends, calibrated: ConceptSet, reference: R
         seed, extensions = salience_pb2_grpc.SalienceStub(channel), extensions_pb2_grpc.SalienceExtensionsStub(channel)
         manifest = await extensions.GetConceptManifest(ext.GetConceptManifestRequest())
         assert [c.name for c in manifest.concepts] == list(TINY_CONCEPTS)
-        assert manifest.concepts[0].info.layers[1].scale == pytest.approx(calibrated.info[0]["layers"][1]["scale"])
+        fit, want = manifest.concepts[0].info.layers[1], calibrated.info[0]["layers"][1]
+        assert (fit.scale, fit.running_scale, fit.running_offset) == pytest.approx(
+            (want["scale"], want["running_scale"], want["running_offset"])
+        )
+        assert (fit.auroc_low, fit.auroc_high, fit.background_fpr_low, fit.background_fpr_high) == (0.4, 0.6, 0.0, 0.1)
+        assert fit.HasField("background_fpr") and fit.background_fpr == 0.05
         session = (await seed.OpenSession(pb.OpenSessionRequest(model="tiny"))).session_id
         request = ext.ExtendedGenerateRequest(
             generate=pb.GenerateRequest(
