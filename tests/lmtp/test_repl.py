@@ -566,12 +566,12 @@ def test_chat_mode_sends_the_conversation_and_shows_the_replys_readouts(capsys: 
             ["4", "'<10>'"],  # the reply's tokens only: not the prompt's, not the end of turn
             ["5", "'<11>'"],
             ["the", "reply's"],
-            ["alpha", "mean"],
-            ["beta", "mean"],
+            ["alpha", "last"],  # the running view's summary: the text so far, at the reply's last token
+            ["beta", "last"],
         ]
         assert out[-2:] == [
-            "  alpha  mean 0.60  max 0.80 at '<10>' (position 4)",
-            "  beta   mean 0.40  max 0.50 at '<11>' (position 5)",
+            "  alpha  last 0.40  max 0.80 at '<10>' (position 4)",
+            "  beta   last 0.50  max 0.50 at '<11>' (position 5)",
         ]
         repl.handle("/readout off")
         repl.handle("/raw")
