@@ -8,9 +8,11 @@ source, so editing tests/tiny_model.py rebuilds it.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import math
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 
 import pytest
@@ -79,16 +81,69 @@ async def start_engine(model: Path, **settings) -> Engine:
     return await Engine.start(EngineSettings(model=model, **settings))
 
 
+class Plan:
+    """The run's tests in order, and where each fixture is used: the pool keeps an idle engine
+    while a test still to run uses a fixture that asks for it (tests/engines.py)."""
+
+    def __init__(self) -> None:
+        self._items: list[pytest.Item] | None = None
+        self._index: dict[int, int] = {}  # id(item) -> its place in the run
+        self._places: dict[str, list[int]] = {}  # "name", "name[param]" -> places of the tests using it
+        self._current: int | None = None
+
+    def running(self, item: pytest.Item) -> None:
+        items = item.session.items
+        if items is not self._items or len(items) != len(self._index):
+            self._learn(items)
+        self._current = self._index.get(id(item))
+
+    def _learn(self, items: list[pytest.Item]) -> None:
+        self._items, self._index, self._places = items, {}, {}
+        for place, item in enumerate(items):
+            self._index[id(item)] = place
+            callspec = getattr(item, "callspec", None)
+            params = callspec.params if callspec is not None else {}
+            for name in getattr(item, "fixturenames", ()):
+                self._places.setdefault(name, []).append(place)
+                if name in params:
+                    self._places.setdefault(f"{name}[{params[name]}]", []).append(place)
+
+    def next_use(self, fixtures: Collection[str]) -> float:
+        """The place of the next test (after the running one) using one of `fixtures`, math.inf if none."""
+        if self._current is None:  # a test the plan does not know: everything may still be used
+            return 0.0
+        later = []
+        for fixture in fixtures:
+            places = self._places.get(fixture, [])
+            i = bisect.bisect_right(places, self._current)
+            if i < len(places):
+                later.append(places[i])
+        return min(later, default=math.inf)
+
+
+PLAN = Plan()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    PLAN.running(item)
+
+
 @pytest_asyncio.fixture(scope="session")
 async def engines() -> AsyncIterator[EnginePool]:
-    pool = EnginePool(keep=5)
+    # Six: from test_readouts to test_steering the default, tiny, eager and compiled read and two
+    # tensor-parallel engines wait for a later module (14 GB with this process); a start wants
+    # 8 GB available beside them, for itself and a module's own engine.
+    pool = EnginePool(keep=6, room_gib=8.0, next_use=PLAN.next_use)
     yield pool
     pool.close()
 
 
 @pytest_asyncio.fixture(scope="module")
 async def tiny_engine(engines: EnginePool, tiny_model: Path) -> AsyncIterator[Engine]:
-    async with engines.engine(tiny_model, served_model_name="tiny", max_model_len=2048, max_logprobs=20) as engine:
+    async with engines.engine(
+        tiny_model, ("tiny_engine",), served_model_name="tiny", max_model_len=2048, max_logprobs=20
+    ) as engine:
         yield engine
 
 
@@ -97,13 +152,17 @@ async def default_engine(
     engines: EnginePool, default_model: Path, default_concepts: ConceptSet
 ) -> AsyncIterator[Engine]:
     """The default model with its concept set, compiled, as `salience serve` runs it."""
-    async with engines.engine(default_model, max_model_len=2048, concepts=default_concepts, compile=True) as engine:
+    async with engines.engine(
+        default_model, ("default_engine",), max_model_len=2048, concepts=default_concepts, compile=True
+    ) as engine:
         yield engine
 
 
 def _read(engines: EnginePool, tiny_model: Path, tiny_concepts: ConceptSet, compiled: bool):
+    # The eager engine is `read_engine`'s and `read_engine_each_mode`'s first.
+    fixtures = ("read_engine_each_mode[compiled]",) if compiled else ("read_engine", "read_engine_each_mode[eager]")
     return engines.engine(
-        tiny_model, served_model_name="tiny", max_model_len=1024, concepts=tiny_concepts, compile=compiled
+        tiny_model, fixtures, served_model_name="tiny", max_model_len=1024, concepts=tiny_concepts, compile=compiled
     )
 
 
@@ -120,6 +179,23 @@ async def read_engine_each_mode(
 ) -> AsyncIterator[Engine]:
     """`read_engine`, then the same compiled: the module's tests run on each."""
     async with _read(engines, tiny_model, tiny_concepts, compiled=request.param == "compiled") as engine:
+        yield engine
+
+
+@pytest_asyncio.fixture(params=["eager", "compiled"])
+async def tensor_parallel_engine(
+    request: pytest.FixtureRequest, engines: EnginePool, tiny_model: Path, tiny_concepts: ConceptSet
+) -> AsyncIterator[Engine]:
+    """The tiny model reading `tiny_concepts` over two tensor-parallel ranks (the two CPU cores),
+    eager then compiled: test_readouts and test_steering check their numbers on the same two."""
+    async with engines.engine(
+        tiny_model,
+        (f"tensor_parallel_engine[{request.param}]",),
+        max_model_len=512,
+        concepts=tiny_concepts,
+        tensor_parallel_size=2,
+        compile=request.param == "compiled",
+    ) as engine:
         yield engine
 
 

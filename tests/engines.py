@@ -2,19 +2,25 @@
 
 An engine start costs 10-25 s (more when compiled), and most modules ask for one of a few
 configurations: the pool starts each once and hands it to every module that asks for the same
-settings. Engines no module holds stay up, the most recently used first, until more than `keep`
-are idle; a test run's memory stays bounded whatever order modules run in.
+settings. The fixtures that ask for a configuration name themselves, and conftest's `Plan` knows
+which tests are left: an engine no module holds stays up while a test still to run uses one of
+them, and goes as soon as none does. At most `keep` stay idle, and a start first makes room (on a
+machine shared with other work) until `room_gib` of memory is available; either way the engine
+whose next use is furthest goes first, so a run's memory stays bounded whatever order modules run in.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from salience.core.engine.engine import Engine
 from salience.core.engine.settings import EngineSettings
@@ -49,29 +55,40 @@ class _Pooled:
     engine: Engine
     settings: dict[str, Any]  # held so the objects the key names by id stay alive
     users: int = 0
+    fixtures: set[str] = field(default_factory=set)  # the fixtures that ask for it, "name" or "name[param]"
 
 
 @dataclass
 class EnginePool:
-    keep: int
+    keep: int  # idle engines at most
+    room_gib: float = 0.0  # memory a start wants available: idle engines go until it is
+    # The place in the run of the next test using one of these fixtures, math.inf if none is left
+    # (conftest's Plan); without a plan every engine is wanted, and the least recently used goes first.
+    next_use: Callable[[Collection[str]], float] = lambda fixtures: 0.0
     starts: list[str] = field(default_factory=list)  # every configuration started, in order
     _engines: dict[str, _Pooled] = field(default_factory=dict)  # least recently used first
 
     @asynccontextmanager
-    async def engine(self, model: Path, **settings: Any) -> AsyncIterator[Engine]:
+    async def engine(self, model: Path, fixtures: Collection[str] = (), **settings: Any) -> AsyncIterator[Engine]:
         """The engine for these settings, started on first use; the caller must leave it as it
-        found it (live concepts deleted, no request running)."""
+        found it (live concepts deleted, no request running). `fixtures` names every fixture
+        that asks for these settings ("name", or "name[param]" for one parameter of it): once no
+        test still to run uses one, the engine shuts down. Unnamed, it stays up until `keep` or
+        `room_gib` needs its place."""
         settings.setdefault("served_model_name", model.name)
         settings.setdefault("kv_cache_gib", 1.0)
         key = _part({"model": model, **settings})
         pooled = self._engines.pop(key, None)
         if pooled is None:
             self._evict(self.keep - 1)
+            while self._available_gib() < self.room_gib and self._evict_one():
+                pass
             pooled = _Pooled(await Engine.start(EngineSettings(model=model, **settings)), settings)
             self.starts.append(key)
             log.info("test engine started", extra={"engine": key, "starts": len(self.starts)})
         self._engines[key] = pooled
         pooled.users += 1
+        pooled.fixtures.update(fixtures)
         try:
             yield pooled.engine
         finally:
@@ -82,11 +99,31 @@ class EnginePool:
             assert table is None or not table.live(), f"a module left live concepts on {key}"
             self._evict(self.keep)
 
+    def _next_use(self, pooled: _Pooled) -> float:
+        return self.next_use(pooled.fixtures) if pooled.fixtures else 0.0  # unnamed: wanted
+
     def _evict(self, idle: int) -> None:
-        """Shut down the least recently used idle engines until at most `idle` remain."""
-        waiting = [key for key, pooled in self._engines.items() if pooled.users == 0]
-        for key in waiting[: max(0, len(waiting) - idle)]:
+        """Shut down the idle engines no test still to run asks for, then those used furthest
+        ahead until at most `idle` remain."""
+        for key in [k for k, p in self._engines.items() if p.users == 0 and self._next_use(p) == math.inf]:
             self._engines.pop(key).engine.shutdown()
+            log.info("test engine no longer wanted", extra={"engine": key})
+        while sum(1 for p in self._engines.values() if p.users == 0) > idle:
+            self._evict_one()
+
+    def _evict_one(self) -> bool:
+        """Shut down the idle engine used furthest ahead (of equals, the least recently used)."""
+        waiting = [(-self._next_use(p), i, key) for i, (key, p) in enumerate(self._engines.items()) if p.users == 0]
+        if not waiting:
+            return False
+        key = min(waiting)[2]
+        self._engines.pop(key).engine.shutdown()
+        log.info("test engine evicted", extra={"engine": key})
+        return True
+
+    @staticmethod
+    def _available_gib() -> float:
+        return psutil.virtual_memory().available / 2**30
 
     def close(self) -> None:
         for pooled in self._engines.values():

@@ -28,7 +28,7 @@ from salience.proto.salience.v1 import salience_pb2_grpc
 from tests import sae_reference
 from tests.conftest import start_engine
 from tests.inprocess import frontends
-from tests.random_sae import random_sae
+from tests.random_sae import random_sae, stored
 from tests.reference import Reference
 
 PROMPTS = [[0, *range(40 + 11 * i, 62 + 11 * i)] for i in range(6)]
@@ -41,10 +41,10 @@ TIE = 1e-4  # activations closer than this may swap places (docs/features.md, "T
 def saes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SparseAutoencoder]:
     root = tmp_path_factory.mktemp("saes")
     threshold = torch.full((256,), 0.3)
-    made = {
-        "top": random_sae(root / "top", "topk", 2, 512, 1, k=8),
-        "plain": random_sae(root / "plain", "standard", 1, 256, 2),
-        "jump": random_sae(root / "jump", "jumprelu", 3, 256, 3, threshold=threshold),
+    made = {  # stored: the compiled engine loads the forward an earlier run compiled
+        "top": stored(random_sae(root / "top", "topk", 2, 512, 1, k=8)),
+        "plain": stored(random_sae(root / "plain", "standard", 1, 256, 2)),
+        "jump": stored(random_sae(root / "jump", "jumprelu", 3, 256, 3, threshold=threshold)),
     }
     return {name: load_sae(folder, name=name) for name, folder in made.items()}
 

@@ -425,25 +425,20 @@ async def test_multiprocess_layout_and_chunked_prefill(
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
 async def test_tensor_parallel_two_ranks(
-    tiny_model: Path, concepts: ConceptSet, reference: Reference, mode: str
+    tensor_parallel_engine: Engine, concepts: ConceptSet, reference: Reference
 ) -> None:
-    """TP=2 on the two CPU cores: the residual is whole on every rank; rank 0 alone reports."""
-    parallel = await start_engine(
-        tiny_model, max_model_len=512, concepts=concepts, tensor_parallel_size=2, compile=mode == "compiled"
+    """TP=2 on the two CPU cores (eager, then compiled): the residual is whole on every rank; rank 0
+    alone reports."""
+    parallel = tensor_parallel_engine
+    prompt = PROMPTS[5]
+    generation = parallel.generate(
+        prompt, SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True), readout_ranges=[(0, 100)]
     )
-    try:
-        prompt = PROMPTS[5]
-        generation = parallel.generate(
-            prompt, SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True), readout_ranges=[(0, 100)]
-        )
-        events = [e async for e in generation]
-        ids = prompt + [e.token_id for e in events]
-        assert [e.token_id for e in events] == reference.greedy(prompt, 6)
-        want = reference_readouts(reference, concepts, ids)
-        readouts = {**generation.prompt_readouts, **{e.position: e.readout for e in events if e.readout is not None}}
-        assert sorted(readouts) == list(range(len(ids)))
-        assert_readouts_close(readouts, want)
-    finally:
-        parallel.shutdown()
+    events = [e async for e in generation]
+    ids = prompt + [e.token_id for e in events]
+    assert [e.token_id for e in events] == reference.greedy(prompt, 6)
+    want = reference_readouts(reference, concepts, ids)
+    readouts = {**generation.prompt_readouts, **{e.position: e.readout for e in events if e.readout is not None}}
+    assert sorted(readouts) == list(range(len(ids)))
+    assert_readouts_close(readouts, want)

@@ -310,17 +310,11 @@ async def test_a_steering_set_and_a_server_without_steering(
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
 async def test_tensor_parallel_ranks_steer_alike(
-    tiny_model: Path, tiny_concepts: ConceptSet, tiny_reference: Reference, mode: str
+    tensor_parallel_engine: Engine, tiny_concepts: ConceptSet, tiny_reference: Reference
 ) -> None:
-    """TP=2: every rank holds the whole residual after a layer and writes the same coefficients."""
-    parallel = await start_engine(
-        tiny_model, max_model_len=512, concepts=tiny_concepts, tensor_parallel_size=2, compile=mode == "compiled"
-    )
-    try:
-        interventions = CASES["two layers at once"]
-        generation, events = await run(parallel, PROMPTS[5], interventions)
-        check_against_reference(tiny_reference, tiny_concepts, PROMPTS[5], interventions, generation, events)
-    finally:
-        parallel.shutdown()
+    """TP=2 (eager, then compiled): every rank holds the whole residual after a layer and writes the
+    same coefficients."""
+    interventions = CASES["two layers at once"]
+    generation, events = await run(tensor_parallel_engine, PROMPTS[5], interventions)
+    check_against_reference(tiny_reference, tiny_concepts, PROMPTS[5], interventions, generation, events)
