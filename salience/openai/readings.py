@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from salience.core.engine.requests import TokenEvent
-from salience.core.probes.calibration import Calibration, MonitorEvent, Presenter, ReadoutView
+from salience.core.probes.calibration import Calibration, MonitorEvent, ReadoutView
 from salience.core.probes.live import ConceptView
 from salience.errors import InvalidArgument
 from salience.openai.extension import Extension
@@ -38,12 +38,14 @@ def layout(extension: Extension | None, view: ConceptView | None) -> dict | None
 
 
 class _Peak:
-    """One concept's token-view mean and maximum over the completion, and its last running p."""
+    """One concept's token-view mean and maximum over the completion, and what its running p needs:
+    the sum of its raw values (raw rows), or the last running p (running rows)."""
 
-    __slots__ = ("at", "count", "max", "running", "total")
+    __slots__ = ("at", "count", "max", "raw", "read", "running", "total")
 
     def __init__(self) -> None:
         self.total, self.count, self.max, self.at = 0.0, 0, -1.0, (0, 0, 0)
+        self.raw, self.read = 0.0, 0
         self.running: float | None = None
 
     def add(self, p: float, at: tuple[int, int, int]) -> None:
@@ -62,7 +64,6 @@ class Readings:
         self._format = ReadoutView.named(extension.readouts.format) if extension.readouts else ReadoutView.RAW
         self._watch: list[tuple[str, int, int]] = []  # concept, layer, index in a row
         self._calibration: Calibration | None = None
-        self._running: Presenter | None = None  # the running view of raw rows
         if view is not None and extension.readouts is not None and extension.readouts.over != "prompt":
             with contextlib.suppress(InvalidArgument):  # no calibrated concept: rows, but no summary
                 self._calibration = view.calibration
@@ -72,8 +73,6 @@ class Readings:
                 if layer in calibration.layers:
                     self._watch.append((concept, layer, calibration.index(concept, layer)))
         self._peaks = {concept: _Peak() for concept, _, _ in self._watch}
-        if self._watch and self._format is ReadoutView.RAW and self._calibration.running_scale:  # type: ignore[union-attr]
-            self._running = self._calibration.presenter(ReadoutView.RUNNING)  # type: ignore[union-attr]
 
     def prompt(self, prompt: Sequence[int], readouts: Mapping[int, Any], rows: Mapping[str, Mapping]) -> list[dict]:
         """The covered prompt positions' entries, in order."""
@@ -104,14 +103,14 @@ class Readings:
 
     def _read(self, row: Sequence, at: tuple[int, int, int]) -> None:
         calibration = self._calibration
-        running = self._running(at[1], row) if self._running is not None else None
         for concept, _, column in self._watch:
             peak = self._peaks[concept]
             if self._format is ReadoutView.RUNNING:
                 peak.running = row[column] if row[column] is not None else peak.running
                 continue
-            if running is not None:
-                peak.running = running[column]
+            if self._format is ReadoutView.RAW:
+                peak.raw += row[column]
+                peak.read += 1
             p = (
                 row[column]
                 if self._format is ReadoutView.TOKEN or calibration is None
@@ -125,10 +124,12 @@ class Readings:
         if not self._watch:
             return None
         out = {}
-        for concept, layer, _ in self._watch:
+        for concept, layer, column in self._watch:
             peak = self._peaks[concept]
             entry: dict[str, Any] = {"layer": layer}
-            if peak.running is not None:
+            if peak.read and self._calibration is not None and self._calibration.running_scale:
+                entry["running"] = self._calibration.running_probability(peak.raw / peak.read, column)
+            elif peak.running is not None:
                 entry["running"] = peak.running
             if peak.count:
                 index, position, token = peak.at

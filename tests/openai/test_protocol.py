@@ -443,7 +443,12 @@ def test_an_error_mid_stream_is_raised_by_the_sdk() -> None:
 
 # ---- the extension's response side -----------------------------------------------------------
 
-CALIBRATED = {"layers": [{"layer": 1, "scale": 1.0, "offset": 0.0}, {"layer": 2, "scale": 2.0, "offset": 0.0}]}
+CALIBRATED = {
+    "layers": [
+        {"layer": 1, "scale": 1.0, "offset": 0.0, "running_scale": 1.0, "running_offset": 0.0},
+        {"layer": 2, "scale": 2.0, "offset": 0.0, "running_scale": 3.0, "running_offset": -0.5},
+    ]
+}
 VIEW = ConceptView(
     version=1,
     concepts=("code", "raw"),
@@ -475,6 +480,8 @@ def test_readings_summarize_each_calibrated_concept_at_its_recommended_layer() -
     assert code["layer"] == 2 and code["mean"] == pytest.approx(sum(probabilities) / 3)
     assert code["max"] == pytest.approx(max(probabilities))
     assert code["max_at"] == {"index": 1, "position": 4, "token": " world"}
+    # The completion's running p: the running map of its raw values' mean (0.5 + 1.5 - 1.0) / 3.
+    assert code["running"] == pytest.approx(logistic(3 * (1.0 / 3) - 0.5), abs=1e-12)
     assert layout(extension, VIEW) == {"concepts": ["code", "raw"], "layers": [1, 2], "format": "raw"}
     prompt = readings.prompt([0, 2, 3], {1: (0.1, 0.2, 0.3, 0.4)}, {"features": {2: ((7, 1.5),)}})
     assert prompt == [

@@ -155,6 +155,11 @@ class Calibration:
     def probability(self, row: Sequence[float], index: int) -> float:
         return _logistic(self.scale[index] * row[index] + self.offset[index])
 
+    def running_probability(self, mean: float, index: int) -> float:
+        """The running view of one value: `mean` is the mean raw readout at row index `index`
+        over the positions read so far (position 0 left out)."""
+        return _logistic(self.running_scale[index] * mean + self.running_offset[index])
+
     def index(self, concept: str, layer: int) -> int:
         return self.layers.index(layer) * len(self.concepts) + self.concepts.index(concept)
 
