@@ -78,6 +78,7 @@ async def start_engine(model: Path, **settings) -> Engine:
     setting no other module shares); modules share theirs through `engines`."""
     settings.setdefault("served_model_name", model.name)
     settings.setdefault("kv_cache_gib", 1.0)
+    settings.setdefault("fork_server", True)
     return await Engine.start(EngineSettings(model=model, **settings))
 
 

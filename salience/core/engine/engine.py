@@ -116,7 +116,7 @@ class Engine(Passes):
         vision = await asyncio.to_thread(Vision.load, settings.model)
         compiled = vllm_args.compiled(settings)
         args = vllm_args.engine_args(settings, cpu, vision, compiled)
-        llm = await launch.start_vllm(args, env, compiled)
+        llm = await launch.start_vllm(args, env, compiled, settings.fork_server)
         engine = cls(llm, settings, vision)
         engine.compiled = compiled
         try:

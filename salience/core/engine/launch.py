@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from salience.core.engine import environment
+from salience.core.engine.fork_server import forked_processes
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -22,14 +23,15 @@ __all__ = ["start_vllm"]
 log = logging.getLogger(__name__)
 
 
-async def start_vllm(args: AsyncEngineArgs, env: dict[str, str], compiled: bool) -> AsyncLLM:
-    """vLLM's engine for `args`, started with `env` set (`compiled`: what the progress lines say)."""
+async def start_vllm(args: AsyncEngineArgs, env: dict[str, str], compiled: bool, fork_server: bool) -> AsyncLLM:
+    """vLLM's engine for `args`, started with `env` set (`compiled`: what the progress lines say),
+    its processes forked from the fork server if `fork_server` (fork_server.py)."""
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
     what = "loading and compiling the model (a first start compiles; later ones reuse the cache)"
     # vLLM's processes read these at start; scoped so the next engine starts clean.
-    with environment.scoped(env):
+    with environment.scoped(env), forked_processes() if fork_server else contextlib.nullcontext():
         # Loading takes tens of seconds, compiling minutes: keep the event loop free (health
         # checks). The engine core sends its stats back with its outputs, so the Prometheus
         # logger lives in this process (registering into prometheus_client's default
