@@ -157,8 +157,11 @@ async def test_cancelling_half_leaves_the_rest_correct_and_the_engine_empty(
 
 async def test_priority_decides_which_waiting_request_runs_first(tiny_model) -> None:
     """With room for one running sequence, a priority-0 request sent after a priority-10 one
-    runs before it (lower runs first, as vLLM's scheduler and the seed's proto have it)."""
-    engine = await start_engine(tiny_model, max_model_len=512, engine_args={"max_num_seqs": 1})
+    runs before it (lower runs first, as vLLM's scheduler and the seed's proto have it). Its
+    start, a setting of its own, also takes a KV cache of half a GiB, which vLLM's whole-GiB
+    variable could not say (`--kv-cache-gib 0.5` failed at start)."""
+    engine = await start_engine(tiny_model, max_model_len=512, kv_cache_gib=0.5, engine_args={"max_num_seqs": 1})
+    assert engine._llm.vllm_config.cache_config.kv_cache_memory_bytes == 2**29
     finished: list[str] = []
 
     async def run(name: str, priority: int, max_tokens: int, started: asyncio.Event | None = None) -> None:

@@ -21,15 +21,15 @@ def is_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def process_environment(settings: EngineSettings, cpu: bool) -> dict[str, str]:
-    """What vLLM's processes read from the environment at start, for these settings."""
+def process_environment(settings: EngineSettings, cpu: bool) -> dict[str, str | None]:
+    """What vLLM's processes read from the environment at start, for these settings (None: unset)."""
     multiprocess = settings.multiprocess if settings.multiprocess is not None else not cpu
     multiprocess = multiprocess or settings.data_parallel_size > 1  # DP engines are processes
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
+    env: dict[str, str | None] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
     if settings.ray_address is not None:
         env["RAY_ADDRESS"] = settings.ray_address  # vLLM's ray.init() joins the cluster it names
     if cpu:
-        env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gib:g}"
+        env["VLLM_CPU_KVCACHE_SPACE"] = None  # the size goes in vLLM's engine arguments (vllm_args.py)
         ranks = settings.tensor_parallel_size * settings.pipeline_parallel_size * settings.data_parallel_size
         on_ray = settings.distributed_executor_backend == "ray"  # workers on Ray nodes: not bound
         if ranks > 1 and not on_ray and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -41,18 +41,22 @@ def process_environment(settings: EngineSettings, cpu: bool) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def scoped(values: dict[str, str]) -> Iterator[None]:
-    """`values` in os.environ while the body runs, what was there before restored after."""
+def scoped(values: dict[str, str | None]) -> Iterator[None]:
+    """`values` in os.environ while the body runs (None: unset), what was there before restored after."""
     saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
+    _set(values)
     try:
         yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _set(saved)
+
+
+def _set(values: dict[str, str | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def split_cores(ranks: int) -> str:

@@ -23,7 +23,7 @@ __all__ = ["start_vllm"]
 log = logging.getLogger(__name__)
 
 
-async def start_vllm(args: AsyncEngineArgs, env: dict[str, str], compiled: bool, fork_server: bool) -> AsyncLLM:
+async def start_vllm(args: AsyncEngineArgs, env: dict[str, str | None], compiled: bool, fork_server: bool) -> AsyncLLM:
     """vLLM's engine for `args`, started with `env` set (`compiled`: what the progress lines say),
     its processes forked from the fork server if `fork_server` (fork_server.py)."""
     from vllm.v1.engine.async_llm import AsyncLLM

@@ -96,6 +96,8 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
         # with a per-request seed has its prompt split across steps. Whole-prompt
         # prefill avoids the split; max_num_batched_tokens is raised to fit any prompt.
         kwargs["enable_chunked_prefill"] = False
+        # In bytes: vLLM reads VLLM_CPU_KVCACHE_SPACE as whole GiB, and fails on "0.5".
+        kwargs["kv_cache_memory_bytes"] = round(settings.kv_cache_gib * 2**30)
     else:
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
     if readouts_with_output(settings, cpu):
