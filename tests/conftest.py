@@ -33,7 +33,7 @@ from salience.core.models.default_model import ensure_default_model  # noqa: E40
 from salience.core.models.folders import model_fingerprint  # noqa: E402
 from salience.core.models.home import salience_home  # noqa: E402
 from salience.core.probes.concepts import ConceptSet  # noqa: E402
-from tests.engines import EnginePool  # noqa: E402
+from tests.engines import EnginePool, engine_settings  # noqa: E402
 from tests.reference import Reference  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 from tests.tiny_vl_model import build_tiny_vl_model  # noqa: E402
@@ -76,10 +76,7 @@ def default_concepts(default_model: Path) -> ConceptSet:
 async def start_engine(model: Path, **settings) -> Engine:
     """An engine of the test's own, for what must start afresh (a start's own behaviour, a
     setting no other module shares); modules share theirs through `engines`."""
-    settings.setdefault("served_model_name", model.name)
-    settings.setdefault("kv_cache_gib", 1.0)
-    settings.setdefault("fork_server", True)
-    return await Engine.start(EngineSettings(model=model, **settings))
+    return await Engine.start(EngineSettings(model=model, **engine_settings(model, settings)))
 
 
 class Plan:

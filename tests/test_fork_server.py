@@ -4,9 +4,12 @@ pooled test engines start this way (tests/engines.py), `salience serve`'s spawn 
 from __future__ import annotations
 
 import os
+from multiprocessing.context import ForkServerContext
+
+import vllm.v1.engine.utils as starter
 
 from salience.core.engine import environment
-from salience.core.engine.fork_server import _context, forked_processes
+from salience.core.engine.fork_server import forked_processes
 
 
 def _report(queue, names: list[str]) -> None:
@@ -14,7 +17,8 @@ def _report(queue, names: list[str]) -> None:
 
 
 def test_a_forked_process_takes_the_environment_of_its_start() -> None:
-    context = _context()
+    with forked_processes():
+        context = starter.get_mp_context()
     queue = context.Queue()
     names = ["SALIENCE_FORK_TEST", "VLLM_CPU_KVCACHE_SPACE"]
     seen = []
@@ -32,9 +36,8 @@ def test_a_forked_process_takes_the_environment_of_its_start() -> None:
 
 
 def test_vllm_starts_processes_from_it_only_inside_the_block() -> None:
-    import vllm.v1.engine.utils as starter
-
     original = starter.get_mp_context
     with forked_processes():
-        assert starter.get_mp_context() is _context()
+        assert isinstance(starter.get_mp_context(), ForkServerContext)
     assert starter.get_mp_context is original
+    assert not isinstance(starter.get_mp_context(), ForkServerContext)

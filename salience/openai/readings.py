@@ -41,11 +41,11 @@ class _Peak:
     """One concept's token-view mean and maximum over the completion, and what its running p needs:
     the sum of its raw values (raw rows), or the last running p (running rows)."""
 
-    __slots__ = ("at", "count", "max", "raw", "read", "running", "total")
+    __slots__ = ("at", "count", "max", "raw", "running", "total")
 
     def __init__(self) -> None:
         self.total, self.count, self.max, self.at = 0.0, 0, -1.0, (0, 0, 0)
-        self.raw, self.read = 0.0, 0
+        self.raw = 0.0  # over the `count` tokens read, for raw rows
         self.running: float | None = None
 
     def add(self, p: float, at: tuple[int, int, int]) -> None:
@@ -110,7 +110,6 @@ class Readings:
                 continue
             if self._format is ReadoutView.RAW:
                 peak.raw += row[column]
-                peak.read += 1
             p = (
                 row[column]
                 if self._format is ReadoutView.TOKEN or calibration is None
@@ -127,8 +126,9 @@ class Readings:
         for concept, layer, column in self._watch:
             peak = self._peaks[concept]
             entry: dict[str, Any] = {"layer": layer}
-            if peak.read and self._calibration is not None and self._calibration.running_scale:
-                entry["running"] = self._calibration.running_probability(peak.raw / peak.read, column)
+            raw = self._format is ReadoutView.RAW and peak.count
+            if raw and self._calibration is not None and self._calibration.running_scale:
+                entry["running"] = self._calibration.running_probability(peak.raw / peak.count, column)
             elif peak.running is not None:
                 entry["running"] = peak.running
             if peak.count:

@@ -17,6 +17,7 @@ the moment it is started, as a spawned one would: Salience's variables are scope
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from collections.abc import Iterator
 from multiprocessing.context import ForkServerContext, ForkServerProcess
@@ -54,8 +55,6 @@ _CONTEXT.set_forkserver_preload(_PRELOAD)
 def forked_processes() -> Iterator[None]:
     """The processes vLLM starts while the body runs are forked from the fork server (vLLM's
     `get_mp_context` answers it); starts must not overlap."""
-    import importlib
-
     modules = [importlib.import_module(name) for name in _STARTERS]
     saved = [module.get_mp_context for module in modules]
     for module in modules:
