@@ -138,25 +138,33 @@ PAIRS = {
 }
 
 
-async def text_probability(engine: Engine, concepts: ConceptSet, concept: str, text: str) -> float:
-    """A text's score as a client reads it: the running view at its last token, at the concept's
-    recommended layer, served over the whole text (position 0 is never counted). Checked against
-    the manifest's running map of the raw rows, as a client would apply it."""
-    k = concepts.concepts.index(concept)
-    column = concepts.layers.index(concepts.info[k]["recommended_layer"]) * len(concepts.concepts) + k
+async def text_scores(engine: Engine, concepts: ConceptSet, text: str) -> dict[str, float]:
+    """A text's score for every concept, as a client reads it: the running view at its last token,
+    at each concept's recommended layer, served over the whole text (position 0 is never counted).
+    The whole last row is checked against the manifest's running maps of the raw rows, as a client
+    would apply them."""
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
     served = await engine.prefill(ids, readout_ranges=[(0, len(ids))], readout_view=ReadoutView.RUNNING)
     raw = await engine.readout(ids, [(1, len(ids))])
     rows = torch.tensor([raw[p] for p in range(1, len(ids))], dtype=torch.float64)
-    assert served.readouts[0][column] is None
-    want = probabilities(concepts, rows, "running")[-1, column]
-    assert served.readouts[len(ids) - 1][column] == pytest.approx(float(want), abs=1e-9)
-    return served.readouts[len(ids) - 1][column]
+    assert all(value is None for value in served.readouts[0])
+    last = torch.tensor(served.readouts[len(ids) - 1], dtype=torch.float64)
+    assert torch.allclose(last, probabilities(concepts, rows, "running")[-1], rtol=0, atol=1e-9)
+    width = len(concepts.concepts)
+    return {
+        name: float(last[concepts.layers.index(info["recommended_layer"]) * width + k])
+        for k, (name, info) in enumerate(zip(concepts.concepts, concepts.info, strict=True))
+    }
+
+
+async def all_scores(engine: Engine, concepts: ConceptSet, texts: list[str]) -> list[dict[str, float]]:
+    """text_scores of each text, all at once (the engine batches them)."""
+    return list(await asyncio.gather(*(text_scores(engine, concepts, text) for text in texts)))
 
 
 @pytest.mark.parametrize("concept", sorted(PAIRS))
 async def test_texts_light_up_the_expected_concept(engine: Engine, concepts: ConceptSet, concept: str) -> None:
-    present, absent = [await text_probability(engine, concepts, concept, text) for text in PAIRS[concept]]
+    present, absent = [scores[concept] for scores in await all_scores(engine, concepts, list(PAIRS[concept]))]
     # Minimal pairs: "A woman met a man..." reads people but no name; "I know where..." has a
     # wh-word but asks nothing. The matched contrasts and near misses of the spec put them below.
     assert present > 0.5 > absent, (present, absent)
@@ -172,18 +180,17 @@ def heldout(concept: str) -> list[dict]:
 
 
 @pytest_asyncio.fixture(scope="module")
-async def heldout_scores(engine: Engine, concepts: ConceptSet) -> dict[str, list[tuple[float, bool]]]:
-    """Per concept, each held-out text's score and its class."""
-    scores = {
-        name: [
-            (await text_probability(engine, concepts, name, e["text"]), e["label"] == "positive") for e in heldout(name)
-        ]
-        for name in concepts.concepts
-    }
+async def heldout_scores(engine: Engine, concepts: ConceptSet) -> dict[str, list[tuple[dict, float]]]:
+    """Per concept, each held-out text (its line) with its score for that concept."""
+    scores = {}
+    for name in concepts.concepts:
+        entries = heldout(name)
+        texts = await all_scores(engine, concepts, [e["text"] for e in entries])
+        scores[name] = [(e, text[name]) for e, text in zip(entries, texts, strict=True)]
     header = f"{'concept':<20} {'layer':>5} {'method':<10} {'auroc':>6} {'right of 0.5':>13}  {'pos':>7} {'neg':>7}"
     print("\nheld-out texts (tests/data/heldout), default set\n" + header)
     for name, info in zip(concepts.concepts, concepts.info, strict=True):
-        got = scores[name]
+        got = [(p, e["label"] == "positive") for e, p in scores[name]]
         right = [(p > 0.5) == positive for p, positive in got]
         pos = [r for r, (_, positive) in zip(right, got, strict=True) if positive]
         neg = [r for r, (_, positive) in zip(right, got, strict=True) if not positive]
@@ -193,6 +200,13 @@ async def heldout_scores(engine: Engine, concepts: ConceptSet) -> dict[str, list
             f"{sum(right) / len(right):>13.3f}  {sum(pos):>3}/{len(pos):<3} {sum(neg):>3}/{len(neg):<3}"
         )
     return scores
+
+
+@pytest_asyncio.fixture(scope="module")
+async def background_scores(engine: Engine, concepts: ConceptSet) -> list[tuple[dict, dict[str, float]]]:
+    """Each held-out background text (tests/data/heldout/background.jsonl) with its scores."""
+    entries = heldout("background")
+    return list(zip(entries, await all_scores(engine, concepts, [e["text"] for e in entries]), strict=True))
 
 
 def test_the_default_set_is_validated_and_calibrated(concepts: ConceptSet) -> None:
@@ -209,29 +223,28 @@ def test_the_default_set_is_validated_and_calibrated(concepts: ConceptSet) -> No
 
 @pytest.mark.parametrize("concept", ["positive_sentiment", "french", "code", "question", "numbers", "names"])
 def test_held_out_texts_fall_on_their_side_of_one_half(heldout_scores: dict, concept: str) -> None:
-    got = heldout_scores[concept]
+    got = [(p, e["label"] == "positive") for e, p in heldout_scores[concept]]
     assert sum(positive for _, positive in got) >= 20 and sum(not positive for _, positive in got) >= 20
     right = sum((p > 0.5) == positive for p, positive in got)
     assert right >= 0.9 * len(got), f"{concept}: {right} of {len(got)} on the right side of 0.5"
 
 
 @pytest.mark.parametrize("concept", ["positive_sentiment", "french", "code", "question", "numbers", "names"])
-async def test_ordinary_text_reads_below_one_half(engine: Engine, concepts: ConceptSet, concept: str) -> None:
-    """Held-out background texts (tests/data/heldout/background.jsonl) that do not show the concept:
-    at most 10% score above 0.5."""
-    texts = [e["text"] for e in heldout("background") if concept not in e["shows"]]
-    above = [t for t in texts if await text_probability(engine, concepts, concept, t) > 0.5]
+def test_ordinary_text_reads_below_one_half(background_scores: list, concept: str) -> None:
+    """Held-out background texts that do not show the concept: at most 10% score above 0.5."""
+    texts = [(e["text"], scores[concept]) for e, scores in background_scores if concept not in e["shows"]]
+    above = [text for text, p in texts if p > 0.5]
     assert len(texts) >= 40 and len(above) <= 0.1 * len(texts), (concept, above)
 
 
-async def test_an_unnamed_person_is_not_a_name(engine: Engine, concepts: ConceptSet) -> None:
+def test_an_unnamed_person_is_not_a_name(heldout_scores: dict) -> None:
     """Held-out matched pairs for names: the sentence with a common description in place of each
     proper name reads below 0.5, and below its named side, in at least 90% of the pairs. (That the
     named side reads above 0.5 is the held-out texts' test: a single name in a long sentence is
     the hard case, diluted by the mean.)"""
     pairs: dict[int, dict[str, float]] = {}
-    for e in heldout("names"):
+    for e, p in heldout_scores["names"]:
         if "pair" in e:
-            pairs.setdefault(e["pair"], {})[e["label"]] = await text_probability(engine, concepts, "names", e["text"])
+            pairs.setdefault(e["pair"], {})[e["label"]] = p
     right = [p["positive"] > p["negative"] and p["negative"] < 0.5 for p in pairs.values()]
     assert len(pairs) >= 20 and sum(right) >= 0.9 * len(pairs), pairs
