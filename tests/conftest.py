@@ -135,6 +135,20 @@ async def engines() -> AsyncIterator[EnginePool]:
     pool = EnginePool(keep=6, room_gib=8.0, next_use=PLAN.next_use)
     yield pool
     pool.close()
+    STARTS.extend(pool.starts)
+
+
+STARTS: list[str] = []  # the pool's engine starts, by configuration, for the run's summary
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How many engines the run started: each configuration once unless the pool had to evict it."""
+    if STARTS:
+        again = sorted({key for key in STARTS if STARTS.count(key) > 1})
+        terminalreporter.write_line(
+            f"test engines: {len(STARTS)} starts, {len(set(STARTS))} configurations"
+            + "".join(f"\n  started {STARTS.count(key)} times: {key}" for key in again)
+        )
 
 
 @pytest_asyncio.fixture(scope="module")

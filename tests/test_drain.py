@@ -1,8 +1,9 @@
-"""Graceful drain, as a user runs it: `salience serve` in a process of its own, real signals.
+"""`salience serve` as a user runs it, in a process of its own, and its graceful drain, by real signals.
 
+Start: health says "loading", then "ready" (HTTP and gRPC), with quiet, structured logs.
 SIGTERM: new streams are refused and health says "draining" at once, the streams in flight
-finish, the process exits 0. With --drain-timeout, what is left is cancelled; a second SIGTERM
-skips the wait.
+finish, the process exits 0 and leaves no process behind. With --drain-timeout, what is left is
+cancelled; a second SIGTERM skips the wait.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import aiohttp
 import grpc
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -39,12 +41,13 @@ class Served:
     http: str
     grpc_target: str
     metrics: str | None
+    health: list[tuple[int, dict]] = field(default_factory=list)  # what /health answered until ready
 
 
 @asynccontextmanager
-async def serve(tiny_model: Path, *flags: str, metrics: bool = False) -> AsyncIterator[Served]:
+async def serve(tiny_model: Path, *flags: str, metrics: bool = False, eager: bool = True) -> AsyncIterator[Served]:
     port, grpc_port, metrics_port = free_port(), free_port(), free_port()
-    command = [SALIENCE, "serve", "--model", str(tiny_model), "--max-model-len", "1024", "--eager"]
+    command = [SALIENCE, "serve", "--model", str(tiny_model), "--max-model-len", "1024", *(["--eager"] * eager)]
     command += ["--lmtp-port", str(port), "--grpc-port", str(grpc_port), *flags]
     if metrics:
         command += ["--metrics-port", str(metrics_port)]
@@ -58,7 +61,9 @@ async def serve(tiny_model: Path, *flags: str, metrics: bool = False) -> AsyncIt
     try:
         async with aiohttp.ClientSession() as http:
             deadline = time.monotonic() + 300
-            while (await health(http, served.http))[0] != 200:
+            while not served.health or served.health[-1][0] != 200:
+                if (answer := await health(http, served.http))[0] is not None:
+                    served.health.append(answer)
                 assert process.poll() is None, process.stdout.read()
                 assert time.monotonic() < deadline, "not ready in time"
                 await asyncio.sleep(0.2)
@@ -142,15 +147,25 @@ def grpc_health(target: str) -> int:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
 
 
-async def test_sigterm_lets_in_flight_streams_finish_and_refuses_new_work(tiny_model: Path) -> None:
+async def test_serve_starts_then_sigterm_lets_in_flight_streams_finish_and_refuses_new_work(
+    tiny_model: Path,
+) -> None:
+    """Also the start, compiled as serve runs by default (merged from test_serve.py, to start one
+    server less)."""
     n, max_tokens = 8, 900
     # The default 30 s drain outlasts these streams on an idle machine, not on a loaded one; this
     # test is about streams finishing (the next one, about the timeout).
     async with (
-        serve(tiny_model, "--drain-timeout", "600") as served,
+        serve(tiny_model, "--drain-timeout", "600", eager=False) as served,
         aiohttp.ClientSession() as http,
         connect(http, served.http) as client,
     ):
+        assert served.health[-1] == (200, {"status": "ready", "model": str(tiny_model)})
+        assert all(code == 503 and body["status"] == "loading" for code, body in served.health[:-1])
+        assert await asyncio.to_thread(grpc_health, served.grpc_target) == health_pb2.HealthCheckResponse.SERVING
+        children = psutil.Process(served.process.pid).children(recursive=True)
+        assert children, "vLLM's engine core runs in a child process"
+
         await client.ws.send_str('STATUS {"stream_id": 100}')
         await start_streams(client, range(1, n + 1), max_tokens)
 
@@ -187,8 +202,16 @@ async def test_sigterm_lets_in_flight_streams_finish_and_refuses_new_work(tiny_m
             assert client.payloads[stream_id][-1]["finish_reason"] == "length"
         code, output = await asyncio.to_thread(exit_code, served.process, 60)
     assert code == 0, output
-    assert "msg=draining" in output and "msg=stopped" in output, output
+    assert "msg=ready" in output and "msg=draining" in output and "msg=stopped" in output, output
     assert "drain cut short" not in output
+    assert "mode=compiled" in output, "serve runs the model compiled unless --eager says otherwise"
+    assert "no auth token configured" in output
+    # Quiet and structured: vLLM's processes log through Salience's logfmt handler, and the
+    # warnings about what Salience chooses on purpose (eager mode, ...) are left out.
+    assert "(EngineCore" not in output and "(MainProcess" not in output, output
+    assert "Warning" not in output and "Enforce eager" not in output, output
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left running: {alive}"
 
 
 def vllm_sample(text: str, name: str) -> float:
