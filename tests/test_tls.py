@@ -2,7 +2,8 @@
 over TCP and gRPC each complete a handshake with a client that trusts the CA and get an answer;
 plain text to a TLS port is refused; mutual TLS refuses a client without a certificate (or with
 one from another CA); a bad file stops the start with one line; and a certificate replaced on
-disk is served to new connections after SIGHUP while a stream on the old one runs on."""
+disk is served to new connections after SIGHUP while a stream on the old one runs on (then the
+same server is stopped by two SIGTERMs, test_drain.py's last case)."""
 
 from __future__ import annotations
 
@@ -270,9 +271,40 @@ async def test_sighup_serves_a_new_certificate_while_a_stream_runs_on(
             await client.close()
         assert second != first
         assert len([t for t in tokens if "token" in t]) == 480 and tokens[-1]["finish_reason"] == "length"
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=60)
+        elapsed, output, ends = await stop_by_two_sigterms(process, port, ClientTls(ca=rotated_ca).context())
     finally:
         if process.poll() is None:
             process.kill()
     assert "tls reloaded" in output, output
+    assert process.returncode == 0 and "cause=signal" in output, output
+    assert elapsed < 10, f"took {elapsed:.1f} s to stop"
+    assert ends == ["cancelled"] * 4
+
+
+async def stop_by_two_sigterms(
+    process: subprocess.Popen, port: int, context: ssl.SSLContext
+) -> tuple[float, str, list[str]]:
+    """SIGTERM while four streams of 500 tokens run (the server's context is 512), and a second
+    once health says draining: the process must stop at once, its streams cancelled.
+    (test_drain.py's, run on this test's server to start one server less.) The seconds from the
+    second signal to the exit, the output, and the streams' finish reasons."""
+    client = await LmtpClient.connect(f"wss://127.0.0.1:{port}/", tls=context)
+    try:
+        fields = {"prompt": [1, 2, 3], "max_tokens": 500, "ignore_eos": True, "temperature": 0}
+        streams = [client.stream("GENERATE", **fields) for _ in range(4)]
+        for stream in streams:
+            await anext(stream)
+        process.send_signal(signal.SIGTERM)
+        while (await health(port, context))[0] != 503:
+            await asyncio.sleep(0.01)
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        output, _ = await asyncio.to_thread(process.communicate, timeout=30)
+        elapsed = time.monotonic() - signalled
+        ends = []
+        for stream in streams:
+            async with asyncio.timeout(10):
+                ends.append([payload async for payload in stream][-1]["finish_reason"])
+        return elapsed, output, ends
+    finally:
+        await client.close()
