@@ -106,6 +106,11 @@ class Plan:
                 if name in params:
                     self._places.setdefault(f"{name}[{params[name]}]", []).append(place)
 
+    def running_test(self) -> str:
+        if self._current is None or self._items is None:
+            return "no test"
+        return self._items[self._current].nodeid
+
     def next_use(self, fixtures: Collection[str]) -> float:
         """The place of the next test (after the running one) using one of `fixtures`, math.inf if none."""
         if self._current is None:  # a test the plan does not know: everything may still be used
@@ -132,23 +137,25 @@ async def engines() -> AsyncIterator[EnginePool]:
     # Six: from test_readouts to test_steering the default, tiny, eager and compiled read and two
     # tensor-parallel engines wait for a later module (14 GB with this process); a start wants
     # 8 GB available beside them, for itself and a module's own engine.
-    pool = EnginePool(keep=6, room_gib=8.0, next_use=PLAN.next_use)
+    pool = EnginePool(keep=6, room_gib=8.0, next_use=PLAN.next_use, running=PLAN.running_test)
     yield pool
     pool.close()
-    STARTS.extend(pool.starts)
+    POOLED.append(pool)
 
 
-STARTS: list[str] = []  # the pool's engine starts, by configuration, for the run's summary
+POOLED: list[EnginePool] = []  # the run's pool, for its summary
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """How many engines the run started: each configuration once unless the pool had to evict it."""
-    if STARTS:
-        again = sorted({key for key in STARTS if STARTS.count(key) > 1})
-        terminalreporter.write_line(
-            f"test engines: {len(STARTS)} starts, {len(set(STARTS))} configurations"
-            + "".join(f"\n  started {STARTS.count(key)} times: {key}" for key in again)
-        )
+    """How many engines the run started: each configuration once unless the pool had to let it go;
+    then, for those started again, what the pool did and when."""
+    for pool in POOLED:
+        starts = pool.starts
+        again = {key for key in starts if starts.count(key) > 1}
+        terminalreporter.write_line(f"test engines: {len(starts)} starts, {len(set(starts))} configurations")
+        for event in pool.events:
+            if any(key in event for key in again):
+                terminalreporter.write_line(f"  {event}")
 
 
 @pytest_asyncio.fixture(scope="module")

@@ -72,6 +72,8 @@ class EnginePool:
     # (conftest's Plan); without a plan every engine is wanted, and the least recently used goes first.
     next_use: Callable[[Collection[str]], float] = lambda fixtures: 0.0
     starts: list[str] = field(default_factory=list)  # every configuration started, in order
+    events: list[str] = field(default_factory=list)  # starts and shutdowns, with the test running then
+    running: Callable[[], str] = lambda: ""  # the test running now (conftest's Plan)
     _engines: dict[str, _Pooled] = field(default_factory=dict)  # least recently used first
 
     @asynccontextmanager
@@ -90,7 +92,7 @@ class EnginePool:
                 pass
             pooled = _Pooled(await Engine.start(EngineSettings(model=model, **settings)), settings)
             self.starts.append(key)
-            log.info("test engine started", extra={"engine": key, "starts": len(self.starts)})
+            self._event("started", key)
         self._engines[key] = pooled
         pooled.users += 1
         pooled.fixtures.update(fixtures)
@@ -112,7 +114,7 @@ class EnginePool:
         ahead until at most `idle` remain."""
         for key in [k for k, p in self._engines.items() if p.users == 0 and self._next_use(p) == math.inf]:
             self._engines.pop(key).engine.shutdown()
-            log.info("test engine no longer wanted", extra={"engine": key})
+            self._event("no longer wanted", key)
         while sum(1 for p in self._engines.values() if p.users == 0) > idle:
             self._evict_one()
 
@@ -123,8 +125,13 @@ class EnginePool:
             return False
         key = min(waiting)[2]
         self._engines.pop(key).engine.shutdown()
-        log.info("test engine evicted", extra={"engine": key})
+        self._event("evicted", key)
         return True
+
+    def _event(self, what: str, key: str) -> None:
+        log.info(f"test engine {what}", extra={"engine": key, "test": self.running()})
+        available = self._available_gib()
+        self.events.append(f"{what}: {key} (during {self.running()}, {available:.1f} GiB available)")
 
     @staticmethod
     def _available_gib() -> float:
