@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -120,6 +121,8 @@ class Engine(Passes):
         engine = cls(llm, settings, vision)
         engine.compiled = compiled
         try:
+            if settings.distributed_executor_backend != "ray":  # Ray's workers run elsewhere
+                await engine._rpc("salience_watch_server", (os.getpid(),))
             engine.fair_share = admission(settings, llm.vllm_config.scheduler_config.max_num_seqs)
             if settings.pipeline_parallel_size > 1:
                 await llm.collective_rpc("salience_pipeline_setup")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from salience.core.engine.orphans import watch_server
 from salience.core.probes.readout_worker import ReadoutWorker
 from salience.core.probes.steering_worker import SteeringWorker
 from salience.core.probes.taps import taps
@@ -22,6 +23,10 @@ class SalienceWorker(ReadoutWorker, SteeringWorker):
             if tap.steering_slot is not None:
                 out[f"steer{tap.steering_slot}"] = tap.directions.abs().amax(dim=0).tolist()
         return out
+
+    def salience_watch_server(self, pid: int) -> None:
+        """End this engine once the server's process `pid` is gone (orphans.py)."""
+        watch_server(pid)
 
     def salience_pipeline_setup(self) -> None:
         """Give a later pipeline stage the buffer it receives hidden states into.
