@@ -129,9 +129,9 @@ class EnginePool:
         return True
 
     def _event(self, what: str, key: str) -> None:
-        log.info(f"test engine {what}", extra={"engine": key, "test": self.running()})
-        available = self._available_gib()
-        self.events.append(f"{what}: {key} (during {self.running()}, {available:.1f} GiB available)")
+        test, available = self.running(), self._available_gib()
+        log.info(f"test engine {what}", extra={"engine": key, "test": test})
+        self.events.append(f"{what}: {key} (during {test}, {available:.1f} GiB available)")
 
     @staticmethod
     def _available_gib() -> float:

@@ -3,7 +3,8 @@
 Start: health says "loading", then "ready" (HTTP and gRPC), with quiet, structured logs.
 SIGTERM: new streams are refused and health says "draining" at once, the streams in flight
 finish, the process exits 0 and leaves no process behind. With --drain-timeout, what is left is
-cancelled; a second SIGTERM skips the wait.
+cancelled; a second SIGTERM skips the wait (that case runs on test_tls.py's server, which it
+stops). SIGKILL: vLLM's engine process stops on its own.
 """
 
 from __future__ import annotations
@@ -245,3 +246,18 @@ async def test_drain_timeout_cancels_what_is_left_multiprocess(tiny_model: Path)
     assert code == 0, output
     assert "drain cut short" in output and "cause=timeout" in output, output
     assert elapsed < 15, f"took {elapsed:.1f} s to stop after a 1 s drain"
+
+
+async def test_a_killed_server_leaves_no_engine_process_behind(tiny_model: Path) -> None:
+    """SIGKILL (the OOM killer, a forced stop) runs no shutdown: vLLM's engine core, which would
+    run on holding the model (vllm-project/vllm#55510), sees the server gone and stops."""
+    async with serve(tiny_model, "--no-grpc") as served:
+        children = psutil.Process(served.process.pid).children(recursive=True)
+        engine = [child for child in children if "EngineCore" in child.name()]
+        assert engine, "vLLM's engine core runs in a child process"
+        served.process.kill()
+        served.process.wait()
+    _, alive = await asyncio.to_thread(psutil.wait_procs, engine, timeout=15)
+    for left in alive:
+        left.kill()
+    assert not alive, f"left running after the server was killed: {alive}"
