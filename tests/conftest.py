@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from salience.cli import _default_concepts  # noqa: E402
 from salience.core.engine.engine import Engine  # noqa: E402
 from salience.core.engine.settings import EngineSettings  # noqa: E402
+from salience.core.features.sae import SparseAutoencoder, load_sae  # noqa: E402
 from salience.core.models import portable  # noqa: E402
 from salience.core.models.atomic import build_folder_once  # noqa: E402
 from salience.core.models.default_model import ensure_default_model  # noqa: E402
@@ -34,6 +35,7 @@ from salience.core.models.folders import model_fingerprint  # noqa: E402
 from salience.core.models.home import salience_home  # noqa: E402
 from salience.core.probes.concepts import ConceptSet  # noqa: E402
 from tests.engines import EnginePool, engine_settings  # noqa: E402
+from tests.random_sae import random_sae, stored  # noqa: E402
 from tests.reference import Reference  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 from tests.tiny_vl_model import build_tiny_vl_model  # noqa: E402
@@ -203,19 +205,43 @@ async def read_engine_each_mode(
 
 @pytest_asyncio.fixture(params=["eager", "compiled"])
 async def tensor_parallel_engine(
-    request: pytest.FixtureRequest, engines: EnginePool, tiny_model: Path, tiny_concepts: ConceptSet
+    request: pytest.FixtureRequest,
+    engines: EnginePool,
+    tiny_model: Path,
+    tiny_concepts: ConceptSet,
+    tiny_saes: dict[str, SparseAutoencoder],
 ) -> AsyncIterator[Engine]:
-    """The tiny model reading `tiny_concepts` over two tensor-parallel ranks (the two CPU cores),
-    eager then compiled: test_readouts and test_steering check their numbers on the same two."""
+    """The tiny model reading `tiny_concepts` and serving the `top` SAE over two tensor-parallel
+    ranks (the two CPU cores), eager then compiled: test_readouts, test_steering and test_features
+    check their numbers on the same two."""
     async with engines.engine(
         tiny_model,
         (f"tensor_parallel_engine[{request.param}]",),
         max_model_len=512,
         concepts=tiny_concepts,
+        saes=(tiny_saes["top"],),
+        sae_top=TINY_SAE_TOP,
         tensor_parallel_size=2,
         compile=request.param == "compiled",
     ) as engine:
         yield engine
+
+
+TINY_SAE_TOP = 16  # --sae-top of the engines serving `tiny_saes`
+
+
+@pytest.fixture(scope="session")
+def tiny_saes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SparseAutoencoder]:
+    """Random SAEs of the tiny model in SAELens's three architectures, each at the same path on every
+    run (a compiled engine serving them loads the forward an earlier run compiled)."""
+    root = tmp_path_factory.mktemp("saes")
+    threshold = torch.full((256,), 0.3)
+    made = {
+        "top": stored(random_sae(root / "top", "topk", 2, 512, 1, k=8)),
+        "plain": stored(random_sae(root / "plain", "standard", 1, 256, 2)),
+        "jump": stored(random_sae(root / "jump", "jumprelu", 3, 256, 3, threshold=threshold)),
+    }
+    return {name: load_sae(folder, name=name) for name, folder in made.items()}
 
 
 TINY_LAYERS = (0, 2, 3)  # 3 is the last layer: read before the final norm

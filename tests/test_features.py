@@ -26,27 +26,20 @@ from salience.proto.salience.ext.v1 import extensions_pb2_grpc
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
 from tests import sae_reference
-from tests.conftest import start_engine
+from tests.conftest import TINY_SAE_TOP, start_engine
 from tests.inprocess import frontends
-from tests.random_sae import random_sae, stored
+from tests.random_sae import random_sae
 from tests.reference import Reference
 
 PROMPTS = [[0, *range(40 + 11 * i, 62 + 11 * i)] for i in range(6)]
 GREEDY = SamplingOptions(max_tokens=5, temperature=0.0, ignore_eos=True)
-TOP = 16  # --sae-top
+TOP = TINY_SAE_TOP  # --sae-top
 TIE = 1e-4  # activations closer than this may swap places (docs/features.md, "Ties")
 
 
 @pytest.fixture(scope="module")
-def saes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SparseAutoencoder]:
-    root = tmp_path_factory.mktemp("saes")
-    threshold = torch.full((256,), 0.3)
-    made = {  # stored: the compiled engine loads the forward an earlier run compiled
-        "top": stored(random_sae(root / "top", "topk", 2, 512, 1, k=8)),
-        "plain": stored(random_sae(root / "plain", "standard", 1, 256, 2)),
-        "jump": stored(random_sae(root / "jump", "jumprelu", 3, 256, 3, threshold=threshold)),
-    }
-    return {name: load_sae(folder, name=name) for name, folder in made.items()}
+def saes(tiny_saes: dict[str, SparseAutoencoder]) -> dict[str, SparseAutoencoder]:
+    return tiny_saes
 
 
 @pytest_asyncio.fixture(scope="module", params=["eager", "compiled"])
@@ -322,31 +315,26 @@ async def test_an_sae_that_does_not_fit_the_model_is_refused_before_vllm_starts(
 
 @pytest.mark.multiprocess
 async def test_tensor_parallel_two_ranks_carry_residual_rows_and_features(
-    tiny_model: Path, tiny_concepts: ConceptSet, tiny_reference: Reference, saes: dict[str, SparseAutoencoder]
+    tensor_parallel_engine: Engine, tiny_reference: Reference, saes: dict[str, SparseAutoencoder]
 ) -> None:
-    """TP=2 on the two CPU cores: the residual is whole on every rank after the all-reduce, and
-    rank 0 alone files rows and features."""
-    parallel = await start_engine(
-        tiny_model, max_model_len=512, concepts=tiny_concepts, saes=(saes["top"],), sae_top=TOP, tensor_parallel_size=2
+    """TP=2 on the two CPU cores (eager, then compiled): the residual is whole on every rank after
+    the all-reduce, and rank 0 alone files rows and features."""
+    parallel = tensor_parallel_engine
+    prompt = PROMPTS[4]
+    generation = parallel.generate(
+        prompt,
+        GREEDY,
+        residual=ResidualRequest(layers=(0, 3), ranges=((0, 1000),)),
+        features=FeatureRequest(sae="top", k=8, ranges=((0, 1000),)),
     )
-    try:
-        prompt = PROMPTS[4]
-        generation = parallel.generate(
-            prompt,
-            GREEDY,
-            residual=ResidualRequest(layers=(0, 3), ranges=((0, 1000),)),
-            features=FeatureRequest(sae="top", k=8, ranges=((0, 1000),)),
-        )
-        events = [e async for e in generation]
-        ids = prompt + [e.token_id for e in events]
-        rows = {**generation.prompt_residuals, **{e.position: e.residual for e in events}}
-        assert sorted(rows) == list(range(len(ids)))
-        want = tiny_reference.residuals(ids, (0, 3))
-        for position, row in rows.items():
-            for i, layer in enumerate((0, 3)):
-                expected = want[layer][position].numpy()
-                assert abs(row[i] - expected).max() / abs(expected).max() < 1e-4, (position, layer)
-        got = {**generation.prompt_rows["features"], **{e.position: e.features for e in events}}
-        assert_features(got, want_top(tiny_reference, saes["top"], ids), 8)
-    finally:
-        parallel.shutdown()
+    events = [e async for e in generation]
+    ids = prompt + [e.token_id for e in events]
+    rows = {**generation.prompt_residuals, **{e.position: e.residual for e in events}}
+    assert sorted(rows) == list(range(len(ids)))
+    want = tiny_reference.residuals(ids, (0, 3))
+    for position, row in rows.items():
+        for i, layer in enumerate((0, 3)):
+            expected = want[layer][position].numpy()
+            assert abs(row[i] - expected).max() / abs(expected).max() < 1e-4, (position, layer)
+    got = {**generation.prompt_rows["features"], **{e.position: e.features for e in events}}
+    assert_features(got, want_top(tiny_reference, saes["top"], ids), 8)
