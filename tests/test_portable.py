@@ -19,22 +19,39 @@ FOLDER_LOGITS = Path(__file__).with_name("folder_logits.py")
 TEXT = "Hello, wörld! def f(x):\n    return x ** 2  # 日本 🎉"
 
 
-@pytest.mark.parametrize("model", ["default_model", "tiny_model", "tiny_vl_model"])
-def test_tokenizer_loads_and_agrees_under_transformers_4(model: str, request: pytest.FixtureRequest) -> None:
-    folder: Path = request.getfixturevalue(model)
+MODELS = ["default_model", "tiny_model", "tiny_vl_model"]
+
+
+@pytest.fixture(scope="module")
+def tokenized_under_transformers_4(request: pytest.FixtureRequest) -> tuple[str, dict[str, tuple[list[int], int]]]:
+    """transformers 4.x's version, and its ids of TEXT and EOS id for every model folder, from one
+    subprocess (each costs seconds of imports)."""
+    folders = [str(request.getfixturevalue(name)) for name in MODELS]
     script = (
         "import json, sys, transformers\n"
         "from transformers import AutoTokenizer\n"
-        "t = AutoTokenizer.from_pretrained(sys.argv[1])\n"
-        "print(json.dumps([transformers.__version__, t(sys.argv[2])['input_ids'], t.eos_token_id]))\n"
+        "out = {}\n"
+        "for folder in sys.argv[2:]:\n"
+        "    t = AutoTokenizer.from_pretrained(folder)\n"
+        "    out[folder] = [t(sys.argv[1])['input_ids'], t.eos_token_id]\n"
+        "print(json.dumps([transformers.__version__, out]))\n"
     )
     result = subprocess.run(
-        [client_python(), "-c", script, str(folder), TEXT], capture_output=True, text=True, timeout=300
+        [client_python(), "-c", script, TEXT, *folders], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr
-    version, ids, eos = json.loads(result.stdout.strip().splitlines()[-1])
+    version, out = json.loads(result.stdout.strip().splitlines()[-1])
+    return version, {name: tuple(out[folder]) for name, folder in zip(MODELS, folders, strict=True)}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_tokenizer_loads_and_agrees_under_transformers_4(
+    model: str, request: pytest.FixtureRequest, tokenized_under_transformers_4
+) -> None:
+    version, tokenized = tokenized_under_transformers_4
+    ids, eos = tokenized[model]
     assert version.startswith("4.")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(request.getfixturevalue(model))
     assert ids == tokenizer(TEXT)["input_ids"]
     assert eos == tokenizer.eos_token_id
 
@@ -85,7 +102,6 @@ def test_transformers_4_reads_rope_theta_only_from_the_portable_config(tmp_path:
 # Every id is in the tiny models' 2048-token vocabulary; 32 positions, so RoPE's base shows.
 IDS = [1, 504, 1365, 654, 1638, 270, 690, 260, 1790, 1767, 30, 378, 1000, 200, 300, 400]
 IDS += [500, 600, 700, 800, 900, 1000, 1100, 1200, 1300, 1400, 1500, 1600, 1700, 1800, 1900, 2000]
-MODELS = ["default_model", "tiny_model", "tiny_vl_model"]
 
 
 def _five_only(folder: Path, out: Path) -> Path:
