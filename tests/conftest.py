@@ -244,6 +244,42 @@ def tiny_saes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SparseAutoe
     return {name: load_sae(folder, name=name) for name, folder in made.items()}
 
 
+def _sae(engines: EnginePool, tiny_model: Path, tiny_concepts: ConceptSet, saes: dict, compiled: bool):
+    # The eager engine is `sae_engine`'s and `sae_engine_each_mode`'s first.
+    fixtures = ("sae_engine_each_mode[compiled]",) if compiled else ("sae_engine", "sae_engine_each_mode[eager]")
+    return engines.engine(
+        tiny_model,
+        fixtures,
+        max_model_len=1024,
+        concepts=tiny_concepts,
+        saes=tuple(saes.values()),
+        sae_top=TINY_SAE_TOP,
+        compile=compiled,
+    )
+
+
+@pytest_asyncio.fixture(scope="module")
+async def sae_engine(
+    engines: EnginePool, tiny_model: Path, tiny_concepts: ConceptSet, tiny_saes: dict[str, SparseAutoencoder]
+) -> AsyncIterator[Engine]:
+    """The tiny model reading `tiny_concepts` and serving the three `tiny_saes`, eager."""
+    async with _sae(engines, tiny_model, tiny_concepts, tiny_saes, compiled=False) as engine:
+        yield engine
+
+
+@pytest_asyncio.fixture(scope="module", params=["eager", "compiled"])
+async def sae_engine_each_mode(
+    request: pytest.FixtureRequest,
+    engines: EnginePool,
+    tiny_model: Path,
+    tiny_concepts: ConceptSet,
+    tiny_saes: dict[str, SparseAutoencoder],
+) -> AsyncIterator[Engine]:
+    """`sae_engine`, then the same compiled: test_features runs on each."""
+    async with _sae(engines, tiny_model, tiny_concepts, tiny_saes, compiled=request.param == "compiled") as engine:
+        yield engine
+
+
 TINY_LAYERS = (0, 2, 3)  # 3 is the last layer: read before the final norm
 TINY_CONCEPTS = ("alpha", "beta", "gamma", "delta", "epsilon")
 

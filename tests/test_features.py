@@ -5,12 +5,10 @@ on LMTP, gRPC and sessions; steering along a feature's decoder row; the manifest
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
-import pytest_asyncio
 import torch
 
 from salience.core.engine.engine import Engine
@@ -42,20 +40,9 @@ def saes(tiny_saes: dict[str, SparseAutoencoder]) -> dict[str, SparseAutoencoder
     return tiny_saes
 
 
-@pytest_asyncio.fixture(scope="module", params=["eager", "compiled"])
-async def engine(
-    request: pytest.FixtureRequest, tiny_model: Path, tiny_concepts: ConceptSet, saes: dict[str, SparseAutoencoder]
-) -> AsyncIterator[Engine]:
-    engine = await start_engine(
-        tiny_model,
-        max_model_len=1024,
-        concepts=tiny_concepts,
-        saes=tuple(saes.values()),
-        sae_top=TOP,
-        compile=request.param == "compiled",
-    )
-    yield engine
-    engine.shutdown()
+@pytest.fixture(scope="module")
+def engine(sae_engine_each_mode: Engine) -> Engine:
+    return sae_engine_each_mode
 
 
 def want_top(reference: Reference, sae: SparseAutoencoder, ids: list[int]) -> torch.Tensor:

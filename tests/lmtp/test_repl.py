@@ -22,7 +22,6 @@ import pytest
 import pytest_asyncio
 
 from salience.core.engine.engine import Engine
-from salience.core.features.sae import load_sae
 from salience.core.probes.concepts import ConceptSet
 from salience.lmtp.client import LmtpClient
 from salience.lmtp.repl import Repl
@@ -33,7 +32,6 @@ from salience.lmtp.repl_readouts import ReadoutView, choose_readout, readout_sum
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
 from tests.inprocess import frontends
 from tests.lmtp.conftest import LmtpServer
-from tests.random_sae import random_sae
 
 SALIENCE = str(Path(sys.executable).with_name("salience"))
 
@@ -279,21 +277,11 @@ async def test_repl_defines_lists_steers_saves_and_deletes_a_concept(lmtp_server
 
 
 @pytest_asyncio.fixture(scope="module")
-async def sae_url(
-    tiny_model: Path, tiny_concepts: ConceptSet, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[str]:
-    """A second server, with a topk SAE at layer 2 (served first) and a standard one at layer 1."""
-    root = tmp_path_factory.mktemp("saes")
-    saes = (
-        load_sae(random_sae(root / "top", "topk", 2, 256, 1, k=8), name="top"),
-        load_sae(random_sae(root / "plain", "standard", 1, 256, 2), name="plain"),
-    )
-    engine = await start_engine(tiny_model, max_model_len=1024, concepts=tiny_concepts, saes=saes, sae_top=16)
-    try:
-        async with frontends(engine) as served:
-            yield served.ws
-    finally:
-        engine.shutdown()
+async def sae_url(sae_engine: Engine) -> AsyncIterator[str]:
+    """A second server, serving SAEs: a topk one at layer 2 (served first), a standard one at layer 1
+    and a JumpReLU one at layer 3."""
+    async with frontends(sae_engine) as served:
+        yield served.ws
 
 
 def test_choose_features_reads_k_and_the_sae() -> None:
@@ -358,7 +346,7 @@ async def test_repl_shows_each_tokens_top_features(sae_url: str) -> None:
             assert lines[0].split()[0].startswith('"')  # the token's text, quoted
             await terminal.expect(">>> ")
         terminal.send("/features 3 deep\r")
-        await terminal.expect(r"\[error\] unknown SAE 'deep'; this server serves top, plain")
+        await terminal.expect(r"\[error\] unknown SAE 'deep'; this server serves top, plain, jump")
         terminal.send("/features off\r")
         terminal.send("def max_tokens=1\r")
         out = await terminal.expect(r"\[\w+\]\s*\n.*>>> ")
