@@ -12,6 +12,7 @@ import gc
 import json
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import grpc
@@ -21,13 +22,14 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from salience.auth import Tokens
-from salience.core.engine.engine import Engine
+from salience.core.probes.concepts import ConceptSet
 from salience.core.serving.sessions import SessionLimits, SessionStore
 from salience.grpc_frontend.client import AsyncSalienceClient
 from salience.lmtp.codec import parse_server_line
 from salience.lmtp.session import ConnectionLimits, LmtpConfig, LmtpSession
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
+from tests.conftest import start_engine
 from tests.inprocess import Frontends, frontends
 
 TOKEN = "metrics-secret"
@@ -38,10 +40,12 @@ LIMITS = ConnectionLimits(max_message_bytes=4096, max_frame_bytes=8192)  # small
 
 
 @pytest_asyncio.fixture(scope="module")
-async def server(read_engine: Engine) -> AsyncIterator[Frontends]:
+async def server(tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Frontends]:
+    engine = await start_engine(tiny_model, served_model_name="tiny", max_model_len=1024, concepts=tiny_concepts)
     lmtp, tcp = LmtpConfig(tokens=Tokens(TOKEN), limits=LIMITS), LmtpConfig(limits=LIMITS)
-    async with frontends(read_engine, lmtp=lmtp, tcp=tcp, grpc_tokens=Tokens(TOKEN)) as served:
+    async with frontends(engine, lmtp=lmtp, tcp=tcp, grpc_tokens=Tokens(TOKEN)) as served:
         yield served
+    engine.shutdown()
 
 
 Samples = dict[tuple[str, frozenset], float]
