@@ -41,6 +41,9 @@ LIMITS = ConnectionLimits(max_message_bytes=4096, max_frame_bytes=8192)  # small
 
 @pytest_asyncio.fixture(scope="module")
 async def server(tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[Frontends]:
+    # Its own start, not the pooled read_engine: vLLM's stat logger of the engine started last owns
+    # the vllm:* metrics (each start unregisters the ones before), and a pooled engine started
+    # before other modules' engines has lost them.
     engine = await start_engine(tiny_model, served_model_name="tiny", max_model_len=1024, concepts=tiny_concepts)
     lmtp, tcp = LmtpConfig(tokens=Tokens(TOKEN), limits=LIMITS), LmtpConfig(limits=LIMITS)
     async with frontends(engine, lmtp=lmtp, tcp=tcp, grpc_tokens=Tokens(TOKEN)) as served:
