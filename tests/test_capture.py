@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ from safetensors.numpy import load_file
 from salience.capture.commands import add_capture_parsers, start_source
 from salience.capture.run import CaptureOptions, capture, parse_layers
 from salience.capture.sources import EngineSource, GrpcSource
+from salience.core.engine.engine import Engine
 from salience.errors import InvalidArgument
 from tests.inprocess import frontends
 from tests.reference import Reference
@@ -33,13 +36,28 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def forked_engines() -> Iterator[None]:
+    """The engines capture starts fork from the suite's fork server, as every test engine does
+    (tests/engines.py), instead of spawning and importing vLLM afresh as `salience capture` does."""
+    start = Engine.start
+
+    async def forked(settings):
+        return await start(dataclasses.replace(settings, fork_server=True))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Engine, "start", forked)
+        yield
+
+
 @pytest_asyncio.fixture(scope="module")
 async def source(tiny_model: Path, corpus: Path) -> AsyncIterator[EngineSource]:
     """Started as `salience capture --model DIR --eager` starts it: with the model's own context."""
     parser = argparse.ArgumentParser()
     add_capture_parsers(parser.add_subparsers())
     argv = ["capture", str(corpus), "--layers", "1,3", "-o", "out", "--model", str(tiny_model), "--eager"]
-    source = await start_source(parser.parse_args(argv), tiny_model, LAYERS)
+    with forked_engines():
+        source = await start_source(parser.parse_args(argv), tiny_model, LAYERS)
     yield source
     await source.close()
 
@@ -151,7 +169,8 @@ async def test_the_command_line_captures_and_reports(
     command = ["capture", str(corpus), "--layers", "2", "-o", str(tmp_path), "--model", str(tiny_model)]
     # No --max-model-len: the tiny model's own 2048 (a fixed 4096 failed to start on it).
     command += ["--eager", "--dtype", "bfloat16", "--max-tokens-per-doc", "6"]
-    assert await asyncio.to_thread(cli.main, command) == 0
+    with forked_engines():
+        assert await asyncio.to_thread(cli.main, command) == 0
     assert f"tokens of {len(TEXTS)} documents in 1 shards" in capsys.readouterr().out
     from safetensors.torch import load_file as load_torch
 
