@@ -1,21 +1,25 @@
-"""A request in flight, and what a pass over a prompt computed: vLLM's outputs as TokenEvents.
+"""A request in flight: vLLM's outputs as TokenEvents.
 
 Split from engine.py, which validates and submits; this module follows one
 request's outputs, holding each event back one step while its readout is
-captured (see readouts.py), and maps vLLM's failures to Salience's errors.
+captured (see readouts.py). Its output stream is wrapped in output_streams.py
+(vLLM's failures as Salience's errors); what a pass over a prompt computed is
+prompt_scores.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
+from salience.core.engine.output_streams import admitted, guarded, releasing
+from salience.core.engine.prompt_scores import PromptScores, top_alternatives
 from salience.core.engine.prompts import check_expansion
-from salience.core.engine.requests import Features, FinishReason, ScoredToken, TokenEvent, covers
+from salience.core.engine.requests import Features, FinishReason, TokenEvent, covers
 from salience.core.probes.calibration import MonitorState, Presenter
-from salience.errors import EngineError, InvalidArgument
+from salience.errors import EngineError
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -27,109 +31,13 @@ if TYPE_CHECKING:
     from salience.core.engine.rows import RowPlan
     from salience.core.probes.readouts import ReadoutHub
 
-__all__ = ["Generation", "PromptScores", "guarded"]
+__all__ = ["Generation"]
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.CANCELLED}
 
 
-@dataclasses.dataclass(frozen=True)
-class PromptScores:
-    """What a pass over a token list computed: vLLM's per-position logprob entries
-    (None where none were asked for), readouts by position, and per field of ScoredToken
-    ("residual", "features") the rows asked for by position (rows.py)."""
-
-    tokens: list[int]
-    entries: list | None
-    top_k: int
-    readouts: dict[int, tuple[float, ...]]
-    rows: dict[str, dict[int, Any]] = dataclasses.field(default_factory=dict)
-    # Positions before it carry no logprob: the pass may have read them from the prefix cache.
-    scored_from: int = 1
-    cached_tokens: int = 0  # prompt positions vLLM served from its prefix cache
-
-    @property
-    def residuals(self) -> dict[int, Any]:
-        """Position -> [layers asked, hidden] float32."""
-        return self.rows.get("residual", {})
-
-    def at(self, position: int) -> ScoredToken:
-        """Position's token scored given the tokens before it; position 0 has no logprob."""
-        token = self.tokens[position]
-        entry = self.entries[position] if self.entries is not None and position >= self.scored_from else None
-        return ScoredToken(
-            token_id=token,
-            position=position,
-            logprob=entry[token].logprob if entry else None,
-            top_logprobs=_top(entry, self.top_k) if entry else (),
-            readout=self.readouts.get(position),
-            **{field: rows.get(position) for field, rows in self.rows.items()},
-        )
-
-
-def _top(entry, k: int) -> tuple[tuple[int, float], ...]:
-    """The k most likely tokens of a vLLM logprob dict, most likely first."""
-    if k == 0:
-        return ()
-    ranked = sorted((lp.rank, token, lp.logprob) for token, lp in entry.items() if lp.rank is not None and lp.rank <= k)
-    return tuple((token, logprob) for _, token, logprob in ranked)
-
-
 def _as_read(position: int, row: tuple[float, ...]) -> tuple[float, ...]:
     return row
-
-
-async def guarded(outputs: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[RequestOutput]:
-    """Map vLLM's request failures to EngineError; cancellation passes through."""
-    from vllm.exceptions import VLLMClientError
-    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
-
-    try:
-        async for out in outputs:
-            yield out
-    except EngineDeadError as exc:
-        raise EngineError("the engine has stopped") from exc
-    except EngineGenerateError as exc:
-        raise EngineError(f"the engine failed the request: {exc.__cause__ or exc}") from exc
-    except (ValueError, VLLMClientError) as exc:  # vLLM's request validation
-        raise InvalidArgument(str(exc)) from exc
-    finally:
-        # Closing vLLM's generator is what aborts an unfinished request.
-        await outputs.aclose()
-
-
-async def _releasing(
-    outputs: AsyncGenerator[RequestOutput, None], hub: ReadoutHub, keys: list[str]
-) -> AsyncGenerator[RequestOutput, None]:
-    """Free the request's readout and residual state however it ends (finished, failed, aborted)."""
-    try:
-        async for out in outputs:
-            yield out
-    finally:
-        for key in keys:
-            hub.release(key)
-        await outputs.aclose()
-
-
-class Gate(Protocol):
-    """What a request waits for before vLLM sees it: its residual rows (row_budget.Ticket), its
-    turn under fair share (fair_share.Slot)."""
-
-    granted: bool
-
-    async def ready(self) -> bool: ...
-
-    def release(self) -> None: ...
-
-
-async def _admitted(gate: Gate, outputs: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[RequestOutput, None]:
-    """vLLM's outputs once `gate` is granted; none if the request was cancelled while it waited
-    (vLLM never saw it)."""
-    try:
-        if await gate.ready():
-            async for out in outputs:
-                yield out
-    finally:
-        await outputs.aclose()  # closing vLLM's generator aborts the request
 
 
 class Generation:
@@ -224,7 +132,7 @@ class Generation:
         self._gates = [gate for gate in (ticket, slot) if gate is not None]
         for gate in (slot, ticket):  # queued: vLLM sees it once rows come back, then once it is its turn
             if gate is not None and not gate.granted:
-                outputs = _admitted(gate, outputs)
+                outputs = admitted(gate, outputs)
         if self._hub is not None:
             keys = []
             if self._ranges:
@@ -234,7 +142,7 @@ class Generation:
                 self._hub.register(plan.key(request_id), plan.width, raw_layers=plan.layers)
                 keys.append(plan.key(request_id))
             self._keys = keys
-            outputs = _releasing(outputs, self._hub, keys)
+            outputs = releasing(outputs, self._hub, keys)
         self._outputs = outputs
 
     def __aiter__(self) -> Generation:
@@ -380,7 +288,7 @@ class Generation:
         if not self._submitted:
             self.finish_reason = FinishReason.CANCELLED
             if self._hub is not None:
-                for key in self._keys:  # registered for them; _releasing never started
+                for key in self._keys:  # registered for them; releasing() never started
                     self._hub.release(key)
             return
         if not queued:
@@ -430,7 +338,7 @@ class Generation:
                     token_id=token,
                     position=self._next_position,
                     logprob=entry[token].logprob,
-                    top_logprobs=_top(entry, self._top_k),
+                    top_logprobs=top_alternatives(entry, self._top_k),
                 )
             )
             self._next_position += 1

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from salience.core.engine.fair_share import ANONYMOUS, check_client
-from salience.core.engine.generation import PromptScores, guarded
+from salience.core.engine.output_streams import guarded
+from salience.core.engine.prompt_scores import PromptScores
 from salience.core.engine.prompts import check_expansion
 from salience.core.engine.requests import FeatureRequest, ResidualRequest, ScoredToken, covers
 from salience.core.engine.rows import RowPlan, feature_plan, residual_plan

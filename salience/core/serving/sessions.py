@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from salience.core.engine.chat_messages import ChatMessage
 from salience.core.engine.engine import Engine
 from salience.core.engine.fair_share import check_client
-from salience.core.engine.generation import Generation, PromptScores
+from salience.core.engine.generation import Generation
 from salience.core.engine.images import ImageFacts, Vision
+from salience.core.engine.prompt_scores import PromptScores
 from salience.core.engine.prompts import PlacedImage
 from salience.core.serving import conversations
 from salience.core.serving.conversations import ChatTurn, Conversation

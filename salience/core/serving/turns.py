@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from salience.core.engine.fair_share import ANONYMOUS
-from salience.core.engine.generation import Generation, PromptScores
+from salience.core.engine.generation import Generation
+from salience.core.engine.prompt_scores import PromptScores
 from salience.core.engine.requests import (
     FeatureRequest,
     Features,
