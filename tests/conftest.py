@@ -179,11 +179,22 @@ async def default_engine(
         yield engine
 
 
+def _in_mode(engines: EnginePool, name: str, model: Path, compiled: bool, **settings):
+    """The pooled engine of fixture `name` (eager) and of `name`_each_mode (eager, then compiled):
+    the eager one is both fixtures'."""
+    fixtures = (f"{name}_each_mode[compiled]",) if compiled else (name, f"{name}_each_mode[eager]")
+    return engines.engine(model, fixtures, compile=compiled, **settings)
+
+
 def _read(engines: EnginePool, tiny_model: Path, tiny_concepts: ConceptSet, compiled: bool):
-    # The eager engine is `read_engine`'s and `read_engine_each_mode`'s first.
-    fixtures = ("read_engine_each_mode[compiled]",) if compiled else ("read_engine", "read_engine_each_mode[eager]")
-    return engines.engine(
-        tiny_model, fixtures, served_model_name="tiny", max_model_len=1024, concepts=tiny_concepts, compile=compiled
+    return _in_mode(
+        engines,
+        "read_engine",
+        tiny_model,
+        compiled,
+        served_model_name="tiny",
+        max_model_len=1024,
+        concepts=tiny_concepts,
     )
 
 
@@ -245,16 +256,15 @@ def tiny_saes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SparseAutoe
 
 
 def _sae(engines: EnginePool, tiny_model: Path, tiny_concepts: ConceptSet, saes: dict, compiled: bool):
-    # The eager engine is `sae_engine`'s and `sae_engine_each_mode`'s first.
-    fixtures = ("sae_engine_each_mode[compiled]",) if compiled else ("sae_engine", "sae_engine_each_mode[eager]")
-    return engines.engine(
+    return _in_mode(
+        engines,
+        "sae_engine",
         tiny_model,
-        fixtures,
+        compiled,
         max_model_len=1024,
         concepts=tiny_concepts,
         saes=tuple(saes.values()),
         sae_top=TINY_SAE_TOP,
-        compile=compiled,
     )
 
 
