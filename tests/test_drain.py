@@ -4,7 +4,8 @@ Start: health says "loading", then "ready" (HTTP and gRPC), with quiet, structur
 SIGTERM: new streams are refused and health says "draining" at once, the streams in flight
 finish, the process exits 0 and leaves no process behind. With --drain-timeout, what is left is
 cancelled; a second SIGTERM skips the wait (that case runs on test_tls.py's server, which it
-stops). SIGKILL: vLLM's engine process stops on its own.
+stops). SIGKILL: vLLM's engine process stops on its own, and so does the fork server it was
+forked from.
 """
 
 from __future__ import annotations
@@ -165,7 +166,9 @@ async def test_serve_starts_then_sigterm_lets_in_flight_streams_finish_and_refus
         assert all(code == 503 and body["status"] == "loading" for code, body in served.health[:-1])
         assert await asyncio.to_thread(grpc_health, served.grpc_target) == health_pb2.HealthCheckResponse.SERVING
         children = psutil.Process(served.process.pid).children(recursive=True)
-        assert children, "vLLM's engine core runs in a child process"
+        engine = next(child for child in children if "EngineCore" in child.name())
+        # Forked from the fork server serve started before importing vLLM (fork_server.py).
+        assert engine.ppid() != served.process.pid and "forkserver" in " ".join(engine.parent().cmdline())
 
         await client.ws.send_str('STATUS {"stream_id": 100}')
         await start_streams(client, range(1, n + 1), max_tokens)
@@ -206,6 +209,7 @@ async def test_serve_starts_then_sigterm_lets_in_flight_streams_finish_and_refus
     assert "msg=ready" in output and "msg=draining" in output and "msg=stopped" in output, output
     assert "drain cut short" not in output
     assert "mode=compiled" in output, "serve runs the model compiled unless --eager says otherwise"
+    assert "spawning vLLM's process" not in output, "the fork server started in the environment vLLM sets"
     assert "no auth token configured" in output
     # Quiet and structured: vLLM's processes log through Salience's logfmt handler, and the
     # warnings about what Salience chooses on purpose (eager mode, ...) are left out.
@@ -253,11 +257,11 @@ async def test_a_killed_server_leaves_no_engine_process_behind(tiny_model: Path)
     run on holding the model (vllm-project/vllm#55510), sees the server gone and stops."""
     async with serve(tiny_model, "--no-grpc") as served:
         children = psutil.Process(served.process.pid).children(recursive=True)
-        engine = [child for child in children if "EngineCore" in child.name()]
-        assert engine, "vLLM's engine core runs in a child process"
+        assert any("EngineCore" in child.name() for child in children), "vLLM's engine core runs in a child process"
         served.process.kill()
         served.process.wait()
-    _, alive = await asyncio.to_thread(psutil.wait_procs, engine, timeout=15)
+    # The engine core, and the fork server it was forked from.
+    _, alive = await asyncio.to_thread(psutil.wait_procs, children, timeout=15)
     for left in alive:
         left.kill()
     assert not alive, f"left running after the server was killed: {alive}"

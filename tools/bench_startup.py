@@ -8,6 +8,9 @@ the engine is up) and until `GET /health` answers 200 (the engine loaded, compil
 - `default`: compiled, readouts and steering on (what `salience serve` runs);
 - `fastest`: compiled, `--no-readouts --no-steering` (a user who needs neither);
 - `eager`: `--eager` (no compile at all);
+- `spawned`, `eager-spawned`: the default and `--eager` with `--no-fork-server`: vLLM's
+  engine core spawned, importing torch and vLLM after the server has, rather than forked from a
+  fork server that imports them beside the server;
 - `traced`: the default with `VLLM_USE_AOT_COMPILE=0`, vLLM's older compile cache only: the
   forward is traced again at every start (what every warm start did before
   probes/compile_cache.py).
@@ -37,6 +40,8 @@ CONFIGS = {  # key: (description, flags, environment)
     "fastest": ("compiled, --no-readouts --no-steering", ["--no-readouts", "--no-steering"], {}),
     "eager": ("--eager", ["--eager"], {}),
     "traced": ("default, traced every start (no AOT artifact)", [], {"VLLM_USE_AOT_COMPILE": "0"}),
+    "spawned": ("default, `--no-fork-server`", ["--no-fork-server"], {}),
+    "eager-spawned": ("`--eager --no-fork-server`", ["--eager", "--no-fork-server"], {}),
 }
 
 

@@ -16,6 +16,7 @@ __all__ = ["run_serve"]
 
 def run_serve(args: argparse.Namespace) -> int:
     from salience.core.engine.chat import load_chat_template
+    from salience.core.engine.fork_server import start_early
     from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
     from salience.core.models.folders import inspect_model_folder
     from salience.lmtp.config import ConnectionLimits, check_tcp_auth
@@ -35,6 +36,9 @@ def run_serve(args: argparse.Namespace) -> int:
     chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     if args.model is not None:
         folder = inspect_model_folder(args.model)
+    # vLLM's engine core then forks from a server that imports vLLM while this process does.
+    on_ray = args.ray_address is not None or args.distributed_executor_backend == "ray"
+    fork_server = args.fork_server and not on_ray and start_early()
 
     from salience.core.engine.settings import EngineSettings
     from salience.core.serving.sessions import SessionLimits
@@ -76,6 +80,7 @@ def run_serve(args: argparse.Namespace) -> int:
         residual_memory_mib=args.residual_memory,
         fair_share=args.fair_share,
         max_running=args.max_running,
+        fork_server=fork_server,
     )
     options = ServeOptions(
         host=args.host,

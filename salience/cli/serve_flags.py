@@ -291,6 +291,13 @@ def _engine(serve: argparse.ArgumentParser) -> None:
         help="run vLLM's worker in its own process (default: in-process on CPU)",
     )
     group.add_argument(
+        "--no-fork-server",
+        dest="fork_server",
+        action="store_false",
+        help="spawn vLLM's processes as vLLM does, rather than fork them from a server that imports vLLM "
+        "beside this one's import (on CPU: a start ~8 s shorter; docs/benchmarks.md#start-up)",
+    )
+    group.add_argument(
         "--engine-arg",
         action="append",
         type=_engine_arg,

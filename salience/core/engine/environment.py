@@ -7,9 +7,12 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from salience.core.engine.settings import EngineSettings
 from salience.errors import ModelError
+
+if TYPE_CHECKING:
+    from salience.core.engine.settings import EngineSettings
 
 __all__ = ["is_cpu", "process_environment", "scoped", "split_cores"]
 

@@ -4,9 +4,10 @@ vLLM's engine core outlives a server killed by SIGKILL (the OOM killer, `kill -9
 forced stop): it runs on, holding the model and its KV cache, for good (vllm-project/vllm#55510;
 its workers watch the engine core, but the engine core watches nothing). So each worker watches
 the server's process: once it is gone (or a zombie), the worker ends its own process and, when
-its parent is not the server, that parent (the engine core of the multiprocess layout, or the
-test suite's fork server), with SIGTERM, vLLM's own shutdown, then SIGKILL if that has not ended
-them. Not on Ray, whose workers run on other machines.
+the process that started it is not the server, that one too (the engine core of the multiprocess
+layout), with SIGTERM, vLLM's own shutdown, then SIGKILL if that has not ended them. Not on Ray,
+whose workers run on other machines. A process forked from the fork server (fork_server.py) is
+its child, not its starter's: `fork_server.starter` knows which.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 
 import psutil
 
+from salience.core.engine.fork_server import starter
+
 __all__ = ["watch_server"]
 
 log = logging.getLogger(__name__)
@@ -27,8 +30,8 @@ log = logging.getLogger(__name__)
 
 def watch_server(pid: int, every: float = 1.0, grace: float = 5.0) -> None:
     """From a worker: end this engine once process `pid` (the server) is gone, checking every `every` s."""
-    parent = os.getppid()
-    engine = [os.getpid()] if parent == pid else [parent, os.getpid()]  # the engine core first
+    started_by = starter()
+    engine = [os.getpid()] if started_by == pid else [started_by, os.getpid()]  # the engine core first
     try:
         created = psutil.Process(pid).create_time()  # a later process under the same pid is not the server
     except psutil.NoSuchProcess:

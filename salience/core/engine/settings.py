@@ -41,7 +41,7 @@ class EngineSettings:
     compile: bool = False  # vLLM's compiled graph, readout taps included: faster decode, slower first start
     multiprocess: bool | None = None  # None: in-process worker on CPU, vLLM's default on GPU
     # vLLM's processes forked from a fork server that imported vLLM once (fork_server.py): for a
-    # process starting many engines, each start after the first ~8 s shorter on two cores.
+    # process starting many engines, or `salience serve` once it started one early.
     fork_server: bool = False
     seed: int = 0
     max_images: int = 16  # vision-language models: images one request (a session) may carry
