@@ -54,6 +54,22 @@ def test_a_clients_line_keeps_vllms_order_and_other_clients_their_turn() -> None
     assert urgent.granted and not batch.granted
 
 
+def test_a_client_with_nothing_running_while_others_run_is_a_newcomer() -> None:
+    """Its prompt may take a step of its own (newcomer_scheduler.py): only when it enters at once."""
+    share = FairShare(max_running=2, room=3)
+    assert not share.enter("a", 1.0, 8).newcomer  # a quiet engine: its step is its own anyway
+    assert not share.enter("a", 1.0, 8).newcomer  # a runs one already
+    b = share.enter("b", 1.0, 8)
+    assert b.granted and b.newcomer
+    second = share.enter("b", 1.0, 8)
+    assert not second.newcomer  # b's second
+    c = share.enter("c", 1.0, 8)
+    assert not c.granted and not c.newcomer  # it waits: by its turn, it is one of many
+    second.release()
+    b.release()
+    assert c.granted and not c.newcomer
+
+
 def test_a_quiet_engine_holds_nothing_back() -> None:
     share = FairShare(max_running=4, room=4)
     slots = [share.enter(name, 1.0, 8) for name in ("a", "b", "a", "c")]

@@ -34,6 +34,7 @@ from salience.core.engine.generation import Generation
 from salience.core.engine.images import Vision
 from salience.core.engine.inflight import InFlight
 from salience.core.engine.live import Hold, LiveConcepts, install_probes
+from salience.core.engine.newcomer_scheduler import NEWCOMER
 from salience.core.engine.passes import Passes
 from salience.core.engine.prompts import PlacedImage, submission
 from salience.core.engine.requests import FeatureRequest, ResidualRequest, SamplingOptions
@@ -262,6 +263,8 @@ class Engine(Passes):
             raise
         ticket = self.row_budget.reserve(sum(plan.held for plan in plans))
         slot = self._enter(client, weight, len(prompt), options.priority)
+        if slot is not None and slot.newcomer:
+            params.extra_args = {**(params.extra_args or {}), NEWCOMER: True}
         rank = self.inflight.rank_of(request_id)
         # The last token's pass runs where the generation ran (its prefix is cached there), under
         # the generation's concepts and steering.

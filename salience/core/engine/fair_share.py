@@ -73,6 +73,9 @@ class Slot:
 
     def __init__(self, share: FairShare, client: _Client, prompt_tokens: int, priority: int, order: int) -> None:
         self.granted = False
+        # Granted at once to a client with nothing running while others ran: its prompt may take a
+        # step of its own (newcomer_scheduler.py).
+        self.newcomer = False
         self._share = share
         self._client = client
         self._prompt_tokens = prompt_tokens
@@ -127,8 +130,10 @@ class FairShare:
         `priority`: its slot, granted now if it may enter, else queued in the client's line."""
         owner = self._activate(client, weight)
         slot = Slot(self, owner, prompt_tokens, priority, next(self._arrivals))
+        idle, others = owner.running == 0, self.running > 0
         bisect.insort(owner.waiting, slot, key=lambda s: s.place)
         self._serve()
+        slot.newcomer = slot.granted and idle and others
         return slot
 
     def counters(self) -> dict[str, float]:
