@@ -16,7 +16,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from salience.core.engine import vllm_args
-from salience.core.engine.newcomer_scheduler import EVERY, NEWCOMER, NewcomerScheduler
+from salience.core.engine.newcomer_scheduler import EVERY, NEWCOMER, NewcomerScheduler, ReadoutNewcomerScheduler
 from salience.core.engine.settings import EngineSettings
 
 BLOCKS = 256
@@ -30,15 +30,16 @@ def scheduler_parts(tiny_model: Path):
     return config, config.cache_config.block_size
 
 
-@pytest.fixture
-def scheduler(scheduler_parts) -> NewcomerScheduler:
+@pytest.fixture(params=[NewcomerScheduler, ReadoutNewcomerScheduler])
+def scheduler(request: pytest.FixtureRequest, scheduler_parts) -> NewcomerScheduler:
+    """As it runs without readouts, and with them carried on the steps' output."""
     config, block = scheduler_parts
     spec = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=16, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
-    return NewcomerScheduler(config, kv, StructuredOutputManager(config), block_size=block)
+    return request.param(config, kv, StructuredOutputManager(config), block_size=block)
 
 
-def request(name: str, newcomer: bool = False) -> Request:
+def arriving(name: str, newcomer: bool = False) -> Request:
     params = SamplingParams(max_tokens=100, ignore_eos=True, extra_args={NEWCOMER: True} if newcomer else None)
     params.update_from_generation_config({}, eos_token_id=None)
     return Request(name, list(range(5, 13)), params, None, arrival_time=0.0)
@@ -57,10 +58,10 @@ def step(scheduler: NewcomerScheduler) -> set[str]:
 
 def test_a_newcomers_prompt_runs_alone_then_everyone_goes_on(scheduler: NewcomerScheduler) -> None:
     for name in ("a1", "a2", "a3"):
-        scheduler.add_request(request(name))
+        scheduler.add_request(arriving(name))
     assert step(scheduler) == {"a1", "a2", "a3"}
-    scheduler.add_request(request("a4"))  # another of A's: waits with everyone else
-    scheduler.add_request(request("b", newcomer=True))
+    scheduler.add_request(arriving("a4"))  # another of A's: waits with everyone else
+    scheduler.add_request(arriving("b", newcomer=True))
     assert step(scheduler) == {"b"}, "the newcomer's prompt takes a step of its own"
     assert step(scheduler) == {"a1", "a2", "a3", "a4", "b"}, "the others lost one step, and nothing else"
     assert [r.request_id for r in scheduler.running] == ["a1", "a2", "a3", "b", "a4"]
@@ -68,12 +69,12 @@ def test_a_newcomers_prompt_runs_alone_then_everyone_goes_on(scheduler: Newcomer
 
 
 def test_at_most_one_newcomers_step_in_every(scheduler: NewcomerScheduler) -> None:
-    scheduler.add_request(request("a"))
+    scheduler.add_request(arriving("a"))
     step(scheduler)
-    scheduler.add_request(request("b", newcomer=True))
-    scheduler.add_request(request("c", newcomer=True))
+    scheduler.add_request(arriving("b", newcomer=True))
+    scheduler.add_request(arriving("c", newcomer=True))
     assert step(scheduler) == {"b", "c"}, "the newcomers waiting then share their step"
-    scheduler.add_request(request("d", newcomer=True))
+    scheduler.add_request(arriving("d", newcomer=True))
     alone = []
     for _ in range(EVERY):
         scheduled = step(scheduler)
@@ -83,12 +84,12 @@ def test_at_most_one_newcomers_step_in_every(scheduler: NewcomerScheduler) -> No
     assert not any(alone), "d came too soon after b and c: it shares a step with the others"
     for _ in range(EVERY):
         step(scheduler)
-    scheduler.add_request(request("e", newcomer=True))
+    scheduler.add_request(arriving("e", newcomer=True))
     assert step(scheduler) == {"e"}
 
 
 def test_without_newcomers_or_without_others_nothing_changes(scheduler: NewcomerScheduler) -> None:
-    scheduler.add_request(request("b", newcomer=True))  # an idle engine: its step is its own anyway
+    scheduler.add_request(arriving("b", newcomer=True))  # an idle engine: its step is its own anyway
     assert step(scheduler) == {"b"}
-    scheduler.add_request(request("a"))
+    scheduler.add_request(arriving("a"))
     assert step(scheduler) == {"a", "b"}

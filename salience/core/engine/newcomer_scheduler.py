@@ -18,7 +18,9 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-__all__ = ["EVERY", "NEWCOMER", "NewcomerScheduler"]
+from salience.core.probes.readout_scheduler import ReadoutScheduler
+
+__all__ = ["EVERY", "NEWCOMER", "NewcomerScheduler", "ReadoutNewcomerScheduler"]
 
 NEWCOMER = "salience_newcomer"
 EVERY = 32
@@ -44,6 +46,10 @@ class NewcomerScheduler(Scheduler):
                 self.waiting.add_request(request)
         self._since_alone = 0
         return output
+
+
+class ReadoutNewcomerScheduler(NewcomerScheduler, ReadoutScheduler):
+    """With readouts carried on the step's output (probes/readout_scheduler.py): both."""
 
 
 def _newcomer(request: Request) -> bool:

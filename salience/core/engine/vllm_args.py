@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 
 # vLLM imports it by name in every worker process: readouts, steering and the pipeline-stage fix.
 WORKER_EXTENSION = "salience.core.engine.worker_extension.SalienceWorker"
-READOUT_SCHEDULER = "salience.core.probes.readout_scheduler.ReadoutScheduler"
 NEWCOMER_SCHEDULER = "salience.core.engine.newcomer_scheduler.NewcomerScheduler"
+READOUT_SCHEDULER = "salience.core.engine.newcomer_scheduler.ReadoutNewcomerScheduler"
 
 # Architectures whose readout taps are proven exact in vLLM's compiled graph (tests/test_readouts*.py,
 # tests/grpc/test_images.py). Any other runs its taps eagerly: slower, never a wrong number.
@@ -102,7 +102,7 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
     else:
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
     if readouts_with_output(settings, cpu):
-        kwargs["scheduler_cls"] = READOUT_SCHEDULER  # a NewcomerScheduler too
+        kwargs["scheduler_cls"] = READOUT_SCHEDULER
     elif settings.fair_share:
         kwargs["scheduler_cls"] = NEWCOMER_SCHEDULER
     if settings.pipeline_parallel_size > 1:

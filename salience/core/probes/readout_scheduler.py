@@ -16,10 +16,10 @@ until its last chunk. They wait here until then, and are dropped once the reques
 from __future__ import annotations
 
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 
-from salience.core.engine.newcomer_scheduler import NewcomerScheduler
 from salience.core.probes.readout_worker import ROWS
 
 PAYLOAD = "salience_readout"
@@ -27,7 +27,7 @@ PAYLOAD = "salience_readout"
 __all__ = ["PAYLOAD", "ReadoutScheduler"]
 
 
-class ReadoutScheduler(NewcomerScheduler):  # a newcomer's prompt alone, as without readouts
+class ReadoutScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._rows: dict[str, list[list]] = {}  # vLLM request id -> [key, positions, values] blocks
