@@ -16,6 +16,7 @@ import pytest_asyncio
 from salience.core.engine import settings_checks
 from salience.core.engine.engine import Engine
 from salience.core.engine.fair_share import PROMPT_WEIGHT, FairShare, Slot, admission
+from salience.core.engine.newcomer_scheduler import NEWCOMER
 from salience.core.engine.requests import SamplingOptions
 from salience.core.engine.settings import EngineSettings
 from salience.core.serving.sessions import SessionStore
@@ -362,3 +363,28 @@ async def test_session_turns_and_passes_count_for_their_client(engine: Engine, m
     with pytest.raises(InvalidArgument, match="weight must be a positive number"):
         await store.start(session, dataclasses.replace(scoring, offset=len(prompt(1)) + 4, weight=-1.0))
     await store.close(session)
+
+
+async def test_a_newcomers_generation_and_pass_both_ask_for_their_own_step(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What reaches vLLM: a client with nothing running while another runs is a newcomer, for a
+    generation and a pass alike (newcomer_scheduler.py gives its prompt a step of its own)."""
+    marked: dict[str, bool] = {}
+    generate = engine._llm.generate
+
+    def spy(prompt, params, request_id, *args, **kwargs):
+        marked[request_id] = bool((params.extra_args or {}).get(NEWCOMER))
+        return generate(prompt, params, request_id, *args, **kwargs)
+
+    monkeypatch.setattr(engine._llm, "generate", spy)
+    running = engine.generate(prompt(0), SamplingOptions(max_tokens=32, temperature=0.0, ignore_eos=True), client="a")
+    async with running:
+        await anext(running)  # a runs
+        await engine.prefill(prompt(1), client="b")
+        newcomer = engine.generate(prompt(2), SamplingOptions(max_tokens=2, temperature=0.0), client="c")
+        second = engine.generate(prompt(3), SamplingOptions(max_tokens=2, temperature=0.0), client="c")
+        for generation in (newcomer, second):
+            async with generation:
+                assert len([event async for event in generation]) == 2
+    assert list(marked.values()) == [False, True, True, False], marked  # a on a quiet engine; c's second

@@ -262,9 +262,7 @@ class Engine(Passes):
             hold.release()
             raise
         ticket = self.row_budget.reserve(sum(plan.held for plan in plans))
-        slot = self._enter(client, weight, len(prompt), options.priority)
-        if slot is not None and slot.newcomer:
-            params.extra_args = {**(params.extra_args or {}), NEWCOMER: True}
+        slot = self._enter(client, weight, params, len(prompt), options.priority)
         rank = self.inflight.rank_of(request_id)
         # The last token's pass runs where the generation ran (its prefix is cached there), under
         # the generation's concepts and steering.
@@ -313,9 +311,17 @@ class Engine(Passes):
         generation.on_end = ended
         return generation
 
-    def _enter(self, client: str, weight: float, prompt_tokens: int, priority: int = 0) -> Slot | None:
-        """The request's place in the fair-share admission; None with fair share off."""
-        return None if self.fair_share is None else self.fair_share.enter(client, weight, prompt_tokens, priority)
+    def _enter(
+        self, client: str, weight: float, params: SamplingParams, prompt_tokens: int, priority: int = 0
+    ) -> Slot | None:
+        """The request's place in the fair-share admission (None with fair share off); a newcomer's
+        `params` say so to the engine core's scheduler (newcomer_scheduler.py)."""
+        if self.fair_share is None:
+            return None
+        slot = self.fair_share.enter(client, weight, prompt_tokens, priority)
+        if slot.newcomer:
+            params.extra_args = {**(params.extra_args or {}), NEWCOMER: True}
+        return slot
 
     def _hold(self, steer: Sequence[Intervention], prompt_len: int) -> Hold:
         """The concepts a request starting now sees, and its interventions checked against them."""

@@ -139,7 +139,7 @@ class Passes:
             self.readouts.register(plan.key(key), plan.width, raw_layers=plan.layers)
         # A generation's last-token pass runs within the rows and the turn its generation holds.
         ticket = self.row_budget.reserve(sum(plan.held for plan in plans) if own else 0)
-        slot = self._enter(client, weight, len(ids)) if own else None
+        slot = self._enter(client, weight, params, len(ids)) if own else None
         try:
             await ticket.ready()  # its own ticket and slot: released only below
             if slot is not None:
