@@ -36,9 +36,9 @@ def run_serve(args: argparse.Namespace) -> int:
     chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     if args.model is not None:
         folder = inspect_model_folder(args.model)
+    backend = args.distributed_executor_backend or ("ray" if args.ray_address else None)
     # vLLM's engine core then forks from a server that imports vLLM while this process does.
-    on_ray = args.ray_address is not None or args.distributed_executor_backend == "ray"
-    fork_server = args.fork_server and not on_ray and start_early()
+    fork_server = args.fork_server and backend != "ray" and start_early()
 
     from salience.core.engine.settings import EngineSettings
     from salience.core.serving.sessions import SessionLimits
@@ -61,7 +61,7 @@ def run_serve(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend or ("ray" if args.ray_address else None),
+        distributed_executor_backend=backend,
         ray_address=args.ray_address,
         enable_prefix_caching=args.prefix_caching,
         max_logprobs=args.max_logprobs,
