@@ -219,13 +219,15 @@ class LmtpSession:
             return
         stream = Stream(stream_id, request_id, self._client)
         emit, engine = functools.partial(self._token, stream), admitted.engine
+        # The coroutine is made when the task first runs: one made here and never awaited, because
+        # the client left before the task ran, would be reported ("never awaited") on stderr.
         match request:
             case Generate():
-                work = streams.generate(stream, engine, request, emit)
+                work = functools.partial(streams.generate, stream, engine, request, emit)
             case Score():
-                work = streams.score(stream, engine, request, emit)
+                work = functools.partial(streams.score, stream, engine, request, emit)
             case SessionGenerate():
-                work = streams.session_generate(stream, engine, request, emit, self._sessions)
+                work = functools.partial(streams.session_generate, stream, engine, request, emit, self._sessions)
         stream.task = asyncio.create_task(self._guard(stream, admitted, work))
         self._streams[stream_id] = stream
         self._live.add(stream)
@@ -243,12 +245,12 @@ class LmtpSession:
         if self._streams.get(stream.id) is stream:
             del self._streams[stream.id]
 
-    async def _guard(self, stream: Stream, admitted: Admitted, work: Awaitable[None]) -> None:
+    async def _guard(self, stream: Stream, admitted: Admitted, work: Callable[[], Awaitable[None]]) -> None:
         REQUEST_ID.set(stream.request_id)  # this task's context: every line it logs names the request
         log.debug("stream started", extra={"stream_id": stream.id, "kind": admitted.kind})
         reason = "cancelled"
         try:
-            await work
+            await work()
             reason = stream.finish or "cancelled"
         except SalienceError as exc:
             reason = "error"

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+
+import pytest
 
 from salience.core.engine.engine import Engine
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import ServerStatus
+from salience.lmtp import streams
 from salience.lmtp.session import ConnectionLimits, LmtpConfig, LmtpSession
 
 
@@ -167,3 +171,34 @@ async def test_a_cancel_that_meets_the_streams_end_is_told_it_is_not_running(tin
     assert payloads[1]["error"] == "CANCEL: stream 1 is not running"
     assert payloads[1]["request_id"] == payloads[0]["request_id"]
     assert len(payloads) == 2
+
+
+async def test_a_client_gone_before_its_streams_ran_leaves_no_coroutine_behind(
+    tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The soak's dropped connections found it: a stream whose task is cancelled before it first
+    runs must not leave a coroutine that was never awaited (Python reports it on stderr, past
+    the structured logs, once it is collected), and must still end its admission (the active
+    gauge and drain wait for it)."""
+    made: list[Coroutine] = []
+    for name in ("generate", "score"):
+        monkeypatch.setattr(streams, name, keeping(getattr(streams, name), made))
+    session = session_for(tiny_engine, ConnectionLimits())
+    session.receive(generate(1))
+    session.receive("SCORE " + json.dumps({"stream_id": 3, "prompt": [0, 5], "scored": [6, 7]}))
+    assert len(session._live) == 2
+    session.close()  # in the same tick: neither task has run
+    await session.wait_closed()
+    assert not session._live and not session._streams
+    assert [inspect.getcoroutinestate(c) for c in made if inspect.getcoroutinestate(c) == "CORO_CREATED"] == []
+    assert session._status.in_flight == 0
+
+
+def keeping(function: Callable[..., Coroutine], made: list[Coroutine]) -> Callable[..., Coroutine]:
+    """`function`, each coroutine it makes kept in `made`."""
+
+    def make(*args, **kwargs) -> Coroutine:
+        made.append(function(*args, **kwargs))
+        return made[-1]
+
+    return make
