@@ -1,11 +1,11 @@
 """`salience serve` as a user runs it, in a process of its own, and its graceful drain, by real signals.
 
-Start: health says "loading", then "ready" (HTTP and gRPC), with quiet, structured logs.
-SIGTERM: new streams are refused and health says "draining" at once, the streams in flight
-finish, the process exits 0 and leaves no process behind. With --drain-timeout, what is left is
-cancelled; a second SIGTERM skips the wait (that case runs on test_tls.py's server, which it
-stops). SIGKILL: vLLM's engine process stops on its own, and so does the fork server it was
-forked from.
+Start: health says "loading", then "ready" (HTTP and gRPC), with quiet, structured logs. Then a
+minute of the soak (tools/soak/): load and every kind of fault, nothing lost. SIGTERM: new
+streams are refused and health says "draining" at once, the streams in flight finish, the
+process exits 0 and leaves no process behind. With --drain-timeout, what is left is cancelled; a
+second SIGTERM skips the wait (that case runs on test_tls.py's server, which it stops). SIGKILL:
+vLLM's engine process stops on its own, and so does the fork server it was forked from.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -28,10 +29,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from salience.core.probes.concepts import ConceptSet
 from salience.lmtp.codec import parse_server_line
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
 from tests.conftest import free_port
+from tools.soak import BAD_INPUTS, CANCEL_MOMENTS, SoakOptions, run_soak
+from tools.soak.options import MIB
 
 SALIENCE = str(Path(sys.executable).with_name("salience"))
 PROMPT = [0, *range(5, 15)]
@@ -43,7 +47,13 @@ class Served:
     http: str
     grpc_target: str
     metrics: str | None
+    model: str
     health: list[tuple[int, dict]] = field(default_factory=list)  # what /health answered until ready
+    lines: list[str] = field(default_factory=list)  # the output so far, read as it comes (a full pipe blocks)
+    reader: threading.Thread | None = None
+
+    def output(self) -> str:
+        return "".join(self.lines)
 
 
 @asynccontextmanager
@@ -59,14 +69,17 @@ async def serve(tiny_model: Path, *flags: str, metrics: bool = False, eager: boo
         f"http://127.0.0.1:{port}",
         f"127.0.0.1:{grpc_port}",
         f"http://127.0.0.1:{metrics_port}/metrics" if metrics else None,
+        str(tiny_model),
     )
+    served.reader = threading.Thread(target=lambda: served.lines.extend(process.stdout), daemon=True)
+    served.reader.start()
     try:
         async with aiohttp.ClientSession() as http:
             deadline = time.monotonic() + 300
             while not served.health or served.health[-1][0] != 200:
                 if (answer := await health(http, served.http))[0] is not None:
                     served.health.append(answer)
-                assert process.poll() is None, process.stdout.read()
+                assert process.poll() is None, served.output()
                 assert time.monotonic() < deadline, "not ready in time"
                 await asyncio.sleep(0.2)
         yield served
@@ -139,9 +152,10 @@ async def start_streams(client: Client, ids: range, max_tokens: int) -> None:
     await client.until(lambda: all(client.tokens(i) > 0 for i in ids))  # all running
 
 
-def exit_code(process: subprocess.Popen, timeout: float) -> tuple[int, str]:
-    output, _ = process.communicate(timeout=timeout)
-    return process.returncode, output
+def exit_code(served: Served, timeout: float) -> tuple[int, str]:
+    code = served.process.wait(timeout)
+    served.reader.join(10)
+    return code, served.output()
 
 
 def grpc_health(target: str) -> int:
@@ -149,62 +163,31 @@ def grpc_health(target: str) -> int:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
 
 
-async def test_serve_starts_then_sigterm_lets_in_flight_streams_finish_and_refuses_new_work(
-    tiny_model: Path,
+@pytest.mark.slow
+async def test_a_minute_of_load_and_faults_then_sigterm_lets_in_flight_streams_finish(
+    tiny_model: Path, tiny_concepts: ConceptSet, tmp_path: Path
 ) -> None:
-    """Also the start, compiled as serve runs by default (merged from test_serve.py, to start one
-    server less)."""
+    """Also the start, compiled as serve runs by default (merged from test_serve.py), and the soak
+    (tools/soak/), attached to this server: test_soak.py's, merged to start one server less. Its
+    minute makes this test `slow`."""
     n, max_tokens = 8, 900
+    concepts = tmp_path / "concepts.safetensors"
+    tiny_concepts.save(concepts)
+    limits = ("--lmtp-max-message-bytes", str(MIB), "--lmtp-max-frame-bytes", str(2 * MIB))
     # The default 30 s drain outlasts these streams on an idle machine, not on a loaded one; this
     # test is about streams finishing (the next one, about the timeout).
-    async with (
-        serve(tiny_model, "--drain-timeout", "600", eager=False) as served,
-        aiohttp.ClientSession() as http,
-        connect(http, served.http) as client,
-    ):
+    flags = ("--drain-timeout", "600", "--concepts", str(concepts), "--kv-cache-gib", "1", *limits)
+    async with serve(tiny_model, *flags, eager=False) as served:
         assert served.health[-1] == (200, {"status": "ready", "model": str(tiny_model)})
         assert all(code == 503 and body["status"] == "loading" for code, body in served.health[:-1])
-        assert await asyncio.to_thread(grpc_health, served.grpc_target) == health_pb2.HealthCheckResponse.SERVING
         children = psutil.Process(served.process.pid).children(recursive=True)
         engine = next(child for child in children if "EngineCore" in child.name())
         # Forked from the fork server serve started before importing vLLM (fork_server.py).
         assert engine.ppid() != served.process.pid and "forkserver" in " ".join(engine.parent().cmdline())
-
-        await client.ws.send_str('STATUS {"stream_id": 100}')
-        await start_streams(client, range(1, n + 1), max_tokens)
-
-        served.process.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        while (status := await health(http, served.http))[0] != 503:
-            await asyncio.sleep(0.01)
-        assert time.monotonic() - signalled < 0.5, "health must flip at once"
-        assert status[1]["status"] == "draining"
-        assert await asyncio.to_thread(grpc_health, served.grpc_target) == health_pb2.HealthCheckResponse.NOT_SERVING
-        running = [i for i in range(1, n + 1) if not client.ended(i)]
-        assert running, "the streams should outlast the checks; raise max_tokens"
-
-        # New work is refused with a clear error, on an open connection, a new one, and gRPC.
-        await client.ws.send_str(generate(50, 4))
-        await client.until(lambda: client.ended(50))
-        assert client.payloads[50][-1]["error"].startswith("the server is draining")
-        async with connect(http, served.http) as late:
-            await late.ws.send_str(generate(1, 4))
-            await late.until(lambda: late.ended(1))
-            assert late.payloads[1][-1]["error"].startswith("the server is draining")
-        async with grpc.aio.insecure_channel(served.grpc_target) as channel:
-            stub = salience_pb2_grpc.SalienceStub(channel)
-            try:
-                await stub.OpenSession(pb.OpenSessionRequest(model=str(tiny_model)))
-                raise AssertionError("a session was opened while draining")
-            except grpc.aio.AioRpcError as error:
-                assert error.code() is grpc.StatusCode.UNAVAILABLE and "draining" in error.details()
-        assert any(m.get("status") == "draining" for m in client.messages), client.messages  # STATUS watchers
-
-        await client.until(lambda: all(client.ended(i) for i in range(1, n + 1)))
-        for stream_id in range(1, n + 1):
-            assert client.tokens(stream_id) == max_tokens
-            assert client.payloads[stream_id][-1]["finish_reason"] == "length"
-        code, output = await asyncio.to_thread(exit_code, served.process, 60)
+        await soak(served, tiny_model)
+        async with aiohttp.ClientSession() as http, connect(http, served.http) as client:
+            await drain(served, http, client, n, max_tokens)
+            code, output = await asyncio.to_thread(exit_code, served, 60)
     assert code == 0, output
     assert "msg=ready" in output and "msg=draining" in output and "msg=stopped" in output, output
     assert "drain cut short" not in output
@@ -217,6 +200,88 @@ async def test_serve_starts_then_sigterm_lets_in_flight_streams_finish_and_refus
     assert "Warning" not in output and "Enforce eager" not in output, output
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"left running: {alive}"
+
+
+# Beside the LMTP bad inputs: a frame past --lmtp-max-frame-bytes and the gRPC session faults.
+OTHER_FAULTS = {
+    "duplicate-stream-id",
+    "oversized-frame",
+    "grpc-offset-drift",
+    "grpc-closed-session",
+    "grpc-unknown-session",
+    "grpc-session-busy",
+}
+
+
+async def soak(served: Served, tiny_model: Path) -> None:
+    """A minute of mixed valid streams (LMTP and gRPC sessions) beside every kind of bad input and
+    CANCEL, and clients that drop their connections mid-stream: nothing may be lost, every bad
+    input must get its specific error, and afterwards the server must hold nothing (streams,
+    connections, sessions, engine requests)."""
+    options = SoakOptions(
+        model=tiny_model,
+        url=served.http.replace("http", "ws", 1) + "/",
+        grpc=served.grpc_target,
+        pid=served.process.pid,
+        max_message_bytes=MIB,
+        max_frame_bytes=2 * MIB,
+        seconds=60,
+        connections=3,
+        streams=4,
+        sessions=2,
+    )
+    report = await run_soak(options)
+    print(report.render())
+    assert not report.failures(), report.render()
+    assert report.leftovers == {}, report.render()  # attached, the tool leaves this check to its caller
+    # Every kind came up, so "nothing lost, nothing wrong" speaks for each of them.
+    kinds = {"generate/greedy", "generate/sampled", "generate/text", "generate/readout", "generate/carrier"}
+    kinds |= {"score", "grpc/session", "disconnect"} | {f"cancel/{moment}" for moment in CANCEL_MOMENTS}
+    assert {kind for kind, tally in report.tally.streams.items() if tally.completed} >= kinds
+    answered = {kind for kind, tally in report.tally.faults.items() if tally.specific}
+    assert answered >= {*BAD_INPUTS, *OTHER_FAULTS}
+    assert report.tally.ttft_idle and report.tally.ttft_loaded
+    assert report.samples, "the server's RSS and fds were sampled"
+
+
+async def drain(served: Served, http: aiohttp.ClientSession, client: Client, n: int, max_tokens: int) -> None:
+    """SIGTERM: new streams are refused and health says "draining" at once, on every frontend,
+    and the streams in flight run to their last token."""
+    assert await asyncio.to_thread(grpc_health, served.grpc_target) == health_pb2.HealthCheckResponse.SERVING
+    await client.ws.send_str('STATUS {"stream_id": 100}')
+    await start_streams(client, range(1, n + 1), max_tokens)
+
+    served.process.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    while (status := await health(http, served.http))[0] != 503:
+        await asyncio.sleep(0.01)
+    assert time.monotonic() - signalled < 0.5, "health must flip at once"
+    assert status[1]["status"] == "draining"
+    assert await asyncio.to_thread(grpc_health, served.grpc_target) == health_pb2.HealthCheckResponse.NOT_SERVING
+    running = [i for i in range(1, n + 1) if not client.ended(i)]
+    assert running, "the streams should outlast the checks; raise max_tokens"
+
+    # New work is refused with a clear error, on an open connection, a new one, and gRPC.
+    await client.ws.send_str(generate(50, 4))
+    await client.until(lambda: client.ended(50))
+    assert client.payloads[50][-1]["error"].startswith("the server is draining")
+    async with connect(http, served.http) as late:
+        await late.ws.send_str(generate(1, 4))
+        await late.until(lambda: late.ended(1))
+        assert late.payloads[1][-1]["error"].startswith("the server is draining")
+    async with grpc.aio.insecure_channel(served.grpc_target) as channel:
+        stub = salience_pb2_grpc.SalienceStub(channel)
+        try:
+            await stub.OpenSession(pb.OpenSessionRequest(model=served.model))
+            raise AssertionError("a session was opened while draining")
+        except grpc.aio.AioRpcError as error:
+            assert error.code() is grpc.StatusCode.UNAVAILABLE and "draining" in error.details()
+    assert any(m.get("status") == "draining" for m in client.messages), client.messages  # STATUS watchers
+
+    await client.until(lambda: all(client.ended(i) for i in range(1, n + 1)))
+    for stream_id in range(1, n + 1):
+        assert client.tokens(stream_id) == max_tokens
+        assert client.payloads[stream_id][-1]["finish_reason"] == "length"
 
 
 def vllm_sample(text: str, name: str) -> float:
@@ -245,7 +310,7 @@ async def test_drain_timeout_cancels_what_is_left_multiprocess(tiny_model: Path)
         for stream_id in range(1, n + 1):
             assert client.payloads[stream_id][-1]["finish_reason"] == "cancelled"
             assert 0 < client.tokens(stream_id) < max_tokens
-        code, output = await asyncio.to_thread(exit_code, served.process, 30)
+        code, output = await asyncio.to_thread(exit_code, served, 30)
         elapsed = time.monotonic() - signalled
     assert code == 0, output
     assert "drain cut short" in output and "cause=timeout" in output, output
