@@ -23,11 +23,17 @@ tokens each, EOS masked) go each way in rotating order, repeated; the medians gi
 the medians of each round's ratios (a drift over the run cancels within a round) the ratios
 against the first way (`--no-readouts` by default) and a few ratios between ways. Servers
 are started one after another (a first start compiles, which is reported) and then idle while
-another is measured; every idle engine spins on the cores, so `--ways` picks fewer (each server
-a way needs is started, and the default one always) for a quieter comparison.
+another is measured (an idle engine waits without spinning: 1% of a core); `--ways` picks fewer
+(each server a way needs is started, and the default one always), which start sooner and hold
+less memory.
+
+With `--slices SECONDS`, the ways' streams run all along instead and their engines take turns
+of that many seconds, the others stopped (tools/slices.py): a round is one turn each, seconds
+apart, where a round of whole batches takes ~10 s a way at 16 streams. Each way then needs a
+server of its own (`--ways fastest,f32`, not `readouts,f32`).
 
     .venv/bin/python -m tools.bench_readout [--streams 1,8,16] [--tokens 64] [--repeats 3] [--warm]
-        [--sae DIR] [--json PATH]
+        [--slices SECONDS] [--sae DIR] [--json PATH]
         [--ways fastest,idle,readouts,f32,probabilities,probabilities-f32,monitors,eager,unspared,residual,sae]
 
 `--warm` skips the start with empty compile caches (the first start's cost).
@@ -62,6 +68,7 @@ from tools.harness import (
     say,
     serve,
 )
+from tools.slices import engine_cores, slice_rates, stopped
 
 CONFIGS = {  # the servers, by key: name and flags
     "fastest": ("compiled, no readouts", ["--no-readouts"]),
@@ -154,29 +161,60 @@ async def run(way: Way, model: str, batch: list[list[int]], tokens: int, eos: in
     """Seconds for the batch, tokens received, readouts received."""
     client = await LmtpClient.connect(way.server.url)
     try:
-
-        async def one(prompt: list[int]) -> tuple[int, int]:
-            fields = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, **way.fields}
-            generated_range = [[len(prompt), len(prompt) + tokens]]
-            if way.reads:
-                fields["readout"] = generated_range
-            for rows in ("residual", "features"):
-                if rows in fields:
-                    fields[rows] = {**fields[rows], "ranges": generated_range}
-            payloads = [p async for p in client.stream("GENERATE", logit_bias={str(eos): -100.0}, **fields)]
-            generated = [p for p in payloads if "token" in p and not p.get("prompt")]
-            for rows in ("residual", "features"):
-                if rows in fields:
-                    assert all(rows in p for p in generated), f"{way.name}: a token without its {rows}"
-            # As a client uses them: numbers, whichever encoding carried them.
-            read = [readout_values(p["readout"]) for p in generated if p.get("readout") is not None]
-            return len(generated), len(read)
-
         started = time.perf_counter()
-        counts = await asyncio.gather(*map(one, batch))
+        counts = await asyncio.gather(*(generate(client, way, model, prompt, tokens, eos) for prompt in batch))
         return time.perf_counter() - started, sum(c[0] for c in counts), sum(c[1] for c in counts)
     finally:
         await client.close()
+
+
+async def keep_running(way: Way, model: str, batch: list[list[int]], tokens: int, eos: int, arrivals: list[float]):
+    """The batch's streams, each started again as soon as it ends, until cancelled (--slices)."""
+    client = await LmtpClient.connect(way.server.url)
+
+    async def again(prompt: list[int]) -> None:
+        while True:
+            produced, read = await generate(client, way, model, prompt, tokens, eos, arrivals)
+            assert produced == tokens and (read == tokens or not way.reads), f"{way.name}: {produced}, {read} read"
+
+    try:
+        await asyncio.gather(*map(again, batch))
+    finally:
+        await client.close()
+
+
+async def generate(
+    client: LmtpClient,
+    way: Way,
+    model: str,
+    prompt: list[int],
+    tokens: int,
+    eos: int,
+    arrivals: list[float] | None = None,
+) -> tuple[int, int]:
+    """One stream as `way` drives it: its generated tokens and readouts, each token's arrival
+    time appended to `arrivals`."""
+    fields = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, **way.fields}
+    generated_range = [[len(prompt), len(prompt) + tokens]]
+    if way.reads:
+        fields["readout"] = generated_range
+    for rows in ("residual", "features"):
+        if rows in fields:
+            fields[rows] = {**fields[rows], "ranges": generated_range}
+    generated, read = 0, 0
+    async for payload in client.stream("GENERATE", logit_bias={str(eos): -100.0}, **fields):
+        if "token" not in payload or payload.get("prompt"):
+            continue
+        if arrivals is not None:
+            arrivals.append(time.perf_counter())
+        generated += 1
+        for rows in ("residual", "features"):
+            if rows in fields:
+                assert rows in payload, f"{way.name}: a token without its {rows}"
+        if payload.get("readout") is not None:
+            readout_values(payload["readout"])  # as a client uses them: numbers, whichever encoding carried them
+            read += 1
+    return generated, read
 
 
 async def main() -> None:
@@ -187,9 +225,18 @@ async def main() -> None:
     parser.add_argument("--warm", action="store_true", help="no start with empty compile caches")
     parser.add_argument("--sae", help="the SAE folder (default: a random 8x top-32 SAE at layer 15)")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"the ways to drive, of {','.join(WAYS)}")
+    parser.add_argument(
+        "--slices",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="measure in turns of this many seconds, the other engines stopped (tools/slices.py), not whole batches",
+    )
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
     keys = picked(parser, args.ways, WAYS, "ways")
+    if args.slices and len({WAYS[key][0] for key in keys}) < len(keys):
+        parser.error("--slices takes ways on servers of their own: one engine runs at a time")
 
     from salience.core.models.default_model import ensure_default_model
     from salience.core.models.home import configure_environment
@@ -220,6 +267,9 @@ async def measure(driven: list[Way], counts: list[int], args: argparse.Namespace
         await run(way, DEFAULT_MODEL_NAME, prompts(1, 8, 40000), 4, eos)
     for n in counts:
         batch = prompts(n, args.prompt_tokens, 40000)
+        if args.slices:
+            await measure_in_slices(driven, n, batch, args, eos, samples)
+            continue
         for _, way in rotations(driven, args.repeats):
             seconds, produced, read = await run(way, DEFAULT_MODEL_NAME, batch, args.tokens, eos)
             expected = n * args.tokens
@@ -229,6 +279,37 @@ async def measure(driven: list[Way], counts: list[int], args: argparse.Namespace
             samples.add(
                 f"N={n:<3} {way.name:30} {produced / seconds:7.1f} tok/s", {f"N={n} {way.key}": produced / seconds}
             )
+
+
+async def measure_in_slices(
+    driven: list[Way], n: int, batch: list[list[int]], args: argparse.Namespace, eos: int, samples: Samples
+) -> None:
+    """Every way's streams running all along, the engines taking turns of --slices seconds
+    (tools/slices.py); a round is one turn each, its order shifted by one each round."""
+    from salience.core.models.default_model import DEFAULT_MODEL_NAME
+
+    groups = {way.key: engine_cores(way.server) for way in driven}
+    arrivals: dict[str, list[float]] = {way.key: [] for way in driven}
+    with stopped(list(groups.values())):
+        drivers = [
+            asyncio.create_task(keep_running(w, DEFAULT_MODEL_NAME, batch, args.tokens, eos, arrivals[w.key]))
+            for w in driven
+        ]
+        try:
+            for round_ in range(args.repeats):
+                order = [*driven[round_ % len(driven) :], *driven[: round_ % len(driven)]]
+                rates = await slice_rates(
+                    [groups[w.key] for w in order], [arrivals[w.key] for w in order], args.slices, 0.3
+                )
+                if failed := [d for d in drivers if d.done()]:
+                    failed[0].result()  # a stream's check failed: raise it
+                by_key = {w.key: rate for w, rate in zip(order, rates, strict=True)}
+                progress = "  ".join(f"{w.key} {by_key[w.key]:.1f}" for w in driven)
+                samples.add(f"N={n:<3} tok/s {progress}", {f"N={n} {w.key}": by_key[w.key] for w in driven})
+        finally:
+            for driver in drivers:
+                driver.cancel()
+            await asyncio.gather(*drivers, return_exceptions=True)
 
 
 def tabulate(
