@@ -27,13 +27,13 @@ another is measured (an idle engine waits without spinning: 1% of a core); `--wa
 (each server a way needs is started, and the default one always), which start sooner and hold
 less memory.
 
-With `--slices SECONDS`, the ways' streams run all along instead and their engines take turns
-of that many seconds, the others stopped (tools/slices.py): a round is one turn each, seconds
-apart, where a round of whole batches takes ~10 s a way at 16 streams. Each way then needs a
-server of its own (`--ways fastest,f32`, not `readouts,f32`).
+With `--interleave SECONDS`, the ways' streams run all along instead and their engines take
+turns of 0.1 s, the others stopped, until each has run SECONDS: that is a round, its ways
+measured over the same seconds of the machine (tools/slices.py). Each way then needs a server of
+its own (`--ways fastest,f32`, not `readouts,f32`).
 
     .venv/bin/python -m tools.bench_readout [--streams 1,8,16] [--tokens 64] [--repeats 3] [--warm]
-        [--slices SECONDS] [--sae DIR] [--json PATH]
+        [--interleave SECONDS] [--sae DIR] [--json PATH]
         [--ways fastest,idle,readouts,f32,probabilities,probabilities-f32,monitors,eager,unspared,residual,sae]
 
 `--warm` skips the start with empty compile caches (the first start's cost).
@@ -68,7 +68,7 @@ from tools.harness import (
     say,
     serve,
 )
-from tools.slices import engine_cores, slice_rates, stopped
+from tools.slices import engine_cores, interleaved_rates, stopped
 
 CONFIGS = {  # the servers, by key: name and flags
     "fastest": ("compiled, no readouts", ["--no-readouts"]),
@@ -91,6 +91,7 @@ WAYS = {
     "residual": ("default", True),
     "sae": ("sae", True),
 }
+TURN = 0.1  # --interleave: seconds an engine runs at a time, a few decode steps of the default model
 # Ratios between two ways besides "/ first": (title, numerator, denominator).
 EXTRA = (
     ("readouts / taps idle", "readouts", "idle"),
@@ -169,7 +170,7 @@ async def run(way: Way, model: str, batch: list[list[int]], tokens: int, eos: in
 
 
 async def keep_running(way: Way, model: str, batch: list[list[int]], tokens: int, eos: int, arrivals: list[float]):
-    """The batch's streams, each started again as soon as it ends, until cancelled (--slices)."""
+    """The batch's streams, each started again as soon as it ends, until cancelled (--interleave)."""
     client = await LmtpClient.connect(way.server.url)
 
     async def again(prompt: list[int]) -> None:
@@ -226,17 +227,17 @@ async def main() -> None:
     parser.add_argument("--sae", help="the SAE folder (default: a random 8x top-32 SAE at layer 15)")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"the ways to drive, of {','.join(WAYS)}")
     parser.add_argument(
-        "--slices",
+        "--interleave",
         type=float,
         default=0,
         metavar="SECONDS",
-        help="measure in turns of this many seconds, the other engines stopped (tools/slices.py), not whole batches",
+        help="rounds of SECONDS a way, run in turns of 0.1 s, the other engines stopped (tools/slices.py)",
     )
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
     keys = picked(parser, args.ways, WAYS, "ways")
-    if args.slices and len({WAYS[key][0] for key in keys}) < len(keys):
-        parser.error("--slices takes ways on servers of their own: one engine runs at a time")
+    if args.interleave and len({WAYS[key][0] for key in keys}) < len(keys):
+        parser.error("--interleave takes ways on servers of their own: one engine runs at a time")
 
     from salience.core.models.default_model import ensure_default_model
     from salience.core.models.home import configure_environment
@@ -267,8 +268,8 @@ async def measure(driven: list[Way], counts: list[int], args: argparse.Namespace
         await run(way, DEFAULT_MODEL_NAME, prompts(1, 8, 40000), 4, eos)
     for n in counts:
         batch = prompts(n, args.prompt_tokens, 40000)
-        if args.slices:
-            await measure_in_slices(driven, n, batch, args, eos, samples)
+        if args.interleave:
+            await measure_interleaved(driven, n, batch, args, eos, samples)
             continue
         for _, way in rotations(driven, args.repeats):
             seconds, produced, read = await run(way, DEFAULT_MODEL_NAME, batch, args.tokens, eos)
@@ -281,11 +282,11 @@ async def measure(driven: list[Way], counts: list[int], args: argparse.Namespace
             )
 
 
-async def measure_in_slices(
+async def measure_interleaved(
     driven: list[Way], n: int, batch: list[list[int]], args: argparse.Namespace, eos: int, samples: Samples
 ) -> None:
-    """Every way's streams running all along, the engines taking turns of --slices seconds
-    (tools/slices.py); a round is one turn each, its order shifted by one each round."""
+    """Every way's streams running all along, the engines taking turns until each has run
+    --interleave seconds (tools/slices.py): a round, its order shifted by one each round."""
     from salience.core.models.default_model import DEFAULT_MODEL_NAME
 
     groups = {way.key: engine_cores(way.server) for way in driven}
@@ -298,9 +299,8 @@ async def measure_in_slices(
         try:
             for round_ in range(args.repeats):
                 order = [*driven[round_ % len(driven) :], *driven[: round_ % len(driven)]]
-                rates = await slice_rates(
-                    [groups[w.key] for w in order], [arrivals[w.key] for w in order], args.slices, 0.3
-                )
+                engines, times = [groups[w.key] for w in order], [arrivals[w.key] for w in order]
+                rates = await interleaved_rates(engines, times, args.interleave, turn=TURN)
                 if failed := [d for d in drivers if d.done()]:
                     failed[0].result()  # a stream's check failed: raise it
                 by_key = {w.key: rate for w, rate in zip(order, rates, strict=True)}

@@ -1,14 +1,16 @@
-"""Servers measured in turns of a few seconds, each running while the others' engines are stopped.
+"""Servers measured in turns of a fraction of a second, each running while the others' engines are
+stopped.
 
-Measured in whole batches, one way after another, a round takes ~10 s per way at 16 streams, and
-this machine's speed moves by up to 10% between two such rounds: a 2% difference is lost in it,
-nine rounds or not. Here every way's streams run all along, and the engines take turns: in each
-slice one way's engine core runs and the others' are stopped (SIGSTOP), so the ways of a round
-are measured seconds apart, and a run holds many more rounds. A stopped engine holds its
-requests where they are; its server and client wait, idle. Each slice's rate is taken from the
-tokens that arrived in it, after a settling time (the step the engine was stopped in ends first):
-the tokens of every step after the first, over the time from the first step's arrival to the
-last one's, so no step is cut at either end.
+Measured in whole batches, one way after another, a round takes ~10 s a way at 16 streams, and
+this machine's speed moves by 10% and more from one such stretch to the next: a 2% difference is
+lost in it, nine rounds or not. Three-second turns did no better (rates from 23 to 31 tok/s one
+turn to the next on one stream). Here every way's streams run all along and the engines take
+turns of `turn` seconds (a few decode steps): SIGCONT one, SIGSTOP it, the next. A round runs
+until each way has had `seconds` of turns, so the ways of a round share the same seconds of the
+machine, interleaved ten times a second. A way's rate is the tokens its streams received in the
+round over the time its engine ran: a stopped engine holds its requests where they are, a step
+cut by a turn's end goes on at its next turn and counts in both, and the batches' prefills fall
+in the rounds of both ways alike (their streams run in step, turn by turn).
 """
 
 from __future__ import annotations
@@ -23,15 +25,11 @@ import psutil
 
 from tools.harness import Server
 
-__all__ = ["engine_cores", "slice_rates", "stopped"]
-
-# A step's tokens reach the client within this of each other, steps (tens of ms on the default
-# model) further apart: how the first step's tokens are told from the second's.
-BURST = 0.01
+__all__ = ["engine_cores", "interleaved_rates", "stopped"]
 
 
 def engine_cores(server: Server) -> list[psutil.Process]:
-    """vLLM's engine core processes under `server` (with their workers: every process vLLM names)."""
+    """vLLM's processes under `server` (its engine core, and workers where they are processes)."""
     found = [p for p in psutil.Process(server.process.pid).children(recursive=True) if p.name().startswith("VLLM::")]
     if not found:
         raise RuntimeError(f"{server.name}: no vLLM engine process under pid {server.process.pid}")
@@ -49,34 +47,32 @@ def stopped(groups: Sequence[Sequence[psutil.Process]]) -> Iterator[None]:
         _signal(groups, signal.SIGCONT)
 
 
-async def slice_rates(
+async def interleaved_rates(
     groups: Sequence[Sequence[psutil.Process]],
     arrivals: Sequence[list[float]],
     seconds: float,
-    settle: float,
+    turn: float,
 ) -> list[float]:
-    """One round inside `stopped(groups)`: each group's engine runs for `seconds` in turn, and the
-    tokens/s its streams received (their arrival times in `arrivals`, appended as they come)."""
-    rates = []
-    for group, times in zip(groups, arrivals, strict=True):
-        _signal([group], signal.SIGCONT)
-        began = time.perf_counter()
-        await asyncio.sleep(seconds)
-        _signal([group], signal.SIGSTOP)
-        ended = time.perf_counter()
-        await asyncio.sleep(0.05)  # what the engine sent before it stopped arrives
-        inside = [t for t in times if began + settle <= t <= ended]
+    """One round inside `stopped(groups)`: the groups run in turns of `turn` seconds, one at a time,
+    until each has run `seconds`; each one's tokens/s over its running time, from the arrival
+    times its streams append to `arrivals`."""
+    for times in arrivals:
         times.clear()
-        first = sum(1 for t in inside if t <= inside[0] + BURST) if inside else 0
-        if len(inside) <= first:
-            raise RuntimeError(f"{len(inside)} tokens in a {seconds} s slice: make the slices longer")
-        rates.append((len(inside) - first) / (inside[-1] - inside[0]))
-    return rates
+    ran = [0.0] * len(groups)
+    while min(ran) < seconds:
+        for i, group in enumerate(groups):
+            _signal([group], signal.SIGCONT)
+            began = time.perf_counter()
+            await asyncio.sleep(turn)
+            _signal([group], signal.SIGSTOP)
+            ran[i] += time.perf_counter() - began
+    await asyncio.sleep(0.05)  # what the last engine sent before it stopped arrives
+    return [len(times) / seconds_run for times, seconds_run in zip(arrivals, ran, strict=True)]
 
 
 def _signal(groups: Sequence[Sequence[psutil.Process]], number: signal.Signals) -> None:
     """Send `number` to every process; for SIGSTOP, return once each has stopped (the signal is
-    delivered asynchronously), so no two engines ever run in one slice."""
+    delivered asynchronously), so no two engines ever run in one turn."""
     processes = [process for group in groups for process in group]
     for process in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -85,7 +81,7 @@ def _signal(groups: Sequence[Sequence[psutil.Process]], number: signal.Signals) 
     while number == signal.SIGSTOP and not all(map(_stopped, processes)):
         if time.monotonic() > deadline:
             raise RuntimeError("an engine process did not stop within 5 s of SIGSTOP")
-        time.sleep(0.001)
+        time.sleep(0.0005)
 
 
 def _stopped(process: psutil.Process) -> bool:
