@@ -27,13 +27,13 @@ another is measured (an idle engine waits without spinning: 1% of a core); `--wa
 (each server a way needs is started, and the default one always), which start sooner and hold
 less memory.
 
-With `--interleave SECONDS`, the ways' streams run all along instead and their engines take
-turns of 0.1 s, the others stopped, until each has run SECONDS: that is a round, its ways
-measured over the same seconds of the machine (tools/slices.py). Each way then needs a server of
-its own (`--ways fastest,f32`, not `readouts,f32`).
+With `--interleave`, each round sends every way's batch at once and their engines take turns of
+0.1 s, the others stopped, until each batch is done: the ways of a round are measured over the
+same seconds of the machine (tools/slices.py). Each way then needs a server of its own (`--ways
+fastest,f32`, not `readouts,f32`).
 
     .venv/bin/python -m tools.bench_readout [--streams 1,8,16] [--tokens 64] [--repeats 3] [--warm]
-        [--interleave SECONDS] [--sae DIR] [--json PATH]
+        [--interleave] [--sae DIR] [--json PATH]
         [--ways fastest,idle,readouts,f32,probabilities,probabilities-f32,monitors,eager,unspared,residual,sae]
 
 `--warm` skips the start with empty compile caches (the first start's cost).
@@ -68,7 +68,7 @@ from tools.harness import (
     say,
     serve,
 )
-from tools.slices import engine_cores, interleaved_rates, stopped
+from tools.slices import engine_cores, interleaved, stopped
 
 CONFIGS = {  # the servers, by key: name and flags
     "fastest": ("compiled, no readouts", ["--no-readouts"]),
@@ -169,21 +169,6 @@ async def run(way: Way, model: str, batch: list[list[int]], tokens: int, eos: in
         await client.close()
 
 
-async def keep_running(way: Way, model: str, batch: list[list[int]], tokens: int, eos: int, arrivals: list[float]):
-    """The batch's streams, each started again as soon as it ends, until cancelled (--interleave)."""
-    client = await LmtpClient.connect(way.server.url)
-
-    async def again(prompt: list[int]) -> None:
-        while True:
-            produced, read = await generate(client, way, model, prompt, tokens, eos, arrivals)
-            assert produced == tokens and (read == tokens or not way.reads), f"{way.name}: {produced}, {read} read"
-
-    try:
-        await asyncio.gather(*map(again, batch))
-    finally:
-        await client.close()
-
-
 async def generate(
     client: LmtpClient,
     way: Way,
@@ -191,10 +176,8 @@ async def generate(
     prompt: list[int],
     tokens: int,
     eos: int,
-    arrivals: list[float] | None = None,
 ) -> tuple[int, int]:
-    """One stream as `way` drives it: its generated tokens and readouts, each token's arrival
-    time appended to `arrivals`."""
+    """One stream as `way` drives it: its generated tokens and readouts."""
     fields = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, **way.fields}
     generated_range = [[len(prompt), len(prompt) + tokens]]
     if way.reads:
@@ -206,8 +189,6 @@ async def generate(
     async for payload in client.stream("GENERATE", logit_bias={str(eos): -100.0}, **fields):
         if "token" not in payload or payload.get("prompt"):
             continue
-        if arrivals is not None:
-            arrivals.append(time.perf_counter())
         generated += 1
         for rows in ("residual", "features"):
             if rows in fields:
@@ -228,10 +209,8 @@ async def main() -> None:
     parser.add_argument("--ways", default=",".join(WAYS), help=f"the ways to drive, of {','.join(WAYS)}")
     parser.add_argument(
         "--interleave",
-        type=float,
-        default=0,
-        metavar="SECONDS",
-        help="rounds of SECONDS a way, run in turns of 0.1 s, the other engines stopped (tools/slices.py)",
+        action="store_true",
+        help="each round's batches at once, their engines in turns of 0.1 s, the others stopped (tools/slices.py)",
     )
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
@@ -273,10 +252,7 @@ async def measure(driven: list[Way], counts: list[int], args: argparse.Namespace
             continue
         for _, way in rotations(driven, args.repeats):
             seconds, produced, read = await run(way, DEFAULT_MODEL_NAME, batch, args.tokens, eos)
-            expected = n * args.tokens
-            assert produced == expected, f"{way.name}: {produced} tokens, expected {expected}"
-            if way.reads:
-                assert read == expected, f"{way.name}: {read} readouts, expected {expected}"
+            check(way, n, args.tokens, produced, read)
             samples.add(
                 f"N={n:<3} {way.name:30} {produced / seconds:7.1f} tok/s", {f"N={n} {way.key}": produced / seconds}
             )
@@ -285,31 +261,28 @@ async def measure(driven: list[Way], counts: list[int], args: argparse.Namespace
 async def measure_interleaved(
     driven: list[Way], n: int, batch: list[list[int]], args: argparse.Namespace, eos: int, samples: Samples
 ) -> None:
-    """Every way's streams running all along, the engines taking turns until each has run
-    --interleave seconds (tools/slices.py): a round, its order shifted by one each round."""
+    """Each round, every way's batch at once, the engines taking turns of TURN seconds until each
+    batch is done (tools/slices.py); the first turn's way shifted by one each round."""
     from salience.core.models.default_model import DEFAULT_MODEL_NAME
 
     groups = {way.key: engine_cores(way.server) for way in driven}
-    arrivals: dict[str, list[float]] = {way.key: [] for way in driven}
     with stopped(list(groups.values())):
-        drivers = [
-            asyncio.create_task(keep_running(w, DEFAULT_MODEL_NAME, batch, args.tokens, eos, arrivals[w.key]))
-            for w in driven
-        ]
-        try:
-            for round_ in range(args.repeats):
-                order = [*driven[round_ % len(driven) :], *driven[: round_ % len(driven)]]
-                engines, times = [groups[w.key] for w in order], [arrivals[w.key] for w in order]
-                rates = await interleaved_rates(engines, times, args.interleave, turn=TURN)
-                if failed := [d for d in drivers if d.done()]:
-                    failed[0].result()  # a stream's check failed: raise it
-                by_key = {w.key: rate for w, rate in zip(order, rates, strict=True)}
-                progress = "  ".join(f"{w.key} {by_key[w.key]:.1f}" for w in driven)
-                samples.add(f"N={n:<3} tok/s {progress}", {f"N={n} {w.key}": by_key[w.key] for w in driven})
-        finally:
-            for driver in drivers:
-                driver.cancel()
-            await asyncio.gather(*drivers, return_exceptions=True)
+        for round_ in range(args.repeats):
+            order = [*driven[round_ % len(driven) :], *driven[: round_ % len(driven)]]
+            batches = [run(way, DEFAULT_MODEL_NAME, batch, args.tokens, eos) for way in order]
+            done = await interleaved([groups[way.key] for way in order], batches, TURN)
+            rates = {}
+            for way, (seconds, (_, produced, read)) in zip(order, done, strict=True):
+                check(way, n, args.tokens, produced, read)
+                rates[way.key] = produced / seconds
+            progress = "  ".join(f"{way.key} {rates[way.key]:.1f}" for way in driven)
+            samples.add(f"N={n:<3} tok/s {progress}", {f"N={n} {key}": rate for key, rate in rates.items()})
+
+
+def check(way: Way, n: int, tokens: int, produced: int, read: int) -> None:
+    expected = n * tokens
+    assert produced == expected, f"{way.name}: {produced} tokens, expected {expected}"
+    assert read == expected or not way.reads, f"{way.name}: {read} readouts, expected {expected}"
 
 
 def tabulate(

@@ -3,14 +3,12 @@ stopped.
 
 Measured in whole batches, one way after another, a round takes ~10 s a way at 16 streams, and
 this machine's speed moves by 10% and more from one such stretch to the next: a 2% difference is
-lost in it, nine rounds or not. Three-second turns did no better (rates from 23 to 31 tok/s one
-turn to the next on one stream). Here every way's streams run all along and the engines take
-turns of `turn` seconds (a few decode steps): SIGCONT one, SIGSTOP it, the next. A round runs
-until each way has had `seconds` of turns, so the ways of a round share the same seconds of the
-machine, interleaved ten times a second. A way's rate is the tokens its streams received in the
-round over the time its engine ran: a stopped engine holds its requests where they are, a step
-cut by a turn's end goes on at its next turn and counts in both, and the batches' prefills fall
-in the rounds of both ways alike (their streams run in step, turn by turn).
+lost in it, nine rounds or not. Turns of three seconds did no better. Here each way's batch is
+sent at once, and the engines take turns of `turn` seconds (a few decode steps): SIGCONT one,
+wait, SIGSTOP it, the next, until every batch is done. So the ways of a round share the same
+seconds of the machine, interleaved ten times a second. A stopped engine holds its requests where
+they are; a step cut by a turn's end goes on at its next turn. A way's rate is its batch's tokens
+over the time its engine ran, which holds its prefill, its decode steps and its last, whole.
 """
 
 from __future__ import annotations
@@ -19,13 +17,17 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
+from typing import TypeVar
 
 import psutil
 
 from tools.harness import Server
 
-__all__ = ["engine_cores", "interleaved_rates", "stopped"]
+__all__ = ["engine_cores", "interleaved", "stopped"]
+
+T = TypeVar("T")
+SENT = 0.2  # seconds for a batch's requests to reach its server
 
 
 def engine_cores(server: Server) -> list[psutil.Process]:
@@ -47,27 +49,30 @@ def stopped(groups: Sequence[Sequence[psutil.Process]]) -> Iterator[None]:
         _signal(groups, signal.SIGCONT)
 
 
-async def interleaved_rates(
-    groups: Sequence[Sequence[psutil.Process]],
-    arrivals: Sequence[list[float]],
-    seconds: float,
-    turn: float,
-) -> list[float]:
-    """One round inside `stopped(groups)`: the groups run in turns of `turn` seconds, one at a time,
-    until each has run `seconds`; each one's tokens/s over its running time, from the arrival
-    times its streams append to `arrivals`."""
-    for times in arrivals:
-        times.clear()
-    ran = [0.0] * len(groups)
-    while min(ran) < seconds:
-        for i, group in enumerate(groups):
-            _signal([group], signal.SIGCONT)
-            began = time.perf_counter()
-            await asyncio.sleep(turn)
-            _signal([group], signal.SIGSTOP)
-            ran[i] += time.perf_counter() - began
-    await asyncio.sleep(0.05)  # what the last engine sent before it stopped arrives
-    return [len(times) / seconds_run for times, seconds_run in zip(arrivals, ran, strict=True)]
+async def interleaved(
+    groups: Sequence[Sequence[psutil.Process]], batches: Sequence[Awaitable[T]], turn: float
+) -> list[tuple[float, T]]:
+    """Each batch driven against its group's engine, inside `stopped(groups)`: the engines run in
+    turns of `turn` seconds, one at a time, each until its batch is done. Each batch's seconds of
+    running (its last turn ends when the batch does) and its result."""
+    tasks = [asyncio.ensure_future(batch) for batch in batches]
+    ran = [0.0] * len(tasks)
+    try:
+        await asyncio.sleep(SENT)  # every batch's requests sent, so no engine's first turn waits for them
+        while not all(task.done() for task in tasks):
+            for i, (group, task) in enumerate(zip(groups, tasks, strict=True)):
+                if task.done():
+                    continue
+                _signal([group], signal.SIGCONT)
+                began = time.perf_counter()
+                await asyncio.wait([task], timeout=turn)
+                ended = time.perf_counter()
+                _signal([group], signal.SIGSTOP)
+                ran[i] += ended - began
+    finally:
+        for task in tasks:
+            task.cancel()
+    return [(seconds, task.result()) for seconds, task in zip(ran, tasks, strict=True)]
 
 
 def _signal(groups: Sequence[Sequence[psutil.Process]], number: signal.Signals) -> None:
