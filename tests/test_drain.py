@@ -11,6 +11,7 @@ vLLM's engine process stops on its own, and so does the fork server it was forke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -26,6 +27,7 @@ import aiohttp
 import grpc
 import psutil
 import pytest
+import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -288,13 +290,23 @@ def vllm_sample(text: str, name: str) -> float:
     return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
+@pytest_asyncio.fixture(scope="module")
+async def two_servers(tiny_model: Path) -> AsyncIterator[tuple[Served, Served]]:
+    """The next two tests' servers, started together: one multiprocess, stopped by its drain
+    timeout, and one SIGKILLed. Two starts overlap well on two cores (each waits on one process
+    at a time for much of it): ~20 s less than one after the other."""
+    async with contextlib.AsyncExitStack() as stack:
+        multiprocess = serve(tiny_model, "--drain-timeout", "1", "--multiprocess", metrics=True)
+        killed = serve(tiny_model, "--no-grpc")
+        yield tuple(await asyncio.gather(*map(stack.enter_async_context, (multiprocess, killed))))
+
+
 @pytest.mark.multiprocess
-async def test_drain_timeout_cancels_what_is_left_multiprocess(tiny_model: Path) -> None:
+async def test_drain_timeout_cancels_what_is_left_multiprocess(two_servers: tuple[Served, Served]) -> None:
     """Also: vLLM's engine metrics reach the frontend's registry when the worker is a process of its own."""
     n, max_tokens = 4, 1000
-    flags = ("--drain-timeout", "1", "--multiprocess")
+    served = two_servers[0]
     async with (
-        serve(tiny_model, *flags, metrics=True) as served,
         aiohttp.ClientSession() as http,
         connect(http, served.http) as client,
     ):
@@ -317,14 +329,14 @@ async def test_drain_timeout_cancels_what_is_left_multiprocess(tiny_model: Path)
     assert elapsed < 15, f"took {elapsed:.1f} s to stop after a 1 s drain"
 
 
-async def test_a_killed_server_leaves_no_engine_process_behind(tiny_model: Path) -> None:
+async def test_a_killed_server_leaves_no_engine_process_behind(two_servers: tuple[Served, Served]) -> None:
     """SIGKILL (the OOM killer, a forced stop) runs no shutdown: vLLM's engine core, which would
     run on holding the model (vllm-project/vllm#55510), sees the server gone and stops."""
-    async with serve(tiny_model, "--no-grpc") as served:
-        children = psutil.Process(served.process.pid).children(recursive=True)
-        assert any("EngineCore" in child.name() for child in children), "vLLM's engine core runs in a child process"
-        served.process.kill()
-        served.process.wait()
+    served = two_servers[1]
+    children = psutil.Process(served.process.pid).children(recursive=True)
+    assert any("EngineCore" in child.name() for child in children), "vLLM's engine core runs in a child process"
+    served.process.kill()
+    served.process.wait()
     # The engine core, and the fork server it was forked from.
     _, alive = await asyncio.to_thread(psutil.wait_procs, children, timeout=15)
     for left in alive:

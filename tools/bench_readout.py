@@ -158,13 +158,22 @@ def start(
     return running, cold
 
 
-async def run(way: Way, model: str, batch: list[list[int]], tokens: int, eos: int) -> tuple[float, int, int]:
-    """Seconds for the batch, tokens received, readouts received."""
+@dataclass
+class Done:
+    """A batch's start and end (perf_counter, its last token received), tokens and readouts received."""
+
+    started: float
+    finished: float
+    produced: int
+    read: int
+
+
+async def run(way: Way, model: str, batch: list[list[int]], tokens: int, eos: int) -> Done:
     client = await LmtpClient.connect(way.server.url)
     try:
         started = time.perf_counter()
         counts = await asyncio.gather(*(generate(client, way, model, prompt, tokens, eos) for prompt in batch))
-        return time.perf_counter() - started, sum(c[0] for c in counts), sum(c[1] for c in counts)
+        return Done(started, time.perf_counter(), sum(c[0] for c in counts), sum(c[1] for c in counts))
     finally:
         await client.close()
 
@@ -251,11 +260,10 @@ async def measure(driven: list[Way], counts: list[int], args: argparse.Namespace
             await measure_interleaved(driven, n, batch, args, eos, samples)
             continue
         for _, way in rotations(driven, args.repeats):
-            seconds, produced, read = await run(way, DEFAULT_MODEL_NAME, batch, args.tokens, eos)
-            check(way, n, args.tokens, produced, read)
-            samples.add(
-                f"N={n:<3} {way.name:30} {produced / seconds:7.1f} tok/s", {f"N={n} {way.key}": produced / seconds}
-            )
+            done = await run(way, DEFAULT_MODEL_NAME, batch, args.tokens, eos)
+            check(way, n, args.tokens, done)
+            rate = done.produced / (done.finished - done.started)
+            samples.add(f"N={n:<3} {way.name:30} {rate:7.1f} tok/s", {f"N={n} {way.key}": rate})
 
 
 async def measure_interleaved(
@@ -270,19 +278,19 @@ async def measure_interleaved(
         for round_ in range(args.repeats):
             order = [*driven[round_ % len(driven) :], *driven[: round_ % len(driven)]]
             batches = [run(way, DEFAULT_MODEL_NAME, batch, args.tokens, eos) for way in order]
-            done = await interleaved([groups[way.key] for way in order], batches, TURN)
+            timed = await interleaved([groups[way.key] for way in order], batches, lambda done: done.finished, TURN)
             rates = {}
-            for way, (seconds, (_, produced, read)) in zip(order, done, strict=True):
-                check(way, n, args.tokens, produced, read)
-                rates[way.key] = produced / seconds
+            for way, (seconds, done) in zip(order, timed, strict=True):
+                check(way, n, args.tokens, done)
+                rates[way.key] = done.produced / seconds
             progress = "  ".join(f"{way.key} {rates[way.key]:.1f}" for way in driven)
             samples.add(f"N={n:<3} tok/s {progress}", {f"N={n} {key}": rate for key, rate in rates.items()})
 
 
-def check(way: Way, n: int, tokens: int, produced: int, read: int) -> None:
+def check(way: Way, n: int, tokens: int, done: Done) -> None:
     expected = n * tokens
-    assert produced == expected, f"{way.name}: {produced} tokens, expected {expected}"
-    assert read == expected or not way.reads, f"{way.name}: {read} readouts, expected {expected}"
+    assert done.produced == expected, f"{way.name}: {done.produced} tokens, expected {expected}"
+    assert done.read == expected or not way.reads, f"{way.name}: {done.read} readouts, expected {expected}"
 
 
 def tabulate(

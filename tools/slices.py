@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TypeVar
 
 import psutil
@@ -50,29 +50,36 @@ def stopped(groups: Sequence[Sequence[psutil.Process]]) -> Iterator[None]:
 
 
 async def interleaved(
-    groups: Sequence[Sequence[psutil.Process]], batches: Sequence[Awaitable[T]], turn: float
+    groups: Sequence[Sequence[psutil.Process]],
+    batches: Sequence[Awaitable[T]],
+    finished: Callable[[T], float],
+    turn: float,
 ) -> list[tuple[float, T]]:
     """Each batch driven against its group's engine, inside `stopped(groups)`: the engines run in
-    turns of `turn` seconds, one at a time, each until its batch is done. Each batch's seconds of
-    running (its last turn ends when the batch does) and its result."""
+    turns of `turn` seconds, one at a time, each until its batch is done. Each batch's result, and
+    its engine's seconds of running until the batch's `finished` moment (a perf_counter time:
+    its last token, not the client's goodbye after it)."""
     tasks = [asyncio.ensure_future(batch) for batch in batches]
-    ran = [0.0] * len(tasks)
+    turns: list[list[tuple[float, float]]] = [[] for _ in tasks]
     try:
         await asyncio.sleep(SENT)  # every batch's requests sent, so no engine's first turn waits for them
         while not all(task.done() for task in tasks):
-            for i, (group, task) in enumerate(zip(groups, tasks, strict=True)):
+            for group, task, taken in zip(groups, tasks, turns, strict=True):
                 if task.done():
                     continue
                 _signal([group], signal.SIGCONT)
                 began = time.perf_counter()
                 await asyncio.wait([task], timeout=turn)
-                ended = time.perf_counter()
+                taken.append((began, time.perf_counter()))
                 _signal([group], signal.SIGSTOP)
-                ran[i] += ended - began
     finally:
         for task in tasks:
             task.cancel()
-    return [(seconds, task.result()) for seconds, task in zip(ran, tasks, strict=True)]
+    out = []
+    for task, taken in zip(tasks, turns, strict=True):
+        end = finished(task.result())
+        out.append((sum(max(0.0, min(ended, end) - began) for began, ended in taken), task.result()))
+    return out
 
 
 def _signal(groups: Sequence[Sequence[psutil.Process]], number: signal.Signals) -> None:
