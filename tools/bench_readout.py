@@ -27,13 +27,8 @@ another is measured (an idle engine waits without spinning: 1% of a core); `--wa
 (each server a way needs is started, and the default one always), which start sooner and hold
 less memory.
 
-With `--interleave`, each round sends every way's batch at once and their engines take turns of
-0.1 s, the others stopped, until each batch is done: the ways of a round are measured over the
-same seconds of the machine (tools/slices.py). Each way then needs a server of its own (`--ways
-fastest,f32`, not `readouts,f32`).
-
     .venv/bin/python -m tools.bench_readout [--streams 1,8,16] [--tokens 64] [--repeats 3] [--warm]
-        [--interleave] [--sae DIR] [--json PATH]
+        [--sae DIR] [--json PATH]
         [--ways fastest,idle,readouts,f32,probabilities,probabilities-f32,monitors,eager,unspared,residual,sae]
 
 `--warm` skips the start with empty compile caches (the first start's cost).
@@ -68,7 +63,6 @@ from tools.harness import (
     say,
     serve,
 )
-from tools.slices import engine_cores, interleaved, stopped
 
 CONFIGS = {  # the servers, by key: name and flags
     "fastest": ("compiled, no readouts", ["--no-readouts"]),
@@ -91,7 +85,6 @@ WAYS = {
     "residual": ("default", True),
     "sae": ("sae", True),
 }
-TURN = 0.1  # --interleave: seconds an engine runs at a time, a few decode steps of the default model
 # Ratios between two ways besides "/ first": (title, numerator, denominator).
 EXTRA = (
     ("readouts / taps idle", "readouts", "idle"),
@@ -158,54 +151,33 @@ def start(
     return running, cold
 
 
-@dataclass
-class Done:
-    """A batch's start and end (perf_counter, its last token received), tokens and readouts received."""
-
-    started: float
-    finished: float
-    produced: int
-    read: int
-
-
-async def run(way: Way, model: str, batch: list[list[int]], tokens: int, eos: int) -> Done:
+async def run(way: Way, model: str, batch: list[list[int]], tokens: int, eos: int) -> tuple[float, int, int]:
+    """Seconds for the batch, tokens received, readouts received."""
     client = await LmtpClient.connect(way.server.url)
     try:
+
+        async def one(prompt: list[int]) -> tuple[int, int]:
+            fields = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, **way.fields}
+            generated_range = [[len(prompt), len(prompt) + tokens]]
+            if way.reads:
+                fields["readout"] = generated_range
+            for rows in ("residual", "features"):
+                if rows in fields:
+                    fields[rows] = {**fields[rows], "ranges": generated_range}
+            payloads = [p async for p in client.stream("GENERATE", logit_bias={str(eos): -100.0}, **fields)]
+            generated = [p for p in payloads if "token" in p and not p.get("prompt")]
+            for rows in ("residual", "features"):
+                if rows in fields:
+                    assert all(rows in p for p in generated), f"{way.name}: a token without its {rows}"
+            # As a client uses them: numbers, whichever encoding carried them.
+            read = [readout_values(p["readout"]) for p in generated if p.get("readout") is not None]
+            return len(generated), len(read)
+
         started = time.perf_counter()
-        counts = await asyncio.gather(*(generate(client, way, model, prompt, tokens, eos) for prompt in batch))
-        return Done(started, time.perf_counter(), sum(c[0] for c in counts), sum(c[1] for c in counts))
+        counts = await asyncio.gather(*map(one, batch))
+        return time.perf_counter() - started, sum(c[0] for c in counts), sum(c[1] for c in counts)
     finally:
         await client.close()
-
-
-async def generate(
-    client: LmtpClient,
-    way: Way,
-    model: str,
-    prompt: list[int],
-    tokens: int,
-    eos: int,
-) -> tuple[int, int]:
-    """One stream as `way` drives it: its generated tokens and readouts."""
-    fields = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, **way.fields}
-    generated_range = [[len(prompt), len(prompt) + tokens]]
-    if way.reads:
-        fields["readout"] = generated_range
-    for rows in ("residual", "features"):
-        if rows in fields:
-            fields[rows] = {**fields[rows], "ranges": generated_range}
-    generated, read = 0, 0
-    async for payload in client.stream("GENERATE", logit_bias={str(eos): -100.0}, **fields):
-        if "token" not in payload or payload.get("prompt"):
-            continue
-        generated += 1
-        for rows in ("residual", "features"):
-            if rows in fields:
-                assert rows in payload, f"{way.name}: a token without its {rows}"
-        if payload.get("readout") is not None:
-            readout_values(payload["readout"])  # as a client uses them: numbers, whichever encoding carried them
-            read += 1
-    return generated, read
 
 
 async def main() -> None:
@@ -216,16 +188,9 @@ async def main() -> None:
     parser.add_argument("--warm", action="store_true", help="no start with empty compile caches")
     parser.add_argument("--sae", help="the SAE folder (default: a random 8x top-32 SAE at layer 15)")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"the ways to drive, of {','.join(WAYS)}")
-    parser.add_argument(
-        "--interleave",
-        action="store_true",
-        help="each round's batches at once, their engines in turns of 0.1 s, the others stopped (tools/slices.py)",
-    )
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
     keys = picked(parser, args.ways, WAYS, "ways")
-    if args.interleave and len({WAYS[key][0] for key in keys}) < len(keys):
-        parser.error("--interleave takes ways on servers of their own: one engine runs at a time")
 
     from salience.core.models.default_model import ensure_default_model
     from salience.core.models.home import configure_environment
@@ -256,41 +221,15 @@ async def measure(driven: list[Way], counts: list[int], args: argparse.Namespace
         await run(way, DEFAULT_MODEL_NAME, prompts(1, 8, 40000), 4, eos)
     for n in counts:
         batch = prompts(n, args.prompt_tokens, 40000)
-        if args.interleave:
-            await measure_interleaved(driven, n, batch, args, eos, samples)
-            continue
         for _, way in rotations(driven, args.repeats):
-            done = await run(way, DEFAULT_MODEL_NAME, batch, args.tokens, eos)
-            check(way, n, args.tokens, done)
-            rate = done.produced / (done.finished - done.started)
-            samples.add(f"N={n:<3} {way.name:30} {rate:7.1f} tok/s", {f"N={n} {way.key}": rate})
-
-
-async def measure_interleaved(
-    driven: list[Way], n: int, batch: list[list[int]], args: argparse.Namespace, eos: int, samples: Samples
-) -> None:
-    """Each round, every way's batch at once, the engines taking turns of TURN seconds until each
-    batch is done (tools/slices.py); the first turn's way shifted by one each round."""
-    from salience.core.models.default_model import DEFAULT_MODEL_NAME
-
-    groups = {way.key: engine_cores(way.server) for way in driven}
-    with stopped(list(groups.values())):
-        for round_ in range(args.repeats):
-            order = [*driven[round_ % len(driven) :], *driven[: round_ % len(driven)]]
-            batches = [run(way, DEFAULT_MODEL_NAME, batch, args.tokens, eos) for way in order]
-            timed = await interleaved([groups[way.key] for way in order], batches, lambda done: done.finished, TURN)
-            rates = {}
-            for way, (seconds, done) in zip(order, timed, strict=True):
-                check(way, n, args.tokens, done)
-                rates[way.key] = done.produced / seconds
-            progress = "  ".join(f"{way.key} {rates[way.key]:.1f}" for way in driven)
-            samples.add(f"N={n:<3} tok/s {progress}", {f"N={n} {key}": rate for key, rate in rates.items()})
-
-
-def check(way: Way, n: int, tokens: int, done: Done) -> None:
-    expected = n * tokens
-    assert done.produced == expected, f"{way.name}: {done.produced} tokens, expected {expected}"
-    assert done.read == expected or not way.reads, f"{way.name}: {done.read} readouts, expected {expected}"
+            seconds, produced, read = await run(way, DEFAULT_MODEL_NAME, batch, args.tokens, eos)
+            expected = n * args.tokens
+            assert produced == expected, f"{way.name}: {produced} tokens, expected {expected}"
+            if way.reads:
+                assert read == expected, f"{way.name}: {read} readouts, expected {expected}"
+            samples.add(
+                f"N={n:<3} {way.name:30} {produced / seconds:7.1f} tok/s", {f"N={n} {way.key}": produced / seconds}
+            )
 
 
 def tabulate(
