@@ -140,7 +140,10 @@ def served(engine: Engine | None, token: str | None = None) -> tuple[web.Applica
 
 
 async def call(app: web.Application, path: str, body: dict | None = None, headers: dict | None = None, **kw):
-    """The handler's response, and what it wrote (a stream's bytes)."""
+    """The handler's response, and what it wrote (a stream's bytes). The connection stays open
+    unless `transport` says otherwise: make_mocked_request's own is a Mock whose is_closing() is
+    truthy, so a handler that ran past one POLL_SECONDS (a loaded machine) saw its client gone."""
+    kw.setdefault("transport", Transport())
     reader = StreamReader(mock.Mock(), 2**16, loop=asyncio.get_running_loop())
     if body is not None:
         reader.feed_data(orjson.dumps(body))
