@@ -41,6 +41,7 @@ from tools.soak.options import MIB
 
 SALIENCE = str(Path(sys.executable).with_name("salience"))
 PROMPT = [0, *range(5, 15)]
+MESSAGE_BYTES, FRAME_BYTES = MIB, 2 * MIB  # the soaked server's limits, which the soak sends past
 
 
 @dataclass
@@ -175,7 +176,7 @@ async def test_a_minute_of_load_and_faults_then_sigterm_lets_in_flight_streams_f
     n, max_tokens = 8, 900
     concepts = tmp_path / "concepts.safetensors"
     tiny_concepts.save(concepts)
-    limits = ("--lmtp-max-message-bytes", str(MIB), "--lmtp-max-frame-bytes", str(2 * MIB))
+    limits = ("--lmtp-max-message-bytes", str(MESSAGE_BYTES), "--lmtp-max-frame-bytes", str(FRAME_BYTES))
     # The default 30 s drain outlasts these streams on an idle machine, not on a loaded one; this
     # test is about streams finishing (the next one, about the timeout).
     flags = ("--drain-timeout", "600", "--concepts", str(concepts), "--kv-cache-gib", "1", *limits)
@@ -225,8 +226,8 @@ async def soak(served: Served, tiny_model: Path) -> None:
         url=served.http.replace("http", "ws", 1) + "/",
         grpc=served.grpc_target,
         pid=served.process.pid,
-        max_message_bytes=MIB,
-        max_frame_bytes=2 * MIB,
+        max_message_bytes=MESSAGE_BYTES,
+        max_frame_bytes=FRAME_BYTES,
         seconds=60,
         connections=3,
         streams=4,
@@ -291,21 +292,29 @@ def vllm_sample(text: str, name: str) -> float:
 
 
 @pytest_asyncio.fixture(scope="module")
-async def two_servers(tiny_model: Path) -> AsyncIterator[tuple[Served, Served]]:
-    """The next two tests' servers, started together: one multiprocess, stopped by its drain
-    timeout, and one SIGKILLed. Two starts overlap well on two cores (each waits on one process
-    at a time for much of it): ~20 s less than one after the other."""
+async def two_servers(request: pytest.FixtureRequest, tiny_model: Path) -> AsyncIterator[dict[str, Served]]:
+    """The next two tests' servers, by test, started together: one multiprocess, stopped by its
+    drain timeout, and one SIGKILLed. Two starts overlap well on two cores (each waits on one
+    process at a time for much of it): ~16 s less than one after the other. Only the selected
+    tests' servers start (`-m "not multiprocess"` starts no multiprocess one)."""
+    servers = {  # the test: its server's flags, and whether it serves /metrics
+        "test_drain_timeout_cancels_what_is_left_multiprocess": (("--drain-timeout", "1", "--multiprocess"), True),
+        "test_a_killed_server_leaves_no_engine_process_behind": (("--no-grpc",), False),
+    }
+    selected = [name for name in servers if name in {item.originalname for item in request.session.items}]
     async with contextlib.AsyncExitStack() as stack:
-        multiprocess = serve(tiny_model, "--drain-timeout", "1", "--multiprocess", metrics=True)
-        killed = serve(tiny_model, "--no-grpc")
-        yield tuple(await asyncio.gather(*map(stack.enter_async_context, (multiprocess, killed))))
+        starts = [
+            stack.enter_async_context(serve(tiny_model, *servers[name][0], metrics=servers[name][1]))
+            for name in selected
+        ]
+        yield dict(zip(selected, await asyncio.gather(*starts), strict=True))
 
 
 @pytest.mark.multiprocess
-async def test_drain_timeout_cancels_what_is_left_multiprocess(two_servers: tuple[Served, Served]) -> None:
+async def test_drain_timeout_cancels_what_is_left_multiprocess(two_servers: dict[str, Served]) -> None:
     """Also: vLLM's engine metrics reach the frontend's registry when the worker is a process of its own."""
     n, max_tokens = 4, 1000
-    served = two_servers[0]
+    served = two_servers["test_drain_timeout_cancels_what_is_left_multiprocess"]
     async with (
         aiohttp.ClientSession() as http,
         connect(http, served.http) as client,
@@ -329,10 +338,10 @@ async def test_drain_timeout_cancels_what_is_left_multiprocess(two_servers: tupl
     assert elapsed < 15, f"took {elapsed:.1f} s to stop after a 1 s drain"
 
 
-async def test_a_killed_server_leaves_no_engine_process_behind(two_servers: tuple[Served, Served]) -> None:
+async def test_a_killed_server_leaves_no_engine_process_behind(two_servers: dict[str, Served]) -> None:
     """SIGKILL (the OOM killer, a forced stop) runs no shutdown: vLLM's engine core, which would
     run on holding the model (vllm-project/vllm#55510), sees the server gone and stops."""
-    served = two_servers[1]
+    served = two_servers["test_a_killed_server_leaves_no_engine_process_behind"]
     children = psutil.Process(served.process.pid).children(recursive=True)
     assert any("EngineCore" in child.name() for child in children), "vLLM's engine core runs in a child process"
     served.process.kill()
