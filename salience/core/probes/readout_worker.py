@@ -99,7 +99,7 @@ class ReadoutWorker:
         self._ro_features = feature_buffer(model)
         # Per SAE slot, the features its rows hold: ids in [0, top), activations in [top, 2 * top).
         self._ro_feature_tops = {e.slot: e.width for tap in taps(model) for e in tap.encoders}
-        self._ro_every_column = list(range(buffer.shape[2]))  # a view of every column needs no selection
+        self._ro_every_column = list(range(buffer.shape[2]))  # the first n columns need no selection
         runner.execute_model = self._ro_after(runner.execute_model, file=True, send=with_output)
         runner._model_forward = self._ro_capturing(runner._model_forward)
         if with_output:
@@ -243,16 +243,20 @@ class ReadoutWorker:
         whose absolute positions its ranges cover, and those positions; requests with no such row
         are left out."""
         runner = self.model_runner
-        batch = runner.input_batch
-        n = batch.num_reqs
+        n = runner.input_batch.num_reqs
         out: list[tuple[str, dict, np.ndarray, np.ndarray]] = []
         starts = None
-        positions = None
         for i, request_id, extra in self._ro_tagged(tag):
             if starts is None:
                 starts = runner.query_start_loc.cpu[: n + 1].tolist()
                 positions = runner.positions[: starts[n]].cpu().numpy()
+                at = positions.tolist()
+                rows = np.arange(starts[n])
             s, e = starts[i], starts[i + 1]
+            if e - s == 1:  # a decode step's one row, compared as numbers (most steps' every row)
+                if any(start <= at[s] < end for start, end in extra[tag][1]):
+                    out.append((request_id, extra, rows[s:e], positions[s:e]))
+                continue
             if e <= s:
                 continue
             pos = positions[s:e]
@@ -269,8 +273,12 @@ class ReadoutWorker:
             self._ro_file_from(FEATURE_TAG, self._ro_features, self._ro_top_features)
 
     def _ro_readouts(self, tag: list, rows: np.ndarray) -> np.ndarray:
+        """The request's columns of its rows: a view where they are the first n (the loaded set,
+        or it and live concepts in the order defined), else a copy."""
         _, _, columns = tag
-        return rows if columns == self._ro_every_column else rows[:, :, columns]
+        if columns == self._ro_every_column[: len(columns)]:
+            return rows[:, :, : len(columns)]
+        return rows[:, :, columns]
 
     def _ro_top_features(self, tag: list, rows: np.ndarray) -> np.ndarray:
         _, _, slot, k = tag
@@ -284,7 +292,7 @@ class ReadoutWorker:
         if not picks:
             return
         rows = np.concatenate([idx for _, _, idx, _ in picks])
-        block = buffer[torch.from_numpy(rows).to(buffer.device)].cpu().numpy()
+        block = _copied(buffer, rows)
         first = 0
         for request_id, extra, idx, at in picks:
             mine = select(extra[tag], block[first : first + len(idx)])
@@ -292,7 +300,21 @@ class ReadoutWorker:
             first += len(idx)
 
 
+def _copied(buffer: torch.Tensor, rows: np.ndarray) -> np.ndarray:
+    """buffer[rows] on the host (`rows` ascending). The buffer is rewritten by the next forward,
+    so this copies. On CPU through numpy, and a run of rows (a decode step's usual) as one slice:
+    a tensor gather cost more than the rest of the filing (measured)."""
+    if buffer.device.type != "cpu":
+        return buffer[torch.from_numpy(rows).to(buffer.device)].cpu().numpy()
+    values = buffer.numpy()
+    if rows[-1] - rows[0] + 1 == len(rows):
+        return values[rows[0] : rows[-1] + 1].copy()
+    return values[rows]
+
+
 def _joined(blocks: Blocks) -> list[bytes]:
-    positions = np.concatenate([b[0] for b in blocks]).astype(np.int64)
-    values = np.concatenate([b[1] for b in blocks]).astype(np.float32)
-    return [positions.tobytes(), values.tobytes()]
+    if len(blocks) == 1:  # a step's, sent with its output
+        ((positions, values),) = blocks
+    else:
+        positions, values = np.concatenate([b[0] for b in blocks]), np.concatenate([b[1] for b in blocks])
+    return [positions.astype(np.int64, copy=False).tobytes(), values.astype(np.float32, copy=False).tobytes()]
