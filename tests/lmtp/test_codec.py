@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,7 +12,14 @@ from hypothesis import strategies as st
 from salience.core.engine.chat_messages import ChatMessage, ImagePart, TextPart
 from salience.core.engine.requests import ImageBlock
 from salience.core.probes.steering import Intervention, Op
-from salience.lmtp.codec import LmtpError, msg_frame, parse_client_line, parse_server_line, token_frame
+from salience.lmtp.codec import (
+    LmtpError,
+    msg_frame,
+    parse_client_line,
+    parse_server_line,
+    readout_values,
+    token_frame,
+)
 from salience.lmtp.messages import (
     Cancel,
     CloseSession,
@@ -26,6 +34,7 @@ from salience.lmtp.messages import (
     SessionGenerate,
     Tokenize,
 )
+from salience.lmtp.payloads import readout_field
 
 # What LMQL 0.7.3 sends, verbatim, and what it must parse to.
 VALID = [
@@ -448,3 +457,13 @@ def test_the_default_limit_is_16_mib() -> None:
         parse_client_line(line)
     assert info.value.message == oversized_message("GENERATE", len(line), 16 * 2**20)
     assert info.value.stream_id == 5
+
+
+@given(st.lists(st.one_of(st.none(), st.floats(allow_nan=False, width=64)), max_size=200))
+def test_f32_readouts_carry_what_float32_holds(values: list[float | None]) -> None:
+    """The packing fast path and numpy's agree: each value as float32 (beyond its range, inf), a
+    None (a probability without calibration) as NaN."""
+    with np.errstate(over="ignore"):
+        expected = np.array([np.nan if v is None else v for v in values], dtype=np.float32)
+    got = np.array(readout_values(readout_field(tuple(values), "f32")), dtype=np.float32)
+    np.testing.assert_array_equal(got, expected)
