@@ -249,7 +249,9 @@ class ReadoutWorker:
         for i, request_id, extra in self._ro_tagged(tag):
             if starts is None:
                 starts = runner.query_start_loc.cpu[: n + 1].tolist()
-                positions = runner.positions[: starts[n]].cpu().numpy()
+                # A copy: blocks hold views of it, and may wait for a fetch past the next step,
+                # which rewrites the runner's positions.
+                positions = runner.positions[: starts[n]].cpu().numpy().copy()
                 at = positions.tolist()
                 rows = np.arange(starts[n])
             s, e = starts[i], starts[i + 1]
