@@ -18,7 +18,7 @@ during the forward pass, compiled or eager. Theory of operation:
 - A request asks for its raw residual rows through `extra_args[RESIDUAL_TAG] = [key,
   ranges, slots]` (slots: the readout slots of the layers it wants): before the forward (the
   runner's `_model_forward`, wrapped) the worker names the step's rows and slots to copy
-  (taps.Capture), the taps' readout op copies them out at those layers, and after the step
+  (tap_ops.Capture), the taps' readout op copies them out at those layers, and after the step
   they are filed as [rows, its layers, hidden] blocks under that key, like readouts. A step
   nobody asked for residuals copies nothing.
 - A request asks for an SAE's top features through `extra_args[FEATURE_TAG] = [key, ranges,
@@ -54,10 +54,9 @@ import numpy as np
 import torch
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
+from salience.core.probes.tap_ops import Capture, Reading
 from salience.core.probes.taps import (
-    Capture,
     LayerTap,
-    Reading,
     decoder_stack,
     feature_buffer,
     readout_buffer,
@@ -201,7 +200,7 @@ class ReadoutWorker:
 
     def _ro_columns(self) -> int:
         """The readout columns this step's requests read: past the last one any of them reads
-        (its ConceptView's columns), 0 if none reads (taps.Reading)."""
+        (its ConceptView's columns), 0 if none reads (tap_ops.Reading)."""
         return max((max(extra[TAG][2], default=-1) + 1 for _, _, extra in self._ro_tagged(TAG)), default=0)
 
     def _ro_tagged(self, tag: str) -> Iterator[tuple[int, str, dict]]:

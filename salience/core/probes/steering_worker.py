@@ -16,7 +16,7 @@ from four static buffers `[max_tokens, steering layers, directions]`. Those buff
   at the rows whose absolute positions its ranges cover, for each of its layers; then runs the
   forward; then resets the rows it wrote. Interventions that meet at one row, layer and
   direction add up, and caps intersect (steering.py defines both).
-- It also names the slots (layers) this step steers at (taps.Steered): on CPU a tap steers
+- It also names the slots (layers) this step steers at (tap_ops.Steered): on CPU a tap steers
   through the op `salience::steer`, which does nothing at any other slot. A step with no steered
   request costs one dictionary lookup per request and one set lookup per steerable layer: the
   buffers are already zero.
@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from salience.core.probes.steering import unit
-from salience.core.probes.taps import Steered, decoder_stack, steering_buffers
+from salience.core.probes.tap_ops import Steered
+from salience.core.probes.taps import decoder_stack, steering_buffers
 
 TAG = "salience_steer"
 RESET = (0.0, 0.0, -np.inf, np.inf)  # a, b, lo, hi of a row nobody steers
@@ -136,7 +137,7 @@ class SteeringWorker:
         if self._st_buffers[0].device.type != "cpu":
             for device, host in zip(self._st_buffers, self._st_host, strict=True):
                 device[:total].copy_(torch.from_numpy(host[:total]))
-        Steered.slots = frozenset(slots)  # the taps that steer this step (taps.steer)
+        Steered.slots = frozenset(slots)  # the taps that steer this step (tap_ops.steer)
         return total
 
     def _st_write_vector(self, column: int, vector: list) -> None:

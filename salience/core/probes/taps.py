@@ -23,7 +23,7 @@ part of the model the compiler sees:
   layer; only the small float32 readout block leaves the graph, never a hidden
   state, and only small coefficient blocks enter it. On CPU the projection runs
   in the op `salience::readout_project` instead, gated per step as steering is
-  (Reading, Steered): a step nobody reads projects nothing, and the spare columns
+  (tap_ops.py: Reading, Steered): a step nobody reads projects nothing, and the spare columns
   of live concepts are projected only once a request reads one.
 - A tap at a sparse autoencoder's layer (`--sae`) also encodes the (steered)
   residual with it (`SAEEncoder`: SAELens's math, features/encoder.py) and keeps
@@ -47,16 +47,16 @@ import dataclasses
 import hashlib
 import logging
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
-from torch.library import Library
 
 from salience.core.features.encoder import SAEEncoder
 from salience.core.probes.compile_cache import load_inductor_artifacts
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import Directions
+from salience.core.probes.tap_ops import steering_delta
 from salience.core.probes.warm_up import shorten_warm_up
 
 __all__ = [
@@ -64,10 +64,7 @@ __all__ = [
     "FEATURES_KEY",
     "LOAD_FORMAT",
     "STEERING_KEY",
-    "Capture",
     "LayerTap",
-    "Reading",
-    "Steered",
     "decoder_stack",
     "feature_buffer",
     "file_digest",
@@ -89,127 +86,6 @@ STEERING_KEY = "salience_steering"
 STEERING_BUFFERS = ("steer_add", "steer_scale", "steer_lo", "steer_hi")  # a, b, lo, hi (LayerTap)
 # {"saes": [{"path", "sha256", "top"}, ...]}: the sparse autoencoders to encode with, in slot order.
 FEATURES_KEY = "salience_features"
-
-
-class Capture:
-    """Residual rows the worker asked the next forward to copy out (readout_worker.py): set
-    before the forward, taken after it. Empty, the taps copy nothing."""
-
-    rows: ClassVar[torch.Tensor | None] = None  # the step's token rows to copy, ascending
-    slots: ClassVar[frozenset[int]] = frozenset()  # the readout slots (layers) to copy them at
-    taken: ClassVar[dict[int, torch.Tensor]] = {}  # readout slot -> [len(rows), hidden] float32
-
-
-class Reading:
-    """The readout columns some request of the next forward reads (0: none does), set by the worker
-    before it (readout_worker.py). On CPU a tap projects onto those columns only, and only then:
-    the spare columns of live concepts cost nothing until one is read, nor does a step nobody
-    reads."""
-
-    columns: ClassVar[int] = 0
-
-
-class Steered:
-    """The steering slots (layers) some request of the next forward steers at, set by the worker
-    before it (steering_worker.py). On CPU a tap whose slot is not here skips its steering code."""
-
-    slots: ClassVar[frozenset[int]] = frozenset()
-
-
-def steer(
-    hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-    directions: torch.Tensor,
-    add: torch.Tensor,
-    scale: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    slot: int,
-) -> None:
-    """hidden += (a + b * p + clamp(p, lo, hi) - p) @ D.T at a steered slot (LayerTap), else
-    nothing: an opaque op runs as Python at every step, so a step that steers nowhere here costs
-    one set lookup instead of the projection onto every direction and back."""
-    if slot not in Steered.slots:
-        return
-    state = hidden.float() if residual is None else hidden.float() + residual.float()
-    hidden.copy_((hidden.float() + steering_delta(state, directions, add, scale, lo, hi, slot)).to(hidden.dtype))
-
-
-def steering_delta(
-    state: torch.Tensor,
-    directions: torch.Tensor,
-    add: torch.Tensor,
-    scale: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    slot: int,
-) -> torch.Tensor:
-    """(a + b * p + clamp(p, lo, hi) - p) @ D.T, p = state @ D, with this slot's coefficient rows."""
-    rows = state.shape[0]
-    a, b = add[:rows, slot], scale[:rows, slot]
-    projection = state @ directions
-    clamped = torch.clamp(projection, lo[:rows, slot], hi[:rows, slot])
-    return (a + b * projection + (clamped - projection)) @ directions.T
-
-
-def readout_store(values: torch.Tensor, buffer: torch.Tensor, slot: int, state: torch.Tensor) -> None:
-    """buffer[:rows, slot] = values: the graph's one write, into a buffer at a fixed address. Where
-    the worker asked for residual rows (Capture), `state`'s rows are copied out as well: an opaque
-    op runs as Python at every step, so this costs one check when nothing is asked."""
-    buffer[: values.shape[0], slot].copy_(values)
-    _capture(state, slot)
-
-
-def readout_project(state: torch.Tensor, matrix: torch.Tensor, buffer: torch.Tensor, slot: int) -> None:
-    """buffer[:rows, slot, :n] = state @ matrix[:, :n] with n the columns the step reads (Reading),
-    nothing when it reads none; then residual rows as readout_store copies them. The product is
-    written straight into the buffer, through views kept from the last call of this shape: at every
-    tapped layer of every step, slicing and a copy cost more than the small product itself."""
-    columns = Reading.columns
-    if columns:
-        key = (buffer.data_ptr(), matrix.data_ptr(), slot, state.shape[0], columns)
-        views = _views.get(key)
-        if views is None:
-            if len(_views) > _MAX_VIEWS:
-                _views.clear()
-            views = _views[key] = (matrix[:, :columns], buffer[: state.shape[0], slot, :columns])
-        torch.mm(state, views[0], out=views[1])
-    _capture(state, slot)
-
-
-_views: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-_MAX_VIEWS = 4096  # batch sizes x column counts x layers seen; decode steps repeat a few
-
-
-def _capture(state: torch.Tensor, slot: int) -> None:
-    if Capture.rows is not None and slot in Capture.slots:
-        Capture.taken[slot] = state.index_select(0, Capture.rows).cpu()
-
-
-def feature_store(values: torch.Tensor, buffer: torch.Tensor, slot: int) -> None:
-    """buffer[:rows, slot, :width] = values: an SAE's top features, as readout_store writes readouts."""
-    buffer[: values.shape[0], slot, : values.shape[1]].copy_(values)
-
-
-def _no_output(*args: Any) -> None:
-    return None
-
-
-def _register_ops() -> Library:
-    """The stores, the gated projection and the steering gate as `torch.ops.salience.*`, registered
-    straight with the dispatcher as vLLM registers its attention ops: `torch.library.custom_op`'s
-    own Python wrapping costs ~15 us more per call, and the compiled graph calls them at every
-    tapped layer of every step."""
-    from vllm.utils.torch_utils import direct_register_custom_op
-
-    library = Library("salience", "FRAGMENT")
-    ops = ((readout_store, "buffer"), (readout_project, "buffer"), (feature_store, "buffer"), (steer, "hidden"))
-    for op, mutated in ops:
-        direct_register_custom_op(op.__name__, op, mutates_args=[mutated], fake_impl=_no_output, target_lib=library)
-    return library
-
-
-_LIBRARY = _register_ops()  # the ops live as long as this object
 
 
 class LayerTap(nn.Module):
