@@ -98,7 +98,6 @@ class ReadoutWorker:
         self._ro_features = feature_buffer(model)
         # Per SAE slot, the features its rows hold: ids in [0, top), activations in [top, 2 * top).
         self._ro_feature_tops = {e.slot: e.width for tap in taps(model) for e in tap.encoders}
-        self._ro_every_column = list(range(buffer.shape[2]))  # the first n columns need no selection
         runner.execute_model = self._ro_after(runner.execute_model, file=True, send=with_output)
         runner._model_forward = self._ro_capturing(runner._model_forward)
         if with_output:
@@ -277,7 +276,7 @@ class ReadoutWorker:
         """The request's columns of its rows: a view where they are the first n (the loaded set,
         or it and live concepts in the order defined), else a copy."""
         _, _, columns = tag
-        if columns == self._ro_every_column[: len(columns)]:
+        if columns == list(range(len(columns))):
             return rows[:, :, : len(columns)]
         return rows[:, :, columns]
 
