@@ -186,7 +186,9 @@ class Generation:
 
     def _covered(self, position: int) -> bool:
         """Whether the position's readout or any of its rows were asked for."""
-        return covers(self._ranges, position) or any(covers(plan.ranges, position) for plan in self._rows)
+        if covers(self._ranges, position):
+            return True
+        return bool(self._rows) and any(covers(plan.ranges, position) for plan in self._rows)
 
     def prompt_scores(self) -> PromptScores:
         """The prompt positions' logprobs (if asked for), readouts and rows."""
@@ -222,15 +224,8 @@ class Generation:
         prompt = [p for p in range(self.prompt_tokens) if self._covered(p)] if first else []
         got, rows = await self._take(prompt + wanted)
         present = self._present or _as_read
-        self.prompt_readouts.update((p, present(p, got[p])) for p in prompt if p in got)
-        for field, taken in rows.items():
-            self.prompt_rows[field].update((p, taken[p]) for p in prompt if p in taken)
-        mine = self.prompt_rows.get("features", {})
-        for position in [p for p in prompt if p in mine]:
-            if (features := self._client_features(position, mine[position])) is None:
-                del mine[position]
-            else:
-                mine[position] = features
+        if prompt:
+            self._file_prompt(prompt, got, rows, present)
         if finished and ready and self._read_last is not None and self.finish_reason is not FinishReason.CANCELLED:
             last = ready[-1].position
             if self._covered(last) and last not in got and not any(last in taken for taken in rows.values()):
@@ -260,6 +255,18 @@ class Generation:
                 await self._stop_by_monitor()
                 return
             self._pending.append(event)
+
+    def _file_prompt(self, prompt: list[int], got: dict, rows: dict[str, dict], present: Callable) -> None:
+        """The prompt positions' readouts and rows, taken with the first output."""
+        self.prompt_readouts.update((p, present(p, got[p])) for p in prompt if p in got)
+        for field, taken in rows.items():
+            self.prompt_rows[field].update((p, taken[p]) for p in prompt if p in taken)
+        mine = self.prompt_rows.get("features", {})
+        for position in [p for p in prompt if p in mine]:
+            if (features := self._client_features(position, mine[position])) is None:
+                del mine[position]
+            else:
+                mine[position] = features
 
     def _client_features(self, position: int, features: Features) -> Features | None:
         """With feature monitors, what the client asked to see of a position's features (None: nothing)."""

@@ -8,11 +8,12 @@ during the forward pass, compiled or eager. Theory of operation:
 - A request asks for readouts through `SamplingParams.extra_args[TAG] =
   [key, [[start, end], ...], columns]` (absolute positions, end exclusive; the
   buffer columns of the concepts it reads, in its order: live.ConceptView).
-- `salience_readout_setup` wraps the model runner's `execute_model`. After each
-  step it maps the step's token rows to requests (input_batch.req_ids and
-  query_start_loc; absolute positions from runner.positions), picks the rows
-  whose positions were asked for, and copies them out of the buffer as one
-  [rows, layers, its columns] block per request. Rows past the step's real tokens
+- `salience_readout_setup` wraps the model runner's `_model_forward` and
+  `execute_model`. Before each forward it maps the step's token rows to requests
+  (input_batch.req_ids and query_start_loc; absolute positions from
+  runner.positions) and picks the rows whose positions were asked for; after the
+  step it copies them out of the buffer as one [rows, layers, its columns] block
+  per request. Rows past the step's real tokens
   (padding) are never read. Requests batched together never mix: rows are
   selected per request.
 - A request asks for its raw residual rows through `extra_args[RESIDUAL_TAG] = [key,

@@ -35,6 +35,8 @@ token of a generation, never fed back, is read out by one more pass
 from __future__ import annotations
 
 import asyncio
+import functools
+import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -48,10 +50,17 @@ from salience.errors import EngineError, InvalidArgument
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["READ_TO_END", "ReadoutHub", "check_ranges", "each_engine"]
+__all__ = ["READ_TO_END", "ReadoutHub", "check_ranges", "each_engine", "float32_row"]
 
 Readout = tuple[float, ...]
 READ_TO_END = 2**62 - 1  # a range end past any position: "every position from start on"
+
+
+@functools.cache
+def float32_row(n: int) -> struct.Struct:
+    """A row of n little-endian float32, as readouts travel: unpacked straight into Python floats
+    (a row of 180: 2 us, numpy's array and tolist 3.6), packed from them (1 us, numpy 5)."""
+    return struct.Struct(f"<{n}f")
 
 
 def check_ranges(ranges: Sequence[tuple[int, int]]) -> list[list[int]]:
@@ -232,16 +241,16 @@ class ReadoutHub:
         concepts = self._widths[key]
         layers = self._raw.get(key, self._layers)
         width = layers * concepts
-        rows = np.frombuffer(values, dtype=np.float32).reshape(-1, width)
         positions = np.frombuffer(positions, dtype=np.int64).tolist()
+        if len(self._masks) == 1 and key not in self._raw:  # a recomputed position (preemption) wins
+            for position, row in zip(positions, float32_row(width).iter_unpack(values), strict=True):
+                buffer[position] = row
+            return
+        rows = np.frombuffer(values, dtype=np.float32).reshape(-1, width)
         if key in self._raw:  # residual rows: one stage (the engine checks), kept as arrays
             block = rows.reshape(-1, layers, concepts).copy()  # one copy out of the read-only message
             for position, row in zip(positions, block, strict=True):
                 buffer[position] = row
-            return
-        if len(self._masks) == 1:
-            for position, row in zip(positions, rows, strict=True):
-                buffer[position] = tuple(row.tolist())  # a recomputed position (preemption) wins
             return
         mask, partial = np.repeat(self._masks[worker], concepts), self._partial[key]
         for position, row in zip(positions, rows, strict=True):
