@@ -56,7 +56,7 @@ from salience.core.features.encoder import SAEEncoder
 from salience.core.probes.compile_cache import load_inductor_artifacts
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import Directions
-from salience.core.probes.tap_ops import steering_delta
+from salience.core.probes.tap_ops import STAGED_ROWS, steering_delta
 from salience.core.probes.warm_up import shorten_warm_up
 
 __all__ = [
@@ -119,11 +119,25 @@ class LayerTap(nn.Module):
         self.encoders.append(encoder)
         self.register_buffer("features", buffer, persistent=False)  # [rows, SAEs, 2 * top], shared
 
-    def read_into(self, slot: int, matrix: torch.Tensor, buffer: torch.Tensor) -> None:
+    def read_into(
+        self,
+        slot: int,
+        matrices: torch.Tensor,
+        buffer: torch.Tensor,
+        held: tuple[int, int],
+        staging: torch.Tensor | None,
+    ) -> None:
+        """Read slot `slot` of `matrices` ([slots, concepts, hidden] float32, concept-major, shared)
+        into `buffer` ([rows, slots, concepts], shared); `held`: the first and last readout slots
+        this stage holds. On CPU a small step's rows go to `staging` ([slots, STAGED_ROWS, hidden],
+        shared) and are projected at the last of them (tap_ops.readout_project)."""
         self.readout_slot = slot
-        self.gated_read = matrix.device.type == "cpu"  # projecting through the gated op (Reading)
-        self.register_buffer("matrix", matrix, persistent=False)  # [hidden, concepts] float32, concept-major
-        self.register_buffer("out", buffer, persistent=False)  # [rows, readout layers, concepts], shared
+        self.readout_held = held
+        self.gated_read = staging is not None  # projecting through the gated op (Reading)
+        self.register_buffer("matrix", matrices[slot].T, persistent=False)  # [hidden, concepts], a view
+        self.register_buffer("out", buffer, persistent=False)
+        self.register_buffer("matrices", matrices, persistent=False)
+        self.register_buffer("staging", staging, persistent=False)
 
     def steer_from(self, slot: int, directions: torch.Tensor, coefficients: tuple[torch.Tensor, ...]) -> None:
         self.steering_slot = slot
@@ -150,7 +164,9 @@ class LayerTap(nn.Module):
             hidden = (hidden.float() + delta).to(hidden.dtype)
             output = (hidden, *output[1:]) if isinstance(output, tuple) else hidden
         if self.readout_slot is not None and self.gated_read:
-            torch.ops.salience.readout_project(state, self.matrix, self.out, self.readout_slot)
+            torch.ops.salience.readout_project(
+                state, self.matrix, self.out, self.staging, self.matrices, self.readout_slot, *self.readout_held
+            )
         elif self.readout_slot is not None:
             torch.ops.salience.readout_store(state @ self.matrix, self.out, self.readout_slot, state)
         for encoder in self.encoders:
@@ -233,14 +249,19 @@ def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch
     if concepts is not None:
         width = len(concepts.concepts) + readout_spec["spare"]
         buffer = torch.zeros(max_tokens, len(concepts.layers), width, dtype=torch.float32, device=device)
-        for slot, index in enumerate(concepts.layers):
-            if index in held:
-                # Stored concept-major and used transposed: the gated op's [hidden, n] slice is then
-                # one BLAS operand as it lies (a [hidden, width] slice was copied first: 2x the
-                # product at 16 rows, measured).
-                matrix = torch.zeros(width, concepts.hidden_size, dtype=torch.float32)
-                matrix[: len(concepts.concepts)] = concepts.vectors[index].to(torch.float32)
-                tap(index).read_into(slot, matrix.to(device).T, buffer)
+        # Stored concept-major and used transposed: the gated op's [hidden, n] slice is then one
+        # BLAS operand as it lies (a [hidden, width] slice was copied first: 2x the product at 16
+        # rows, measured). One tensor for every slot: a small step projects them all at once.
+        matrices = torch.zeros(len(concepts.layers), width, concepts.hidden_size, dtype=torch.float32)
+        slots = [slot for slot, index in enumerate(concepts.layers) if index in held]
+        for slot in slots:
+            matrices[slot, : len(concepts.concepts)] = concepts.vectors[concepts.layers[slot]].to(torch.float32)
+        matrices = matrices.to(device)
+        staging = None
+        if device.type == "cpu":  # the gated op's (Reading)
+            staging = torch.zeros(len(concepts.layers), STAGED_ROWS, concepts.hidden_size, device=device)
+        for slot in slots:
+            tap(concepts.layers[slot]).read_into(slot, matrices, buffer, (slots[0], slots[-1]), staging)
     if directions is not None:
         shape = (max_tokens, len(directions.layers), directions.width)
         coefficients = tuple(
