@@ -1,8 +1,8 @@
 """Render docs/serve.md from `salience serve`'s parser (`.venv/bin/python -m tools.gen_serve_docs`).
 
-The help strings in salience/cli/serve_flags.py are the one description of the flags; this lays them out
-as one table per argument group, and tests/test_cli_docs.py checks that the checked-in file is
-what it renders.
+The help strings in salience/cli/serve_flags.py and engine_flags.py are the one description of
+the flags; this lays them out as one table per argument group, and tests/test_cli_docs.py checks
+that the checked-in file is what it renders.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
     lines = [
         "# `salience serve`",
         "",
-        "<!-- Generated from the help strings in salience/cli/serve_flags.py by tools/gen_serve_docs.py; edit those "
-        "and run `.venv/bin/python -m tools.gen_serve_docs`. -->",
+        "<!-- Generated from the help strings in salience/cli/serve_flags.py and engine_flags.py by "
+        "tools/gen_serve_docs.py; edit those and run `.venv/bin/python -m tools.gen_serve_docs`. -->",
         "",
         _markdown(parser.description or ""),
         "",

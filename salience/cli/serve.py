@@ -1,5 +1,5 @@
 """`salience serve`: loading what its flags name, and checking it, before the engine starts
-(the flags themselves: serve_flags.py)."""
+(the flags themselves: serve_flags.py and engine_flags.py)."""
 
 from __future__ import annotations
 
