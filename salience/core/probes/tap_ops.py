@@ -89,7 +89,6 @@ def readout_store(values: torch.Tensor, buffer: torch.Tensor, slot: int, state: 
 
 def readout_project(
     state: torch.Tensor,
-    matrix: torch.Tensor,
     buffer: torch.Tensor,
     staging: torch.Tensor,
     matrices: torch.Tensor,
@@ -97,13 +96,13 @@ def readout_project(
     first: int,
     last: int,
 ) -> None:
-    """buffer[:rows, slot, :n] = state @ matrix[:, :n] with n the columns the step reads (Reading),
-    nothing when it reads none; then residual rows as readout_store copies them.
+    """buffer[:rows, slot, :n] = state @ matrices[slot, :n].T with n the columns the step reads
+    (Reading), nothing when it reads none; then residual rows as readout_store copies them.
 
     A step of STAGED_ROWS rows or fewer (a decode step's) is projected at once: each tap copies its
     rows into `staging` ([slots, STAGED_ROWS, hidden]) and the tap of the stage's last readout slot
     (`last`; its first is `first`) projects slots first..last in one batched product with
-    `matrices` ([slots, width, hidden], every tap's `matrix` a view of it). Layer by layer the
+    `matrices` ([slots, width, hidden], concept-major; every tap's `matrix` is a view of it). Layer by layer the
     forward evicts each small product's operands: in the engine a 1-row product took 9 us, 1 us warm.
     A bigger step writes each layer's product straight into the buffer, through views kept from
     the last call of this shape (slicing and a copy cost more than the product)."""
@@ -120,7 +119,7 @@ def readout_project(
                 views = (staging[slot, :rows], staging[held, :rows], matrices[held, :columns].transpose(1, 2))
                 views += (buffer[:rows, held, :columns].transpose(0, 1),)
             else:
-                views = (matrix[:, :columns], buffer[:rows, slot, :columns])
+                views = (matrices[slot, :columns].T, buffer[:rows, slot, :columns])
             _views[key] = views
         if rows > STAGED_ROWS:
             torch.mm(state, views[0], out=views[1])

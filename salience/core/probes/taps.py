@@ -165,7 +165,7 @@ class LayerTap(nn.Module):
             output = (hidden, *output[1:]) if isinstance(output, tuple) else hidden
         if self.readout_slot is not None and self.gated_read:
             torch.ops.salience.readout_project(
-                state, self.matrix, self.out, self.staging, self.matrices, self.readout_slot, *self.readout_held
+                state, self.out, self.staging, self.matrices, self.readout_slot, *self.readout_held
             )
         elif self.readout_slot is not None:
             torch.ops.salience.readout_store(state @ self.matrix, self.out, self.readout_slot, state)
