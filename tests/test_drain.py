@@ -3,8 +3,10 @@
 Start: health says "loading", then "ready" (HTTP and gRPC), with quiet, structured logs. Then a
 minute of the soak (tools/soak/): load and every kind of fault, nothing lost. SIGTERM: new
 streams are refused and health says "draining" at once, the streams in flight finish, the
-process exits 0 and leaves no process behind. With --drain-timeout, what is left is cancelled; a
-second SIGTERM skips the wait (that case runs on test_tls.py's server, which it stops). SIGKILL:
+process exits 0, and by the moment its exit status is known every process it started has ended
+(its process group is empty; test_clean_exit.py has the stops without a drain). With
+--drain-timeout, what is left is cancelled; a second SIGTERM skips the wait (that case runs on
+test_tls.py's server, which it stops). SIGKILL:
 vLLM's engine process stops on its own, and so does the fork server it was forked from.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -36,6 +39,7 @@ from salience.lmtp.codec import parse_server_line
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
 from tests.conftest import free_port
+from tests.process_group import left_in_group
 from tools.soak import BAD_INPUTS, CANCEL_MOMENTS, SoakOptions, run_soak
 from tools.soak.options import MIB
 
@@ -66,7 +70,10 @@ async def serve(tiny_model: Path, *flags: str, metrics: bool = False, eager: boo
     command += ["--lmtp-port", str(port), "--grpc-port", str(grpc_port), *flags]
     if metrics:
         command += ["--metrics-port", str(metrics_port)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # A session of its own: its process group is then what it started (tests/process_group.py).
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     served = Served(
         process,
         f"http://127.0.0.1:{port}",
@@ -88,7 +95,8 @@ async def serve(tiny_model: Path, *flags: str, metrics: bool = False, eager: boo
         yield served
     finally:
         if process.poll() is None:
-            process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
         process.wait()
 
 
@@ -156,8 +164,12 @@ async def start_streams(client: Client, ids: range, max_tokens: int) -> None:
 
 
 def exit_code(served: Served, timeout: float) -> tuple[int, str]:
+    """The exit status and the output; nothing the server started may outlive it, not even by
+    the moment its status is known."""
     code = served.process.wait(timeout)
+    left = left_in_group(served.process.pid)
     served.reader.join(10)
+    assert not left, f"exited {code} leaving {left}:\n{served.output()}"
     return code, served.output()
 
 

@@ -37,7 +37,7 @@ from salience.core.serving.status import ServerStatus  # noqa: E402
 from salience.lmtp.app import make_app  # noqa: E402
 from salience.lmtp.client import LmtpClient  # noqa: E402
 from salience.lmtp.session import LmtpConfig  # noqa: E402
-from tools.harness import HOST, Report, arguments, listens, prompts, rotations, say, serve  # noqa: E402
+from tools.harness import HOST, Report, arguments, listens, prompts, rotations, run_main, say, serve  # noqa: E402
 from tools.lmql_env import server_python  # noqa: E402
 
 
@@ -134,4 +134,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    run_main(main())

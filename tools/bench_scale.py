@@ -29,7 +29,7 @@ from pathlib import Path
 if not __package__:  # run as `python tools/bench_scale.py`: the checkout is not on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.harness import Report, Samples, arguments, say
+from tools.harness import Report, Samples, arguments, run_main, say
 
 LAYOUTS = {
     "TP=1": {},
@@ -156,4 +156,4 @@ if __name__ == "__main__":
     from salience.core.models.home import configure_environment
 
     configure_environment()  # before anything imports vllm or torch
-    sys.exit(asyncio.run(main(parse(sys.argv[1:]))))
+    sys.exit(run_main(main(parse(sys.argv[1:]))))

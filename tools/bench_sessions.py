@@ -14,7 +14,6 @@ turn's, and their ratios.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from salience.core.serving.status import ServerStatus  # noqa: E402
 from salience.grpc_frontend.client import AsyncSalienceClient  # noqa: E402
 from salience.grpc_frontend.server import start_grpc_server  # noqa: E402
 from salience.proto.salience.v1 import salience_pb2 as pb  # noqa: E402
-from tools.harness import Report, arguments, rotations, say  # noqa: E402
+from tools.harness import Report, arguments, rotations, run_main, say  # noqa: E402
 
 MODES = ("session", "stateless")
 
@@ -111,4 +110,4 @@ if __name__ == "__main__":
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--turn-tokens", type=int, default=380)
     parser.add_argument("--decode", type=int, default=16)
-    asyncio.run(main(parser.parse_args()))
+    run_main(main(parser.parse_args()))

@@ -32,7 +32,7 @@ if not __package__:  # run as `python tools/bench_steering.py`: the checkout is 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from salience.core.models.home import configure_environment
-from tools.harness import Report, arguments, prompts, rotations, say
+from tools.harness import Report, arguments, prompts, rotations, run_main, say
 
 configure_environment()  # before anything imports vllm or torch
 
@@ -136,4 +136,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    run_main(main())

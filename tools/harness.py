@@ -12,11 +12,13 @@
   "packages"}, "commit", "date", "text": [lines printed between tables], "tables": [{"title",
   "columns", "rows": [{column: value}]}], "samples": {series: [raw value per round]}}.
 - `arguments`: a bench's parser with the flags every bench has (`--repeats`, `--json`).
+- `run_main`: a bench's `asyncio.run`, which returns once the engine processes it started have ended.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import datetime
 import json
@@ -31,13 +33,26 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
+
+
+def run_main(main: Coroutine[object, object, T]) -> T:
+    """`asyncio.run(main)`, then wait for every process it started to end (an engine started in
+    process leaves its engine core and Python's helpers running past its shutdown)."""
+    from salience.core.engine.children import end_children
+
+    try:
+        return asyncio.run(main)
+    finally:
+        end_children()
+
+
 Probe = Callable[[int], bool]  # given the server's port: is it ready?
 HOST = "127.0.0.1"
 

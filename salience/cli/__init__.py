@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -49,6 +50,24 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `salience` command. As the process's own command line (`argv` None) it returns only
+    once every process it started has ended (children.py); called with `argv`, as tests do, it
+    leaves the calling process's other children alone."""
+    if argv is not None:
+        return _run(argv)
+    # Until the server's loop takes SIGTERM over (and after it gives it back), SIGTERM ends the
+    # command through the `finally`, which waits for the processes the command started.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _run(sys.argv[1:])
+    finally:
+        from salience.core.engine.children import end_children
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the wait short
+        end_children()
+
+
+def _run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     configure_environment()
     from salience.logs import setup_logging
@@ -81,3 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("SALIENCE_TRACEBACK"):
             raise
         return 1
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
