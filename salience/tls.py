@@ -6,6 +6,10 @@ gRPC. The asyncio ports share one `ssl.SSLContext`: a reload loads the new chain
 OpenSSL copies a context's certificate into each connection at its handshake, so new
 connections get the new certificate and open ones keep theirs. gRPC asks a fetcher for its
 configuration at each handshake (`grpc.dynamic_ssl_server_credentials`), which a reload swaps.
+
+An encrypted key needs its password from a file (`--tls-key-password-file`): OpenSSL gets it
+through a callback, so it never asks the terminal, and gRPC, which takes no password, gets the
+key decrypted in memory. Without a password an encrypted key is refused before anything loads.
 """
 
 from __future__ import annotations
@@ -28,19 +32,27 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TlsFiles:
-    """The server's PEM files: its certificate chain, its key, and the CA its clients' certificates
-    must chain to (None: clients present none)."""
+    """The server's PEM files: its certificate chain, its key, the CA its clients' certificates
+    must chain to (None: clients present none), and a file whose first line is the key's password
+    (None: the key is unencrypted)."""
 
     cert: Path
     key: Path
     client_ca: Path | None = None
+    key_password: Path | None = None
 
 
 @dataclass(frozen=True)
 class _Pem:
     cert: bytes
-    key: bytes
+    key: bytes  # unencrypted, for gRPC
     client_ca: bytes | None
+    password: bytes  # the key's, for OpenSSL, which reads it from its file (b"": unencrypted)
+
+    def password_callback(self) -> bytes:
+        """OpenSSL's question for an encrypted key's password, which without this callback it
+        would ask the terminal."""
+        return self.password
 
 
 class ServerTls:
@@ -67,7 +79,7 @@ class ServerTls:
         except InvalidArgument as exc:
             log.error("tls reload failed; still serving the old certificate", extra={"reason": str(exc)})
             return False
-        self.context.load_cert_chain(self.files.cert, self.files.key)
+        self.context.load_cert_chain(self.files.cert, self.files.key, password=pem.password_callback)
         if self.files.client_ca is not None:
             # OpenSSL's trust store only grows: a CA added to the file is trusted at once, one
             # removed from it stays trusted on these ports until a restart (gRPC's is replaced).
@@ -108,11 +120,13 @@ class ClientTls:
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
             raise InvalidArgument("a client certificate needs its key: give --cert and --key together")
+        if self.key is not None and _encrypted(_bytes(self.key, "--key"), f"--key {self.key}"):
+            raise InvalidArgument(f"--key {self.key}: the key is encrypted; a client takes an unencrypted key")
 
     def context(self) -> ssl.SSLContext:
         context = ssl.create_default_context(cafile=self.ca)
         if self.cert is not None:
-            context.load_cert_chain(self.cert, self.key)
+            context.load_cert_chain(self.cert, self.key, password=_no_password)
         return context
 
     def grpc_credentials(self) -> grpc.ChannelCredentials:
@@ -124,11 +138,68 @@ class ClientTls:
 
 
 def _read(files: TlsFiles) -> _Pem:
+    password = _password(files)
     return _Pem(
         cert=_bytes(files.cert, "--tls-cert"),
-        key=_bytes(files.key, "--tls-key"),
+        key=_server_key(files, password),
         client_ca=_bytes(files.client_ca, "--tls-client-ca"),
+        password=password or b"",
     )
+
+
+def _password(files: TlsFiles) -> bytes | None:
+    """The first line of --tls-key-password-file, without its line break (None without the flag)."""
+    text = _bytes(files.key_password, "--tls-key-password-file")
+    if text is None:
+        return None
+    password = text.splitlines()[0] if text else b""
+    if not password:
+        raise InvalidArgument(
+            f"--tls-key {files.key}: --tls-key-password-file {files.key_password} has no password on its first line"
+        )
+    return password
+
+
+def _server_key(files: TlsFiles, password: bytes | None) -> bytes:
+    """The key as gRPC takes it, unencrypted PEM: as it is, or decrypted in memory."""
+    from cryptography.hazmat.primitives import serialization
+
+    pem = _bytes(files.key, "--tls-key")
+    if not _encrypted(pem, f"--tls-key {files.key}"):
+        return pem  # a password, if given, is not needed
+    if password is None:
+        raise InvalidArgument(
+            f"--tls-key {files.key}: the key is encrypted; give its password with --tls-key-password-file FILE"
+        )
+    try:
+        key = serialization.load_pem_private_key(pem, password=password)
+    except ValueError:
+        raise InvalidArgument(
+            f"--tls-key {files.key}: the password in --tls-key-password-file {files.key_password} does not decrypt it"
+        ) from None
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _encrypted(pem: bytes, named: str) -> bool:
+    """Whether a PEM private key is encrypted (`named`: its flag and file, for the error if it is
+    no key at all)."""
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        serialization.load_pem_private_key(pem, password=None)
+    except TypeError:  # cryptography's word for "encrypted, and no password given"
+        return True
+    except ValueError:
+        raise InvalidArgument(f"{named}: not a PEM private key") from None
+    return False
+
+
+def _no_password() -> bytes:
+    """OpenSSL's question for the password of a key that was unencrypted when checked: none, so it
+    fails rather than asks the terminal."""
+    return b""
 
 
 def _bytes(path: Path | None, flag: str) -> bytes | None:
@@ -151,7 +222,7 @@ def _server_context(files: TlsFiles, pem: _Pem) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
-        context.load_cert_chain(files.cert, files.key)
+        context.load_cert_chain(files.cert, files.key, password=pem.password_callback)
     except ssl.SSLError as exc:
         if "KEY_VALUES_MISMATCH" in str(exc):
             raise InvalidArgument(f"--tls-key {files.key} does not match --tls-cert {files.cert}") from None

@@ -1,19 +1,24 @@
 """TLS on every port, with certificates the test makes (trustme): the WebSocket and HTTP port, LMTP
 over TCP and gRPC each complete a handshake with a client that trusts the CA and get an answer;
 plain text to a TLS port is refused; mutual TLS refuses a client without a certificate (or with
-one from another CA); a bad file stops the start with one line; and a certificate replaced on
-disk is served to new connections after SIGHUP while a stream on the old one runs on (then the
-same server is stopped by two SIGTERMs, test_drain.py's last case)."""
+one from another CA); a bad file stops the start with one line, an encrypted key without its
+password too, at once, even from a terminal where OpenSSL would ask for it; a password file opens
+an encrypted key for every port and on reload; and a certificate replaced on disk (with an
+encrypted key and a new password) is served to new connections after SIGHUP while a stream on the
+old one runs on (then the same server is stopped by two SIGTERMs, test_drain.py's last case)."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import fcntl
 import json
+import os
 import signal
 import socket
 import ssl
 import subprocess
+import termios
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,10 +30,12 @@ import pytest
 import pytest_asyncio
 import trustme
 from aiohttp import web
+from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import ServerStatus
+from salience.errors import InvalidArgument
 from salience.grpc_frontend.server import start_grpc_server
 from salience.lmtp.app import make_app
 from salience.lmtp.client import LmtpClient
@@ -36,6 +43,7 @@ from salience.lmtp.session import LmtpConfig
 from salience.lmtp.tcp import start_tcp_server
 from salience.tls import ClientTls, ServerTls, TlsFiles
 from tests.conftest import free_port
+from tests.process_group import left_in_group
 from tests.test_serve import SALIENCE
 
 
@@ -54,6 +62,18 @@ def write_leaf(leaf: trustme.LeafCert, folder: Path, name: str) -> tuple[Path, P
     cert.write_bytes(b"".join(blob.bytes() for blob in leaf.cert_chain_pems))
     leaf.private_key_pem.write_to_path(str(key))
     return cert, key
+
+
+def encrypt(key: Path, password: str, *, pkcs8: bool = True) -> Path:
+    """Encrypt the key in its file with `password` (PKCS#8, or OpenSSL's traditional PEM with its
+    Proc-Type header); `password` and a line break go to a file beside it, whose path is returned."""
+    private = serialization.load_pem_private_key(key.read_bytes(), password=None)
+    layout = serialization.PrivateFormat.PKCS8 if pkcs8 else serialization.PrivateFormat.TraditionalOpenSSL
+    encryption = serialization.BestAvailableEncryption(password.encode())
+    key.write_bytes(private.private_bytes(serialization.Encoding.PEM, layout, encryption))
+    password_file = key.with_suffix(".pass")
+    password_file.write_text(f"{password}\n")
+    return password_file
 
 
 @pytest.fixture
@@ -190,6 +210,12 @@ def test_a_bad_file_stops_the_start_with_one_line(tmp_path: Path, pki: Pki) -> N
     yesterday = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=1)
     old = trustme.CA().issue_cert("127.0.0.1", not_before=yesterday - datetime.timedelta(days=30), not_after=yesterday)
     old_cert, old_key = write_leaf(old, tmp_path, "old")
+    locked_cert, locked_key = write_leaf(trustme.CA().issue_cert("127.0.0.1"), tmp_path, "locked")
+    right = encrypt(locked_key, "open sesame")
+    wrong, empty = tmp_path / "wrong.pass", tmp_path / "empty.pass"
+    wrong.write_text("open sesame \n")  # the first line is the password, to its last space
+    empty.write_text("\nopen sesame\n")
+    locked = ("--tls-cert", str(locked_cert), "--tls-key", str(locked_key), "--tls-key-password-file")
     cases = {
         ("--tls-cert", cert, "--tls-key", str(other_key)): f"--tls-key {other_key} does not match --tls-cert {cert}",
         (
@@ -200,12 +226,126 @@ def test_a_bad_file_stops_the_start_with_one_line(tmp_path: Path, pki: Pki) -> N
         ): f"--tls-key {tmp_path / 'gone.key'}: cannot read",
         ("--tls-cert", str(old_cert), "--tls-key", str(old_key)): "the certificate expired on",
         ("--tls-cert", str(key), "--tls-key", key): "not a PEM certificate",
+        ("--tls-cert", cert, "--tls-key", cert): f"--tls-key {cert}: not a PEM private key",
+        (*locked, str(wrong)): f"--tls-key {locked_key}: the password in --tls-key-password-file {wrong} does not "
+        "decrypt it",
+        (*locked, str(empty)): f"--tls-key {locked_key}: --tls-key-password-file {empty} has no password on its "
+        "first line",
+        (*locked, str(tmp_path / "gone.pass")): f"--tls-key-password-file {tmp_path / 'gone.pass'}: cannot read",
+        ("--tls-key-password-file", str(right)): "--tls-key-password-file needs --tls-cert and --tls-key",
         ("--tls-cert", cert): "--tls-cert and --tls-key go together",
         ("--tls-client-ca", cert): "--tls-client-ca needs --tls-cert and --tls-key",
     }
     for flags, message in cases.items():
         line = serve_line(*flags)
         assert line.startswith("salience: error: ") and message in line, line
+
+
+def test_an_encrypted_key_without_its_password_stops_the_start_at_once_from_a_terminal(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """Started from a terminal, OpenSSL asks it for the key's pass phrase and waits: `salience
+    serve` must refuse instead, before it looks at the model (a folder that does not exist)."""
+    encrypt(pki.server.key, "open sesame")
+    command = [SALIENCE, "serve", "--model", str(tmp_path / "no-model")]
+    command += ["--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key)]
+    terminal, its_end = os.openpty()
+    try:
+        result = subprocess.run(
+            command,
+            stdin=its_end,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            start_new_session=True,
+            preexec_fn=take_stdin_as_controlling_terminal,
+        )
+        shown = terminal_output(terminal)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"salience serve waited on its terminal, which shows {terminal_output(terminal)!r}")
+    finally:
+        os.close(its_end)
+        os.close(terminal)
+    assert result.returncode == 2, result.stderr
+    message = f"--tls-key {pki.server.key}: the key is encrypted; give its password with --tls-key-password-file FILE"
+    assert result.stderr.splitlines() == [f"salience: error: {message}"]
+    assert "pass phrase" not in shown + result.stdout, shown
+
+
+def take_stdin_as_controlling_terminal() -> None:
+    """In the child, a session leader: its stdin, a pseudo-terminal, becomes the /dev/tty that
+    OpenSSL's prompt writes to and reads from."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def terminal_output(terminal: int) -> str:
+    """What the child wrote to its terminal so far."""
+    os.set_blocking(terminal, False)
+    try:
+        return os.read(terminal, 4096).decode(errors="replace")
+    except BlockingIOError:
+        return ""
+
+
+@pytest.mark.parametrize("pkcs8", [True, False], ids=["pkcs8", "traditional"])
+async def test_a_password_file_opens_an_encrypted_key_for_every_port_and_on_reload(
+    tmp_path: Path, pki: Pki, pkcs8: bool
+) -> None:
+    """The asyncio ports' context and gRPC (which takes the key decrypted in memory) both serve
+    the certificate of an encrypted key; a reload reads the password file again, keeping the old
+    certificate while the password is wrong for the new key and serving the new one once it is
+    right."""
+    password = encrypt(pki.server.key, "first", pkcs8=pkcs8)
+    tls = ServerTls(TlsFiles(cert=pki.server.cert, key=pki.server.key, key_password=password))
+    status = ServerStatus("tiny")
+    grpc_server = await start_grpc_server(
+        status, SessionStore(status.serving_engine), "127.0.0.1", 0, credentials=tls.grpc_credentials()
+    )
+    server = await asyncio.start_server(lambda _, writer: writer.close(), "127.0.0.1", 0, ssl=tls.context)
+    port = server.sockets[0].getsockname()[1]
+
+    async def answers(ca: Path) -> bytes:
+        """The certificate the asyncio port serves, after gRPC answered a client trusting `ca`."""
+        credentials = ClientTls(ca=ca).grpc_credentials()
+        assert (
+            await asyncio.to_thread(grpc_health, grpc_server.port, credentials)
+            == health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        return await asyncio.to_thread(served_certificate, port, ca)
+
+    try:
+        first = await answers(pki.ca)
+        rotated = trustme.CA()
+        rotated_ca = tmp_path / "rotated-ca.pem"
+        rotated.cert_pem.write_to_path(str(rotated_ca))
+        cert, key = write_leaf(rotated.issue_cert("127.0.0.1"), tmp_path, "rotated")
+        encrypt(key, "second", pkcs8=pkcs8)
+        pki.server.cert.write_bytes(cert.read_bytes())
+        pki.server.key.write_bytes(key.read_bytes())
+        assert not tls.reload()  # the password file still holds "first"
+        assert await answers(pki.ca) == first
+        password.write_text("second\n")
+        assert tls.reload()
+        assert await answers(rotated_ca) != first
+    finally:
+        server.close()
+        await grpc_server.stop(0)
+
+
+def test_a_wrong_password_or_an_encrypted_client_key_is_refused_in_one_line(tmp_path: Path, pki: Pki) -> None:
+    password = encrypt(pki.server.key, "right")
+    password.write_text("wrong\n")
+    with pytest.raises(InvalidArgument) as refused:
+        ServerTls(TlsFiles(cert=pki.server.cert, key=pki.server.key, key_password=password))
+    assert str(refused.value) == (
+        f"--tls-key {pki.server.key}: the password in --tls-key-password-file {password} does not decrypt it"
+    )
+    client_key = pki.client.key
+    assert client_key is not None
+    encrypt(client_key, "secret")
+    with pytest.raises(InvalidArgument) as refused:
+        ClientTls(ca=pki.ca, cert=pki.client.cert, key=client_key)
+    assert str(refused.value) == f"--key {client_key}: the key is encrypted; a client takes an unencrypted key"
 
 
 def served_certificate(port: int, ca: Path) -> bytes:
@@ -221,8 +361,10 @@ def served_certificate(port: int, ca: Path) -> bytes:
 async def test_sighup_serves_a_new_certificate_while_a_stream_runs_on(
     tiny_model: Path, tmp_path: Path, pki: Pki
 ) -> None:
-    """A real `salience serve`: a stream opened on the first certificate runs to its last token
-    across the reload, and every connection after SIGHUP gets the second."""
+    """A real `salience serve`, its key encrypted: a stream opened on the first certificate runs
+    to its last token across the reload, and every connection after SIGHUP gets the second, whose
+    key has a new password."""
+    password = encrypt(pki.server.key, "first")
     port = free_port()
     command = [SALIENCE, "serve", "--model", str(tiny_model), "--lmtp-port", str(port), "--no-grpc"]
     command += [
@@ -233,8 +375,12 @@ async def test_sighup_serves_a_new_certificate_while_a_stream_runs_on(
         str(pki.server.cert),
         "--tls-key",
         str(pki.server.key),
+        "--tls-key-password-file",
+        str(password),
     ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     context = ClientTls(ca=pki.ca).context()
     try:
         deadline = time.monotonic() + 300
@@ -255,8 +401,10 @@ async def test_sighup_serves_a_new_certificate_while_a_stream_runs_on(
             rotated_ca = tmp_path / "rotated-ca.pem"
             rotated.cert_pem.write_to_path(str(rotated_ca))
             cert, key = write_leaf(rotated.issue_cert("127.0.0.1"), tmp_path, "rotated")
+            encrypt(key, "second")
             pki.server.cert.write_bytes(cert.read_bytes())
             pki.server.key.write_bytes(key.read_bytes())
+            password.write_text("second\n")
             process.send_signal(signal.SIGHUP)
             deadline = time.monotonic() + 30
             while True:  # the reload runs on the server's loop, between its other work
@@ -274,7 +422,7 @@ async def test_sighup_serves_a_new_certificate_while_a_stream_runs_on(
         elapsed, output, ends = await stop_by_two_sigterms(process, port, ClientTls(ca=rotated_ca).context())
     finally:
         if process.poll() is None:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
     assert "tls reloaded" in output, output
     assert process.returncode == 0 and "cause=signal" in output, output
     assert elapsed < 10, f"took {elapsed:.1f} s to stop"
@@ -301,6 +449,8 @@ async def stop_by_two_sigterms(
         signalled = time.monotonic()
         output, _ = await asyncio.to_thread(process.communicate, timeout=30)
         elapsed = time.monotonic() - signalled
+        left = left_in_group(process.pid)
+        assert not left, f"left running after the exit: {left}\n{output}"
         ends = []
         for stream in streams:
             async with asyncio.timeout(10):

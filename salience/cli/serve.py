@@ -104,17 +104,20 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _server_tls(args: argparse.Namespace):
-    """The TLS files, read and checked now (a mismatched key or an expired certificate stops the
-    start with one line), or None without --tls-cert."""
+    """The TLS files, read and checked now (a mismatched key, an encrypted one without its
+    password, or an expired certificate stops the start with one line), or None without --tls-cert."""
     from salience.tls import ServerTls, TlsFiles
 
     if args.tls_cert is None and args.tls_key is None:
         if args.tls_client_ca is not None:
             raise InvalidArgument("--tls-client-ca needs --tls-cert and --tls-key: mutual TLS is TLS first")
+        if args.tls_key_password_file is not None:
+            raise InvalidArgument("--tls-key-password-file needs --tls-cert and --tls-key: it is the key's password")
         return None
     if args.tls_cert is None or args.tls_key is None:
         raise InvalidArgument("--tls-cert and --tls-key go together: the certificate and its private key")
-    return ServerTls(TlsFiles(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_client_ca))
+    files = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca, key_password=args.tls_key_password_file)
+    return ServerTls(files)
 
 
 def _check_counts(args: argparse.Namespace) -> None:

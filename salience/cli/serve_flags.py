@@ -136,7 +136,18 @@ def _tls(serve: argparse.ArgumentParser) -> None:
         "TLS", "Every port behind TLS: wss:// and https://, LMTP over TCP, metrics and gRPC (docs/security.md#tls)."
     )
     group.add_argument("--tls-cert", type=Path, metavar="FILE", help="the server's certificate chain (PEM)")
-    group.add_argument("--tls-key", type=Path, metavar="FILE", help="its private key (PEM, unencrypted)")
+    group.add_argument(
+        "--tls-key",
+        type=Path,
+        metavar="FILE",
+        help="its private key (PEM); an encrypted one needs --tls-key-password-file",
+    )
+    group.add_argument(
+        "--tls-key-password-file",
+        type=Path,
+        metavar="FILE",
+        help="the encrypted key's password: this file's first line; SIGHUP reads it again with the key",
+    )
     group.add_argument(
         "--tls-client-ca",
         type=Path,
