@@ -352,17 +352,18 @@ async def test_session_turns_and_passes_count_for_their_client(engine: Engine, m
 
     monkeypatch.setattr(engine.fair_share, "enter", spy)
     store = SessionStore(lambda: engine)
-    session = store.open()
+    generating, scoring_session = store.open("s"), store.open("t")  # a session is its client's
     options = SamplingOptions(max_tokens=4, temperature=0.0)
-    async for _ in await store.start(session, Turn(offset=0, append=prompt(1), sampling=options, client="s")):
+    async for _ in await store.start(generating, Turn(offset=0, append=prompt(1), sampling=options, client="s")):
         assert "s" in engine.fair_share.counters()
-    scoring = Turn(offset=len(prompt(1)) + 4, logprob_ranges=((1, 4),), client="t", weight=0.5)  # one pass
-    async for _ in await store.start(session, scoring):
+    scoring = Turn(offset=0, append=prompt(1), logprob_ranges=((1, 4),), client="t", weight=0.5)  # one pass
+    async for _ in await store.start(scoring_session, scoring):
         pass
     assert entered == [("s", 1.0), ("t", 0.5)]
     with pytest.raises(InvalidArgument, match="weight must be a positive number"):
-        await store.start(session, dataclasses.replace(scoring, offset=len(prompt(1)) + 4, weight=-1.0))
-    await store.close(session)
+        await store.start(scoring_session, dataclasses.replace(scoring, offset=len(prompt(1)), append=(), weight=-1.0))
+    await store.close(generating, "s")
+    await store.close(scoring_session, "t")
 
 
 async def test_a_newcomers_generation_and_pass_both_ask_for_their_own_step(

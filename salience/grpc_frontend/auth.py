@@ -38,11 +38,12 @@ _UNAUTHENTICATED = _refusal(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong b
 
 def place_anonymous(context: grpc.aio.ServicerContext) -> None:
     """The anonymous client of an open server is counted per peer address (fair share), which only
-    the call's context knows, not the interceptor: the handler's wrapper calls this first."""
+    the call's context knows, not the interceptor: the handler's wrapper calls this first. The
+    address is written as the other wires write it (`::1`, unbracketed): it owns sessions on all."""
     client = CLIENT.get(None)
     if client is not None and client.name == ANONYMOUS and client.peer is None:
         peer = context.peer() or ""  # "ipv4:127.0.0.1:5555", "ipv6:[::1]:5555"
-        CLIENT.set(dataclasses.replace(client, peer=peer.partition(":")[2].rpartition(":")[0] or None))
+        CLIENT.set(dataclasses.replace(client, peer=peer.partition(":")[2].rpartition(":")[0].strip("[]") or None))
 
 
 class ClientInterceptor(grpc.aio.ServerInterceptor):

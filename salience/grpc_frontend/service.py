@@ -47,7 +47,7 @@ class SalienceService(salience_pb2_grpc.SalienceServicer):
 
     @translating
     async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext):
-        await self._sessions.close(request.session_id)
+        await self._sessions.close(request.session_id, CLIENT.get().share)
         return pb.CloseSessionResponse()
 
     @translating
@@ -58,7 +58,7 @@ class SalienceService(salience_pb2_grpc.SalienceServicer):
 
     @translating
     async def DumpSession(self, request: pb.DumpSessionRequest, context: grpc.aio.ServicerContext):
-        return pb.DumpSessionResponse(tokens=self._sessions.tokens(request.session_id))
+        return pb.DumpSessionResponse(tokens=self._sessions.tokens(request.session_id, CLIENT.get().share))
 
     @translating
     async def GetReadoutManifest(self, request: pb.GetReadoutManifestRequest, context: grpc.aio.ServicerContext):
@@ -90,9 +90,9 @@ async def run_turn(
 
 
 def _owner() -> tuple[str, int | None]:
-    """Whose a new session is, and how many that client may hold."""
+    """The call's client as a session's owner (it reaches only its own), and how many it may hold."""
     client = CLIENT.get()
-    return client.name, client.limits.sessions
+    return client.share, client.limits.sessions
 
 
 def admit_turn(status: ServerStatus, turn: Turn) -> Admitted:

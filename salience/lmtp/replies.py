@@ -79,20 +79,20 @@ async def session_call(
     request: OpenSession | CloseSession | ForkSession | DumpSession,
     client: Client,
 ) -> dict:
-    """A session act; a new session (open, fork) is `client`'s, held to its limit."""
-    owned = (client.name, client.limits.sessions)
+    """A session act of `client`, on its own sessions only; a new one (open, fork) is its, held to its limit."""
+    owner = client.share
     match request:
         case OpenSession(model=model):
             engine = status.serving_engine()
             status.check_model(model)
-            return {"session_id": sessions.open(*owned), "max_model_len": engine.max_model_len}
+            return {"session_id": sessions.open(owner, client.limits.sessions), "max_model_len": engine.max_model_len}
         case CloseSession(session_id=session_id):
-            await sessions.close(session_id)
+            await sessions.close(session_id, owner)
             return {"session_id": session_id, "closed": True}
         case ForkSession(session_id=session_id, at_position=at):
-            return {"session_id": sessions.fork(session_id, at, *owned), "length": at}
+            return {"session_id": sessions.fork(session_id, at, owner, client.limits.sessions), "length": at}
         case DumpSession(session_id=session_id):
-            return {"session_id": session_id, "tokens": sessions.tokens(session_id)}
+            return {"session_id": session_id, "tokens": sessions.tokens(session_id, owner)}
 
 
 async def concepts_call(

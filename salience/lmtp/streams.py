@@ -178,7 +178,7 @@ async def session_generate(
     async with contextlib.aclosing(aiter(run)) as tokens:
         async for token in tokens:
             if request.text and text is None and not token.is_prefill:
-                text = TextStream(engine.tokenizer, sessions.tokens(request.session_id)[: token.position])
+                text = TextStream(engine.tokenizer, sessions.tokens(request.session_id, turn.client)[: token.position])
             emit(payloads.session_payload(stream_id, token, text, request.readout_encoding))
     assert run.done is not None
     emit(payloads.turn_end_payload(stream_id, run.done, text))

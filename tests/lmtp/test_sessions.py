@@ -20,6 +20,7 @@ from tests.lmtp.conftest import LmtpServer
 from tests.reference import Reference
 
 PROMPT = [0, *range(50, 80)]
+OWNER = "anonymous@127.0.0.1"  # whose the test's sessions are: the open server's client from this address
 
 
 def line(kind: str, **body) -> str:
@@ -67,7 +68,7 @@ async def test_turns_send_only_new_tokens(lmtp_server: LmtpServer, connect, tiny
     for payload in scored[:-1]:
         assert payload["logprob"] == pytest.approx(logprobs[payload["position"] - 1, payload["token"]].item(), abs=1e-4)
         assert len(payload["top_logprobs"]) == 2
-    assert lmtp_server.sessions.tokens(sid) == ids
+    assert lmtp_server.sessions.tokens(sid, OWNER) == ids
 
     await client.send(line("FORK_SESSION", stream_id=4, session_id=sid, at_position=31))
     fork = await client.messages.get()
@@ -104,7 +105,7 @@ async def test_session_errors_belong_to_their_stream(lmtp_server: LmtpServer, co
     rest = [first, *await client.stream(7)]
     assert rest[-1]["finish_reason"] == "cancelled"
     streamed = [p["token"] for p in rest if "token" in p]
-    assert lmtp_server.sessions.tokens(sid) == PROMPT + streamed
+    assert lmtp_server.sessions.tokens(sid, OWNER) == PROMPT + streamed
     assert rest[-1]["usage"]["completion_tokens"] == len(streamed)
 
 
@@ -138,7 +139,7 @@ async def test_cancel_before_a_turns_first_token(lmtp_server: LmtpServer, connec
     assert len(streamed) <= 2 and payloads[-1]["usage"]["completion_tokens"] == len(streamed)
     if when != "next frame":
         assert streamed == []
-    assert lmtp_server.sessions.tokens(sid) == PROMPT + streamed
+    assert lmtp_server.sessions.tokens(sid, OWNER) == PROMPT + streamed
     neighbour = await client.stream(9)
     assert len(neighbour) == 64 and neighbour[-1]["finish_reason"] == "length"
     for _ in range(100):

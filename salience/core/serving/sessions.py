@@ -15,6 +15,10 @@ the client already saw (turns.py). One turn runs per session at a time.
 A chat turn (`chat`) appends instead what the chat template's rendering of the session's
 conversation adds, and its reply joins the conversation (conversations.py).
 
+A session is its owner's, the client that opened it (`Client.share`: a named client, or on an
+open server a peer address); every call names its client, and another's session is, to it, one
+that does not exist: the same NotFound as an unknown id, so an id reveals nothing.
+
 Idle sessions expire after a TTL; every call on a session refreshes it. Past the limits on
 session count or stored tokens the least recently used idle session is evicted; a session
 with a running turn is never evicted.
@@ -33,7 +37,7 @@ from dataclasses import dataclass, field
 
 from salience.core.engine.chat_messages import ChatMessage
 from salience.core.engine.engine import Engine
-from salience.core.engine.fair_share import check_client
+from salience.core.engine.fair_share import ANONYMOUS, check_client
 from salience.core.engine.generation import Generation
 from salience.core.engine.images import ImageFacts, Vision
 from salience.core.engine.prompt_scores import PromptScores
@@ -65,10 +69,10 @@ class SessionLimits:
 @dataclass(eq=False)
 class _Session:
     id: str
+    owner: str  # the client that opened it (Client.share): only its calls find it
     tokens: array = field(default_factory=lambda: array("I"))
     images: list[PlacedImage] = field(default_factory=list)  # by block start
     conversation: Conversation = field(default_factory=Conversation)  # what its chat turns said
-    owner: str | None = None  # the client that opened it (None: nobody in particular)
     last_used: float = 0.0
     run: TurnRun | None = None
     # The data-parallel engine every turn runs on, so each reads its prefix cache; chosen at the
@@ -84,7 +88,8 @@ class SessionStore:
     """Every open session of one engine. Not thread-safe: use from the event loop.
 
     `engine` returns the engine or raises Unavailable (`ServerStatus.serving_engine`):
-    the store exists before the model has loaded, as the frontends do.
+    the store exists before the model has loaded, as the frontends do. Every call names its
+    client, `owner` (a turn's: `Turn.client`); like `Turn.client` it defaults to ANONYMOUS.
     """
 
     def __init__(
@@ -107,10 +112,10 @@ class SessionStore:
 
     # ---- lifecycle ---------------------------------------------------------------------
 
-    def open(self, owner: str | None = None, max_owned: int | None = None) -> str:
+    def open(self, owner: str = ANONYMOUS, max_owned: int | None = None) -> str:
         """A new session of `owner`, who may hold at most `max_owned` (ResourceExhausted past it)."""
         self._engine()
-        self._check_owner(owner, max_owned)
+        self._check_quota(owner, max_owned)
         self._make_room(sessions=1, tokens=0, keep=None)
         session = _Session(secrets.token_urlsafe(16), owner=owner)
         self._sessions[session.id] = session
@@ -118,17 +123,21 @@ class SessionStore:
         OBSERVERS.sessions_created()
         return session.id
 
-    async def close(self, session_id: str) -> None:
-        """Forget the session, stopping its running turn. Closing twice is fine."""
-        session = self._sessions.pop(session_id, None)
-        if session is not None and session.run is not None:
+    async def close(self, session_id: str, owner: str = ANONYMOUS) -> None:
+        """Forget `owner`'s session, stopping its running turn. Closing twice is fine, and so, alike,
+        is closing an id that is another's: that session stays."""
+        session = self._sessions.get(session_id)
+        if session is None or session.owner != owner:
+            return
+        del self._sessions[session_id]
+        if session.run is not None:
             await session.run.cancel()
 
-    def fork(self, session_id: str, at_position: int, owner: str | None = None, max_owned: int | None = None) -> str:
-        """A new session of `owner` (as `open`), holding the source's first `at_position` tokens."""
+    def fork(self, session_id: str, at_position: int, owner: str = ANONYMOUS, max_owned: int | None = None) -> str:
+        """A new session of `owner` (as `open`), holding the first `at_position` tokens of its `session_id`."""
         self._engine()  # a new session: none while loading or draining
-        source = self._get(session_id)
-        self._check_owner(owner, max_owned)
+        source = self._get(session_id, owner)
+        self._check_quota(owner, max_owned)
         if at_position > len(source.tokens):
             raise FailedPrecondition(
                 f"cannot fork at position {at_position}: the session has {len(source.tokens)} tokens"
@@ -145,12 +154,12 @@ class SessionStore:
         OBSERVERS.sessions_created()
         return child.id
 
-    def tokens(self, session_id: str) -> list[int]:
-        return self._get(session_id).tokens.tolist()
+    def tokens(self, session_id: str, owner: str = ANONYMOUS) -> list[int]:
+        return self._get(session_id, owner).tokens.tolist()
 
-    def _check_owner(self, owner: str | None, max_owned: int | None) -> None:
+    def _check_quota(self, owner: str, max_owned: int | None) -> None:
         """A client's limit on open sessions; the retry-after is when its longest idle one expires."""
-        if owner is None or max_owned is None:
+        if max_owned is None:
             return
         self.sweep()
         owned = [s for s in self._sessions.values() if s.owner == owner]
@@ -181,7 +190,7 @@ class SessionStore:
     # ---- turns ---------------------------------------------------------------------------
 
     async def start(self, session_id: str, turn: Turn, engine: Engine | None = None) -> TurnRun:
-        """Validate the turn, apply its append, and return it ready to iterate.
+        """Validate the turn on its client's session, apply its append, and return it ready to iterate.
 
         Every error is raised here, before the session changes. Images are decoded first, in
         threads (a large one takes a while, and other streams must not wait); everything that
@@ -190,7 +199,7 @@ class SessionStore:
         began draining runs; by default the store asks for the serving engine."""
         engine = engine or self._engine()
         facts = await self._inspect(turn, engine)
-        session = self._get(session_id)
+        session = self._get(session_id, turn.client)
         self._check_offset(session, turn.offset, turn.truncating)
         run = self._commit(session, turn, engine, facts, functools.partial(self._finished, session))
         session.conversation = session.conversation.cut(turn.offset)
@@ -204,7 +213,7 @@ class SessionStore:
         `turn` holds the reply's options; its offset is the session's length as the client knows it."""
         engine = engine or self._engine()
         conversations.check(messages, turn, vision=engine.vision is not None)
-        session = self._get(session_id)
+        session = self._get(session_id, turn.client)
         self._check_offset(session, turn.offset, truncating=None)
         appended = conversations.plan(engine.chat, engine.tokenizer, session.conversation, session.tokens, messages)
         start = appended.offset + len(appended.tokens)
@@ -346,10 +355,11 @@ class SessionStore:
 
     # ---- bookkeeping ---------------------------------------------------------------------
 
-    def _get(self, session_id: str) -> _Session:
+    def _get(self, session_id: str, owner: str) -> _Session:
+        """`owner`'s session: another's is NotFound as an unknown one is, word for word."""
         self.sweep()
         session = self._sessions.get(session_id)
-        if session is None:
+        if session is None or session.owner != owner:
             raise NotFound(f"no session {session_id!r}: it was closed, evicted after idling, or never existed")
         self._touch(session)
         return session
