@@ -24,7 +24,6 @@ configure_environment()  # before anything imports vllm or torch
 
 import torch  # noqa: E402
 
-from salience.cli import _default_concepts  # noqa: E402
 from salience.core.engine.engine import Engine  # noqa: E402
 from salience.core.engine.settings import EngineSettings  # noqa: E402
 from salience.core.features.sae import SparseAutoencoder, load_sae  # noqa: E402
@@ -34,6 +33,7 @@ from salience.core.models.default_model import ensure_default_model  # noqa: E40
 from salience.core.models.folders import model_fingerprint  # noqa: E402
 from salience.core.models.home import salience_home  # noqa: E402
 from salience.core.probes.concepts import ConceptSet  # noqa: E402
+from salience.core.serving import default_concepts as default_concept_set  # noqa: E402
 from tests.engines import EnginePool, engine_settings  # noqa: E402
 from tests.random_sae import random_sae, stored  # noqa: E402
 from tests.reference import Reference  # noqa: E402
@@ -68,9 +68,9 @@ def default_model() -> Path:
 
 @pytest.fixture(scope="session")
 def default_concepts(default_model: Path) -> ConceptSet:
-    """The built-in concept set, as `salience serve` builds it on a cold cache (a plain fixture, so
-    no event loop is running when it does)."""
-    concept_set = ConceptSet.load(_default_concepts(default_model))
+    """The built-in concept set, as `salience serve` finds it: the shipped one (a plain fixture, so
+    no event loop is running if it has to be built)."""
+    concept_set = ConceptSet.load(default_concept_set.default_concepts(default_model))
     concept_set.check_model(default_model)
     return concept_set
 

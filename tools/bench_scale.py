@@ -77,15 +77,15 @@ def even_heads_twin(model: Path) -> Path:
 
 async def measure(name: str, layout: dict, args: argparse.Namespace, samples: Samples) -> None:
     """Start seconds and generated tokens/s of each batch, for one layout, into `samples`."""
-    from salience.cli import _default_concepts
     from salience.core.engine.engine import Engine
     from salience.core.engine.requests import SamplingOptions
     from salience.core.engine.settings import EngineSettings
     from salience.core.models.default_model import ensure_default_model
     from salience.core.probes.concepts import ConceptSet
+    from salience.core.serving.default_concepts import default_concepts
 
     default = ensure_default_model()
-    concepts = ConceptSet.load(_default_concepts(default))
+    concepts = ConceptSet.load(default_concepts(default))
     model = even_heads_twin(default)
     concepts.check_model(model)
     started = time.monotonic()

@@ -15,9 +15,11 @@ the engine is up) and until `GET /health` answers 200 (the engine loaded, compil
   forward is traced again at every start (what every warm start did before
   probes/compile_cache.py).
 
-With `--cold`, each configuration first starts once with empty compile caches (a temporary
-VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR): what a first start compiles. The model's
-conversion and the concept set are built once per SALIENCE_HOME and are not in either time.
+With `--cold`, each configuration first starts once on a fresh `$SALIENCE_HOME` (a temporary
+folder: no converted model, no compile caches, nothing built): what a newcomer's first
+`make serve` waits for once setup is done, conversion included. Then, on the first of those
+homes, `salience concepts build` of the default spec is timed (the build a first start runs only
+where the shipped set does not fit the model). Warm starts share one home, built once.
 
     .venv/bin/python -m tools.bench_startup [--repeats 3] [--configs default,fastest,eager,traced] [--cold]
         [--json PATH]
@@ -25,16 +27,22 @@ conversion and the concept set are built once per SALIENCE_HOME and are not in e
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 if not __package__:  # run as `python tools/bench_startup.py`: the checkout is not on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import salience
 from tools.harness import Report, Server, arguments, fresh_caches, rotations, salience_serve, say, serve
 
+DEFAULT_SPEC = Path(salience.__file__).parent / "concept_specs" / "default.yaml"
 CONFIGS = {  # key: (description, flags, environment)
     "default": ("default: compiled, readouts + steering", [], {}),
     "fastest": ("compiled, --no-readouts --no-steering", ["--no-readouts", "--no-steering"], {}),
@@ -59,6 +67,24 @@ def start_once(config: Config, env: dict[str, str]) -> Server:
         return server
 
 
+def time_build(env: dict[str, str]) -> float:
+    """Seconds `salience concepts build` takes on the default spec, in `env` (model converted)."""
+    with tempfile.TemporaryDirectory(prefix="bench_startup-build-") as out:
+        command = [
+            sys.executable,
+            "-m",
+            "salience",
+            "concepts",
+            "build",
+            str(DEFAULT_SPEC),
+            "-o",
+            f"{out}/c.safetensors",
+        ]
+        began = time.monotonic()
+        subprocess.run(command, env=os.environ | env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return time.monotonic() - began
+
+
 def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--configs", default="default,fastest,eager,traced")
@@ -73,11 +99,17 @@ def main() -> None:
 
     cold: dict[str, float] = {}
     if args.cold:
-        for config in configs:
-            with tempfile.TemporaryDirectory(prefix="bench_startup-cache-") as cache:
-                cold[config.key] = start_once(config, config.env | fresh_caches(cache)).ready
-            samples.series[f"{config.key} first start"] = [cold[config.key]]
-            say(f"  {config.key}: first start {cold[config.key]:.1f} s")
+        with contextlib.ExitStack() as homes:
+            for config in configs:
+                home = homes.enter_context(tempfile.TemporaryDirectory(prefix="bench_startup-home-"))
+                fresh = {"SALIENCE_HOME": home, **fresh_caches(home)}
+                cold[config.key] = start_once(config, config.env | fresh).ready
+                samples.series[f"{config.key} first start"] = [cold[config.key]]
+                say(f"  {config.key}: first start {cold[config.key]:.1f} s")
+                if len(cold) == 1:
+                    build = time_build({"SALIENCE_HOME": home, **fresh_caches(home)})
+                    samples.series["concepts build"] = [build]
+                    say(f"  salience concepts build (default spec): {build:.1f} s")
     # One untimed start each: it fills the compile caches when --cold did not.
     for config in configs:
         start_once(config, config.env)
@@ -99,6 +131,10 @@ def main() -> None:
         runs = ", ".join(f"{r:.1f}" for r in samples.series[f"{config.key} ready"])
         first = [cold[config.key]] if cold else []
         table.add(config.name, samples.median(f"{config.key} listening"), ready, runs, ready / base, *first)
+    if cold:
+        report.text(
+            f"`salience concepts build` of the default spec, first run: {samples.series['concepts build'][0]:.0f} s"
+        )
     report.emit()
 
 

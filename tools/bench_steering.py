@@ -74,15 +74,15 @@ async def main() -> None:
     parser.add_argument("--value", type=float, default=8.0, help="alpha of the add")
     args = parser.parse_args()
 
-    from salience.cli import _default_concepts
     from salience.core.engine.engine import Engine
     from salience.core.engine.settings import EngineSettings
     from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
     from salience.core.probes.concepts import ConceptSet
     from salience.core.probes.steering import Intervention, Op
+    from salience.core.serving.default_concepts import default_concepts
 
     model = args.model or ensure_default_model()
-    concepts = ConceptSet.load(args.concepts or _default_concepts(model))
+    concepts = ConceptSet.load(args.concepts or default_concepts(model))
     concepts.check_model(model)
     name = DEFAULT_MODEL_NAME if args.model is None else model.name
     settings = EngineSettings(

@@ -13,7 +13,6 @@ from pathlib import Path
 from salience.auth import AUTH_TOKEN_ENV, token_from_environment
 from salience.capture.commands import add_capture_parsers, run_capture, run_features
 from salience.cli.concepts import add_concepts_parser, run_concepts
-from salience.cli.serve import _default_concepts as _default_concepts  # tests and tools build the default set
 from salience.cli.serve import run_serve
 from salience.cli.serve_flags import add_serve_parser
 from salience.cli.tokens import add_tokens_parser, run_tokens

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
-import json
 from pathlib import Path
 
 from salience.errors import InvalidArgument
@@ -140,7 +138,9 @@ def _concept_sets(args: argparse.Namespace, model: Path) -> tuple:
 
     concept_set = None
     if args.readouts and (args.concepts is not None or args.model is None):
-        concept_set = ConceptSet.load(args.concepts or _default_concepts(model))
+        from salience.core.serving.default_concepts import default_concepts
+
+        concept_set = ConceptSet.load(args.concepts or default_concepts(model))
         concept_set.check_model(model)
     steering_set = None
     if args.steering is not None:
@@ -163,23 +163,3 @@ def _load_saes(specs: list[str]) -> tuple:
         name, sep, folder = spec.partition("=")
         saes.append(load_sae(Path(folder), name=name) if sep else load_sae(Path(spec)))
     return tuple(saes)
-
-
-def _default_concepts(model: Path) -> Path:
-    """The built-in concept set for the default model, built once into the cache."""
-    from salience.core.models.atomic import build_folder_once
-    from salience.core.models.home import salience_home
-    from salience.core.serving.concept_builder import build_concept_set
-    from salience.core.serving.concept_spec import load_spec
-
-    spec_path = Path(__file__).parent.parent / "concept_specs" / "default.yaml"
-    spec = load_spec(spec_path)
-
-    def build(folder: Path) -> None:
-        built = asyncio.run(build_concept_set(spec, model, source=str(spec_path)))
-        built.save(folder / "concepts.safetensors")
-
-    # Named for the spec's content (examples files read in), so an edited spec builds anew.
-    digest = hashlib.sha256(json.dumps(spec, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:12]
-    target = salience_home() / "concepts" / f"{model.name}-{spec['name']}-{digest}"
-    return build_folder_once(target, build) / "concepts.safetensors"
