@@ -10,6 +10,11 @@ from the header or, for browsers that cannot set headers on a WebSocket, a `toke
 parameter. A server with no token at all is open: every request comes from the anonymous client,
 which may do everything but `define` when an operator token exists (the server warns at start).
 An offered token is hashed and compared with every client's hash in constant time.
+
+SIGHUP reloads the tokens file (`Tokens.reload`). HTTP and gRPC identify every request anew; an
+LMTP connection, identified once as it opens, keeps what it offered in an `Identity`, which
+identifies it again when the tokens' generation has moved on, and is told of each reload (`watch`)
+so that a connection whose token names no client any more can close.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ import dataclasses
 import hashlib
 import hmac
 import os
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from salience.core.engine.fair_share import ANONYMOUS
 from salience.errors import PermissionDenied
@@ -32,7 +38,9 @@ __all__ = [
     "SCOPES",
     "Client",
     "ClientLimits",
+    "Identity",
     "Tokens",
+    "TokensWatcher",
     "token_digest",
     "token_from_environment",
 ]
@@ -103,15 +111,24 @@ def _every_scope_but(*left_out: str) -> frozenset[str]:
     return frozenset(SCOPES) - set(left_out)
 
 
+class TokensWatcher(Protocol):
+    def tokens_reloaded(self) -> None:
+        """The clients have just been replaced (Tokens.reload)."""
+
+
 class Tokens:
     """The server's clients by token. `access` and `operator` are --auth-token and --admin-token;
-    `clients` the tokens file's, each with the digest of its token (`reload` replaces them)."""
+    `clients` the tokens file's, each with the digest of its token (`reload` replaces them).
+    `required`: a token is required even with no `access` and no `clients` (a server given a tokens
+    file, even an empty one: a reload may fill it, and never opens the server)."""
 
     def __init__(
         self,
         access: str | None = None,
         operator: str | None = None,
         clients: Sequence[tuple[bytes, Client]] = (),
+        *,
+        required: bool = False,
     ) -> None:
         shorthands = []
         if access is not None:
@@ -119,18 +136,33 @@ class Tokens:
         if operator is not None:
             shorthands.append((token_digest(operator), Client(name="admin", scopes=frozenset({"admin"}))))
         self._shorthands = shorthands
-        self._open = access is None and not clients  # anyone may come, as the anonymous client
+        self._open = not required and access is None and not clients  # anyone may come, as the anonymous client
         # An open server's one client; with an operator token, changing concepts needs it.
         self.anonymous = Client(name=ANONYMOUS, scopes=_every_scope_but(*(("define", "admin") if operator else ())))
         self._known = shorthands + list(clients)
+        self._generation = 0
+        self._watchers: weakref.WeakSet[TokensWatcher] = weakref.WeakSet()
 
     @property
     def required(self) -> bool:
         return not self._open
 
+    @property
+    def generation(self) -> int:
+        """How many reloads there have been: what an Identity compares to know its client may have changed."""
+        return self._generation
+
     def reload(self, clients: Sequence[tuple[bytes, Client]]) -> None:
-        """The tokens file's clients, read again (SIGHUP): new requests see them at once."""
+        """The tokens file's clients, read again (SIGHUP): new requests see them at once, on open
+        connections too; the watchers are told. Whether a token is required stays as it was."""
         self._known = self._shorthands + list(clients)
+        self._generation += 1
+        for watcher in list(self._watchers):
+            watcher.tokens_reloaded()
+
+    def watch(self, watcher: TokensWatcher) -> None:
+        """Tell `watcher` of every reload, for as long as it lives (held weakly)."""
+        self._watchers.add(watcher)
 
     @property
     def clients(self) -> tuple[Client, ...]:
@@ -160,3 +192,29 @@ class Tokens:
     def stranger(self, peer: str | None) -> Client:
         """The anonymous client, as a request from `peer` on an open server."""
         return dataclasses.replace(self.anonymous, peer=peer)
+
+
+class Identity:
+    """A connection's client, kept in step with the tokens: what the connection offered as it
+    opened (the `Authorization` header value, the query token, its peer), identified again the
+    first time `client` is read after a reload. Between reloads `client` costs no hashing."""
+
+    def __init__(
+        self,
+        tokens: Tokens,
+        authorization: str | None = None,
+        query_token: str | None = None,
+        peer: str | None = None,
+    ) -> None:
+        self._tokens = tokens
+        self._offered = (authorization, query_token, peer)
+        self._generation = tokens.generation
+        self._client = tokens.identify(*self._offered)
+
+    @property
+    def client(self) -> Client | None:
+        """Whom the offered token names now; None: refused (a token no client holds any more)."""
+        if self._generation != self._tokens.generation:
+            self._generation = self._tokens.generation
+            self._client = self._tokens.identify(*self._offered)
+        return self._client

@@ -78,8 +78,7 @@ async def serve(settings: EngineSettings, options: ServeOptions) -> None:
     secure = "s" if tls is not None else ""
 
     status = ServerStatus(settings.served_model_name, {settings.model.name, *options.model_aliases})
-    clients = load_token_file(options.tokens_file) if options.tokens_file is not None else ()
-    tokens = Tokens(options.auth_token, options.admin_token, clients)
+    tokens = _tokens(options)
     check_tcp_auth(tokens.required, options.lmtp_tcp_port)
     loop.add_signal_handler(signal.SIGHUP, functools.partial(_reload, tls, tokens, options.tokens_file))
     if not tokens.required:
@@ -145,9 +144,17 @@ async def serve(settings: EngineSettings, options: ServeOptions) -> None:
         log.info("stopped")
 
 
+def _tokens(options: ServeOptions) -> Tokens:
+    """The server's clients. A tokens file requires a token even while it names no client (as the
+    command line's checks assume): a reload that fills it must not find the server open."""
+    clients = load_token_file(options.tokens_file) if options.tokens_file is not None else ()
+    return Tokens(options.auth_token, options.admin_token, clients, required=options.tokens_file is not None)
+
+
 def _reload(tls: ServerTls | None, tokens: Tokens, tokens_file: Path | None) -> None:
     """SIGHUP: the certificate and the tokens file, read again; a file that fails its checks is
-    logged and leaves what is served as it was."""
+    logged and leaves what is served as it was. Open connections follow the new clients
+    (Tokens.reload tells them; docs/security.md#tokens-and-scopes)."""
     if tls is not None:
         tls.reload()
     if tokens_file is not None:

@@ -11,10 +11,11 @@ from collections.abc import AsyncIterator
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from salience import metrics, request_ids
+from salience.auth import Identity
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import Phase, ServerStatus
 from salience.errors import InvalidArgument
-from salience.lmtp.session import OVERSIZED_FRAME, LmtpConfig, LmtpSession
+from salience.lmtp.session import OVERSIZED_FRAME, UNAUTHORIZED, LmtpConfig, LmtpSession
 from salience.openai import app as openai_app
 from salience.ui import UI_PATH, add_routes
 
@@ -141,11 +142,11 @@ async def lmtp_websocket(request: web.Request) -> web.StreamResponse:
             raise web.HTTPBadRequest(text=str(exc)) from None
     await ws.prepare(request)
     config = request.app[LMTP_CONFIG]
-    client = config.tokens.identify(request.headers.get("Authorization"), request.query.get("token"), request.remote)
-    if client is None:
+    identity = Identity(config.tokens, request.headers.get("Authorization"), request.query.get("token"), request.remote)
+    if identity.client is None:
         # Close after the upgrade, not a 401 before it: browsers see close codes, never HTTP statuses.
         metrics.AUTH_FAILURES.labels("lmtp_ws").inc()
-        await ws.close(code=AUTH_CLOSE_CODE, message=b"unauthorized: missing or wrong token")
+        await ws.close(code=AUTH_CLOSE_CODE, message=UNAUTHORIZED.encode())
         return ws
     request.app[SOCKETS].add(ws)
     session = LmtpSession(
@@ -153,7 +154,7 @@ async def lmtp_websocket(request: web.Request) -> web.StreamResponse:
         config,
         request.app[SESSIONS],
         request_id_prefix=prefix,
-        client=client,
+        identity=identity,
     )
     request.app[CONNECTIONS].add(session)
 
@@ -169,7 +170,10 @@ async def lmtp_websocket(request: web.Request) -> web.StreamResponse:
                         yield line
 
     async def close() -> None:
-        await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"client is not reading")
+        if session.revoked:  # a reload removed its token, and its last stream has ended
+            await ws.close(code=AUTH_CLOSE_CODE, message=UNAUTHORIZED.encode())
+        else:
+            await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"client is not reading")
 
     await serve_session(session, lines(), ws.send_str, close)
     return ws

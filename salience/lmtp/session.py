@@ -22,6 +22,12 @@ A stream's id is taken from its request until its terminal payload (or error)
 goes out; from then on a CANCEL for it gets "not running" and a new request may
 reuse the id, even while the old task winds down.
 
+The connection's client is read from its `Identity` at each message, so a reload of the tokens
+file (SIGHUP) reaches it: a narrowed client needs its new scopes from its next message on; a
+removed one's messages are refused as a wrong token is, its running streams finish, and once the
+last has ended (at once if none runs) the connection closes with `revoked` set. Its CANCELs still
+go through: they only end work it started.
+
 Each stream has a request id: the message's `request_id`, else `<prefix>-<stream_id>`
 when the connection brought an `x-request-id` prefix, else a new uuid4 hex. It is set
 as the stream task's logging context, given to the engine, and put on the stream's
@@ -39,7 +45,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 import orjson
 
 from salience import metrics, request_ids
-from salience.auth import Client
+from salience.auth import Client, Identity
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import Admitted, Phase, ServerStatus
 from salience.errors import PermissionDenied, SalienceError
@@ -71,7 +77,7 @@ from salience.lmtp.streams import Stream
 from salience.logs import CLIENT_NAME, REQUEST_ID
 from salience.scopes import asked, needs
 
-__all__ = ["ConnectionLimits", "LmtpConfig", "LmtpSession"]
+__all__ = ["UNAUTHORIZED", "ConnectionLimits", "LmtpConfig", "LmtpSession"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +100,11 @@ def _scopes(message: ClientMessage) -> tuple[str, ...]:
     return own + fields
 
 
+# What a missing or wrong token gets: the close message of a connection refused at its start, and the
+# error of a message whose token names no client any more (counted as an auth failure, not an error).
+UNAUTHORIZED = "unauthorized: missing or wrong token"
+_UNAUTHORIZED_KIND = "Unauthorized"
+
 # Why a connection was dropped (salience_connections_dropped_total's `cause`).
 CLIENT_GONE, SLOW_CLIENT, SEND_TIMEOUT = "client_gone", "slow_client", "send_timeout"
 OVERSIZED_FRAME, SERVER_SHUTDOWN = "oversized_frame", "server_shutdown"
@@ -108,16 +119,18 @@ class LmtpSession:
         *,
         frontend: str = "lmtp_ws",
         request_id_prefix: str | None = None,
-        client: Client | None = None,
+        identity: Identity | None = None,
     ) -> None:
-        """`client`: whom the connection's token names (default: the anonymous client, as on a
-        transport that carries no token)."""
+        """`identity`: what the connection offered (default: nothing, as on a transport that carries
+        no token: an open server's anonymous client)."""
         self._status = status
         self._sessions = sessions
         self._limits = config.limits
         self._frontend = frontend
-        self._client = client or config.tokens.anonymous
-        CLIENT_NAME.set(self._client.name)  # the connection's task, and the streams it starts, log it
+        self._identity = identity or Identity(config.tokens)
+        self._name: str | None = None  # the client's, as last identified
+        self._client()
+        self.revoked = False  # closed because its token names no client any more
         self._request_id_prefix = request_id_prefix  # the connection's x-request-id header
         self._drop_cause: str | None = None
         self._ended = False
@@ -130,6 +143,7 @@ class LmtpSession:
         self._streams: dict[int, Stream] = {}  # by id: those whose terminal payload has yet to go out
         self._live: set[Stream] = set()  # every stream whose task has yet to end
         self.closed = asyncio.Event()
+        config.tokens.watch(self)
 
     # ---- input -------------------------------------------------------------------
 
@@ -137,12 +151,26 @@ class LmtpSession:
         """Act on one client line; never raises for anything the client sent."""
         if self.closed.is_set():
             return
+        client = self._client()
         try:
             message = parse_client_line(line, self._limits.max_message_bytes)
         except LmtpError as exc:
             self._reject(exc.kind, exc.stream_id, exc.message, exc.request_id)
             return
-        self._dispatch(message)
+        if isinstance(message, Cancel):  # needs no scope, and only ends what the connection started
+            self._cancel(message.stream_id)
+        elif client is None:
+            self._refuse(message, UNAUTHORIZED, _UNAUTHORIZED_KIND)
+        else:
+            self._dispatch(message, client)
+
+    def _client(self) -> Client | None:
+        """The connection's client as the tokens are now (a reload may have changed it)."""
+        client = self._identity.client
+        if client is not None:
+            self._name = client.name
+            CLIENT_NAME.set(client.name)  # the connection's task, and the streams it starts, log it
+        return client
 
     def reject(self, message: str) -> None:
         """Report a transport-level problem (e.g. an oversized line) to the client."""
@@ -152,27 +180,15 @@ class LmtpSession:
         """The transport is about to close the connection, for `cause` (e.g. OVERSIZED_FRAME)."""
         self._drop_cause = self._drop_cause or cause
 
-    def _dispatch(self, message: ClientMessage) -> None:
+    def _dispatch(self, message: ClientMessage, client: Client) -> None:
         try:
-            self._client.require(_scopes(message))
+            client.require(_scopes(message))
         except PermissionDenied as exc:
-            if isinstance(message, Generate | Score | SessionGenerate):
-                self._error(message.stream_id, str(exc), kind="PermissionDenied", request_id=message.request_id)
-            else:
-                self._msg(self._failed(getattr(message, "stream_id", None), str(exc), "PermissionDenied"))
+            self._refuse(message, str(exc), "PermissionDenied")
             return
         match message:
             case Generate() | Score() | SessionGenerate():
-                self._start(message)
-            case Cancel(stream_id=stream_id):
-                # Every CANCEL either ends its stream "cancelled" or gets this error.
-                stream = self._streams.get(stream_id)
-                if stream is None:
-                    self._error(stream_id, f"CANCEL: stream {stream_id} is not running")
-                elif not stream.cancelled:
-                    stream.cancelled = True
-                    if stream.work is not None:
-                        self._spawn(stream.work.cancel(), stream.request_id)
+                self._start(message, client)
             case ModelInfo(stream_id=stream_id):
                 self._msg({"stream_id": stream_id, "model_info": replies.model_info(self._status)})
             case Status(stream_id=stream_id):
@@ -188,10 +204,35 @@ class LmtpSession:
                 self._spawn(self._answer(message.stream_id, call))
             case OpenSession() | CloseSession() | ForkSession() | DumpSession():
                 self._spawn(
-                    self._answer(
-                        message.stream_id, replies.session_call(self._status, self._sessions, message, self._client)
-                    )
+                    self._answer(message.stream_id, replies.session_call(self._status, self._sessions, message, client))
                 )
+
+    def _cancel(self, stream_id: int) -> None:
+        # Every CANCEL either ends its stream "cancelled" or gets this error.
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            self._error(stream_id, f"CANCEL: stream {stream_id} is not running")
+        elif not stream.cancelled:
+            stream.cancelled = True
+            if stream.work is not None:
+                self._spawn(stream.work.cancel(), stream.request_id)
+
+    def _refuse(self, message: ClientMessage, error: str, kind: str) -> None:
+        if isinstance(message, Generate | Score | SessionGenerate):
+            self._error(message.stream_id, error, kind=kind, request_id=message.request_id)
+        else:
+            self._msg(self._failed(getattr(message, "stream_id", None), error, kind))
+
+    def tokens_reloaded(self) -> None:
+        """The tokens file was reloaded: a connection whose token names no client any more closes
+        now if no stream of it runs (else once the last ends, `_forget`)."""
+        self._close_if_revoked()
+
+    def _close_if_revoked(self) -> None:
+        if not self._live and not self.closed.is_set() and self._identity.client is None:
+            log.info("closing: the connection's token names no client any more", extra={"client": self._name})
+            self.revoked = True
+            self.close()
 
     def _reject(self, kind: str | None, stream_id: int | None, message: str, request_id: str | None = None) -> None:
         # Stream errors go where LMQL's client looks for them, or it waits forever.
@@ -202,7 +243,7 @@ class LmtpSession:
 
     # ---- streams -------------------------------------------------------------------
 
-    def _start(self, request: Generate | Score | SessionGenerate) -> None:
+    def _start(self, request: Generate | Score | SessionGenerate, client: Client) -> None:
         stream_id = request.stream_id
         request_id = request.request_id or self._new_request_id(stream_id)
         if stream_id in self._streams:
@@ -212,12 +253,12 @@ class LmtpSession:
         try:
             self._status.serving_engine()
             self._status.check_model(getattr(request, "model", None))
-            admitted = self._status.admit(self._frontend, _KINDS[type(request)], **self._client.admission())
+            admitted = self._status.admit(self._frontend, _KINDS[type(request)], **client.admission())
         except SalienceError as exc:
             kind = type(exc).__name__
             self._error(stream_id, str(exc), kind=kind, request_id=request_id, retry_after=exc.retry_after)
             return
-        stream = Stream(stream_id, request_id, self._client)
+        stream = Stream(stream_id, request_id, client)
         emit, engine = functools.partial(self._token, stream), admitted.engine
         # The coroutine is made when the task first runs: one made here and never awaited, because
         # the client left before the task ran, would be reported ("never awaited") on stderr.
@@ -239,6 +280,7 @@ class LmtpSession:
         admitted.end("cancelled")
         self._release(stream)
         self._live.discard(stream)
+        self._close_if_revoked()  # the last stream of a client the tokens no longer name
 
     def _release(self, stream: Stream) -> None:
         """Free the stream's id, unless a new stream has taken it already."""
@@ -344,7 +386,10 @@ class LmtpSession:
         `retry_after` seconds past a client's limit; counted and logged."""
         running = self._streams.get(stream_id)
         request_id = request_id or (running and running.request_id) or self._new_request_id(stream_id)
-        metrics.ERRORS.labels(self._frontend, kind).inc()
+        if kind == _UNAUTHORIZED_KIND:  # counted apart, as a wrong token at the start is
+            metrics.AUTH_FAILURES.labels(self._frontend).inc()
+        else:
+            metrics.ERRORS.labels(self._frontend, kind).inc()
         extra = {"request_id": request_id, "stream_id": stream_id, "kind": kind, "error": message}
         log.info("request failed", extra=extra)
         payload = {"stream_id": stream_id, "error": message, "request_id": request_id}

@@ -7,6 +7,7 @@ import contextlib
 import ssl
 from collections.abc import AsyncIterator
 
+from salience.auth import Identity
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import ServerStatus
 from salience.lmtp.app import LINGER_SECONDS, serve_session
@@ -27,8 +28,10 @@ async def start_tcp_server(
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        client = config.tokens.stranger(peer[0] if peer else None)  # no token travels over TCP
-        session = LmtpSession(status, config, sessions, frontend="lmtp_tcp", client=client)
+        # No token travels over TCP: the peer alone, the anonymous client of an open server (which
+        # `serve` requires) and nobody on one that requires a token (every message refused).
+        identity = Identity(config.tokens, peer=peer[0] if peer else None)
+        session = LmtpSession(status, config, sessions, frontend="lmtp_tcp", identity=identity)
         overrun = False
 
         async def lines() -> AsyncIterator[bytes]:
