@@ -18,7 +18,8 @@ import orjson
 
 from salience import request_ids
 from salience.core.engine.chat_messages import ChatMessage, parse_messages
-from salience.core.engine.requests import FeatureRequest, ImageBlock, ResidualRequest
+from salience.core.engine.constraints import parse_constraint
+from salience.core.engine.requests import Constraint, FeatureRequest, ImageBlock, ResidualRequest
 from salience.core.probes.calibration import Monitor, parse_monitors
 from salience.core.probes.steering import Intervention
 from salience.core.probes.steering_json import parse_interventions, parse_vector
@@ -183,6 +184,15 @@ def _monitors(value: Any, name: str) -> tuple[Monitor, ...]:
         raise ValueError(str(exc)) from None
 
 
+def _constraint(value: Any, name: str) -> Constraint:
+    """vLLM's structured_outputs object, read by core's reader (the OpenAI API's too); whether the
+    backend compiles it is the engine's check."""
+    try:
+        return parse_constraint(value, name)
+    except InvalidArgument as exc:
+        raise ValueError(str(exc)) from None
+
+
 def _one_of(choices: tuple[str, ...]) -> _Reader:
     def read(value: Any, name: str) -> str:
         if value not in choices:
@@ -250,6 +260,7 @@ _GENERATE: dict[str, _Reader] = {
     "monitors": _monitors,
     "residual": _residual,
     "features": _features,
+    "structured_outputs": _constraint,
 }
 _SCORE: dict[str, _Reader] = {
     "stream_id": _int,
@@ -294,6 +305,7 @@ _SESSION_GENERATE: dict[str, _Reader] = {
             "monitors",
             "residual",
             "features",
+            "structured_outputs",
         )
     },
     "images": _images,

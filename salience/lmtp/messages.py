@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from salience.core.engine.chat_messages import ChatMessage
-from salience.core.engine.requests import FeatureRequest, ImageBlock, ResidualRequest
+from salience.core.engine.requests import Constraint, FeatureRequest, ImageBlock, ResidualRequest
 from salience.core.probes.calibration import Monitor
 from salience.core.probes.steering import Intervention
 
@@ -72,6 +72,7 @@ class Generate:
     monitors: tuple[Monitor, ...] = ()  # watched on every generated token (docs/readouts.md#monitors)
     residual: ResidualRequest | None = None  # raw residual rows at these layers and positions
     features: FeatureRequest | None = None  # an SAE's top features at these positions
+    structured_outputs: Constraint | None = None  # what the text must match (docs/lmtp.md)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +211,7 @@ class SessionGenerate:
     monitors: tuple[Monitor, ...] = ()
     residual: ResidualRequest | None = None
     features: FeatureRequest | None = None
+    structured_outputs: Constraint | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

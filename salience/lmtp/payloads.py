@@ -52,6 +52,7 @@ def sampling_options(request: Generate) -> SamplingOptions:
         priority=request.priority,
         logprobs=request.top_logprobs,
         ignore_eos=request.ignore_eos,
+        structured_outputs=request.structured_outputs,
     )
 
 
@@ -73,6 +74,7 @@ def turn(request: SessionGenerate, request_id: str, client: Client) -> Turn:
             seed=request.seed,
             stop_token_ids=request.stop_token_ids,
             priority=request.priority,
+            structured_outputs=request.structured_outputs,
         ),
         request_id=request_id,
         steer=request.steer,

@@ -1,8 +1,9 @@
 """One choice of a completion, sans I/O: the engine's TokenEvents in, what each adds to the choice out.
 
 Theory of operation. Each token's text comes from the incremental detokenizer
-(core/engine/detokenizer.py), which never splits a character. The token that ends a choice on
-a stop token (EOS) adds no text, as in OpenAI's API and vLLM's server.
+(core/engine/detokenizer.py), which never splits a character; special tokens add none unless
+`skip_special_tokens` is false. The token that ends a choice on a stop token (EOS) adds no text,
+as in OpenAI's API and vLLM's server (unless `include_stop_str_in_output`, vLLM's extra).
 
 Stop strings are matched here, on the text: the core stops on token ids only, and vLLM refuses
 `stop` without its own detokenization, which the core turns off. While stop strings are set,
@@ -10,7 +11,9 @@ the last `len(longest stop) - 1` characters are held back, so a stop string spli
 never reaches the client in part. When one matches, the text before it is released, the choice
 ends with finish_reason "stop", and the caller closes the generation (which aborts the request
 in vLLM); the token that completed the stop string is the choice's last, counted and reported in
-logprobs like any other, while its text is cut at the stop string (as vLLM does).
+logprobs like any other, while its text is cut at the stop string (as vLLM does; after it with
+`include_stop_str_in_output`). As in vLLM, the first `min_tokens` tokens' text is not searched
+(it is still held back, so a stop string that starts there and ends later is found).
 
 A token's logprob entry and extension entry always go out with the token itself, even while its
 text is held back.
@@ -55,17 +58,18 @@ class _StopStrings:
         self._hold = max(map(len, stops)) - 1
         self._pending = ""
 
-    def feed(self, text: str, final: bool) -> tuple[str, bool]:
-        """What may go out now, and whether a stop string matched (the text before it goes out)."""
+    def feed(self, text: str, final: bool, search: bool = True, keep: bool = False) -> tuple[str, bool]:
+        """What may go out now, and whether a stop string matched (the text before it goes out, or
+        up to its end with `keep`); `search` false only holds the text back."""
         pending = self._pending + text
         best = None  # (end, start) of the stop string that completes first
-        for stop in self._stops:
+        for stop in self._stops if search else ():
             start = pending.find(stop)
             if start >= 0 and (best is None or start + len(stop) < best[0]):
                 best = (start + len(stop), start)
         if best is not None:
             self._pending = ""
-            return pending[: best[1]], True
+            return pending[: best[0] if keep else best[1]], True
         cut = len(pending) if final else max(len(pending) - self._hold, 0)
         self._pending = pending[cut:]
         return pending[:cut], False
@@ -81,24 +85,31 @@ class Choice:
         prompt: Sequence[int],
         stop: Sequence[str] = (),
         readings: Readings | None = None,
+        *,
+        min_tokens: int = 0,
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
     ) -> None:
         self.index = index
         self.tokens = 0  # completion tokens so far
         self.finish: str | None = None
         self.readings = readings
-        self._text = TextStream(tokenizer, prompt)
+        self._text = TextStream(tokenizer, prompt, skip_special_tokens=skip_special_tokens)
         self._stops = _StopStrings(stop) if stop else None
+        self._min_tokens = min_tokens
+        self._include_stop = include_stop
 
     def push(self, event: TokenEvent) -> Step:
         """The next token; the Step says whether the choice ends with it."""
         index, self.tokens = self.tokens, self.tokens + 1
         reason = event.finish_reason
-        text = "" if reason is FinishReason.STOP else self._text.push(event.token_id)
+        stop_token = reason is FinishReason.STOP and not self._include_stop
+        text = "" if stop_token else self._text.push(event.token_id)
         if reason is not None:
             text += self._text.flush()
         stopped = False
         if self._stops is not None:
-            text, stopped = self._stops.feed(text, reason is not None)
+            text, stopped = self._stops.feed(text, reason is not None, index >= self._min_tokens, self._include_stop)
         step = Step(text, event)
         if self.readings is not None and self.readings.per_token:
             step.entry = self.readings.token(event, index)
@@ -117,7 +128,7 @@ class Choice:
         said why only then)."""
         text = self._text.flush()
         if self._stops is not None:
-            text, _ = self._stops.feed(text, True)
+            text, _ = self._stops.feed(text, True, self.tokens > self._min_tokens, self._include_stop)
         step = Step(text, None)
         self._finish(step, self.finish_reason(reason))
         return step

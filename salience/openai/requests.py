@@ -6,16 +6,21 @@ ranges OpenAI documents: temperature 0..2, penalties -2..2, logit_bias -100..100
 strings, n 1..128); what depends on the model (vocabulary, context, --max-logprobs) is the core
 engine's check, run by `run.py` under the name of the field it is about.
 
-Fields are OpenAI's contract, not a superset: an unknown top-level field is a 400 ("Unrecognized
-request argument supplied"), as OpenAI's own server answers, never silently ignored. Fields
-that do not change the output (`user`, `metadata`, `store`, ...) are accepted and ignored;
-fields asking for what this server does not do (`tools`, `response_format`, `echo`, ...) are a
+Fields are OpenAI's contract, plus the extras vLLM's server takes (`top_k`, `min_p`,
+`structured_outputs`, ..., spelled as vLLM spells them), not a superset: an unknown top-level
+field is a 400 ("Unrecognized request argument supplied"), as OpenAI's own server answers, never
+silently ignored. Fields that do not change the output (`user`, `metadata`, `store`, ...) are
+accepted and ignored; fields asking for what this server does not do (`tools`, `echo`, ...) are a
 400 naming them, unless they carry their neutral value (`tools: []`, `echo: false`).
+
+`response_format` and `structured_outputs` become one core Constraint, read by core's reader
+(core/engine/constraints.py, LMTP's too); the engine checks it against its backend.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -24,6 +29,8 @@ from typing import Any
 import orjson
 
 from salience.core.engine.chat_messages import ChatMessage, parse_messages
+from salience.core.engine.constraints import constraint, parse_constraint
+from salience.core.engine.requests import Constraint
 from salience.openai.errors import bad_request, naming
 from salience.openai.extension import Extension, parse_extension
 
@@ -35,6 +42,7 @@ MAX_STOP = 4  # stop strings, as OpenAI allows
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, OpenAI's bound (the server's --max-logprobs may be lower)
 MAX_COMPLETION_LOGPROBS = 5  # the completions endpoint's integer logprobs, OpenAI's bound
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # response_format.json_schema.name, as OpenAI allows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +58,16 @@ class Sampling:
     logit_bias: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's extras
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False  # the matched stop string (or stop token's text) is kept
+    skip_special_tokens: bool = True  # special tokens add no text
+    structured_outputs: Constraint | None = None  # from response_format or structured_outputs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,6 +188,50 @@ def _extension(value: Any, name: str) -> Extension:
     return parse_extension(value, name)
 
 
+def _token_id_list(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(t) is int and 0 <= t < INT64 for t in value):
+        raise bad_request(f"{name} must be a list of token ids (integers >= 0)", name)
+    return tuple(value)
+
+
+def _finite(value: Any, name: str) -> float:
+    """A number whose range the core checks (vLLM's extras have vLLM's ranges)."""
+    return _number(-math.inf, math.inf)(value, name)
+
+
+def _structured_outputs(value: Any, name: str) -> Constraint:
+    with naming(name, fields={name: ""}):  # core's one reader, LMTP's too
+        return parse_constraint(value, name)
+
+
+def _response_format(value: Any, name: str) -> Constraint | None:
+    """OpenAI's response_format: `text` (no constraint), `json_object` or `json_schema`."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise bad_request(f'{name}.type must be "text", "json_object" or "json_schema"', f"{name}.type")
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    if extra := sorted(set(value) - allowed):
+        raise bad_request(f"{name}.{extra[0]} is not a field of a {kind} response_format", f"{name}.{extra[0]}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return constraint("json_object", True, name)
+    spec, where = value.get("json_schema"), f"{name}.json_schema"
+    if not isinstance(spec, dict):
+        raise bad_request(f'{where} must be {{"name", "schema", "strict"?, "description"?}}', where)
+    if extra := sorted(set(spec) - {"name", "schema", "strict", "description"}):
+        raise bad_request(f"{where}.{extra[0]} is not a field of json_schema", f"{where}.{extra[0]}")
+    if not isinstance(spec.get("name"), str) or not SCHEMA_NAME.fullmatch(spec["name"]):
+        raise bad_request(f"{where}.name must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{where}.name")
+    for key, check in (("strict", _bool), ("description", _str)):
+        if spec.get(key) is not None:
+            check(spec[key], f"{where}.{key}")
+    if spec.get("schema") is None:
+        raise bad_request(f"{where}.schema is required: the JSON schema the output follows", f"{where}.schema")
+    with naming(f"{where}.schema"):
+        return constraint("json", spec["schema"], f"{where}.schema")
+
+
 _Reader = Callable[[Any, str], Any]
 _SAMPLING: dict[str, _Reader] = {
     "model": _str,
@@ -184,6 +246,17 @@ _SAMPLING: dict[str, _Reader] = {
     "stream": _bool,
     "stream_options": _stream_options,
     "salience": _extension,
+    "response_format": _response_format,
+    # vLLM's extras, as its server spells them
+    "structured_outputs": _structured_outputs,
+    "top_k": _int(-1, INT64 - 1),  # -1 and 0: off
+    "min_p": _number(0, 1),
+    "repetition_penalty": _finite,
+    "min_tokens": _int(0, INT64 - 1),
+    "ignore_eos": _bool,
+    "stop_token_ids": _token_id_list,
+    "include_stop_str_in_output": _bool,
+    "skip_special_tokens": _bool,
 }
 _CHAT: dict[str, _Reader] = {
     **_SAMPLING,
@@ -211,7 +284,6 @@ _NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "tool_choice": lambda v: v == "none",
     "function_call": lambda v: v == "none",
     "parallel_tool_calls": lambda v: isinstance(v, bool),
-    "response_format": lambda v: v == {"type": "text"},
     "modalities": lambda v: v == ["text"],
     "audio": lambda v: False,
     "prediction": lambda v: False,
@@ -248,8 +320,34 @@ def _sampling(fields: dict[str, Any], max_tokens: int | None) -> Sampling:
     n, seed = fields.get("n", 1), fields.get("seed")
     if seed is not None and seed + n - 1 >= INT64:  # choice i decodes with seed + i
         raise bad_request(f"seed must be below 2**63 - {n - 1} with n = {n}", "seed")
-    names = ("temperature", "top_p", "stop", "logit_bias", "presence_penalty", "frequency_penalty")
-    return Sampling(max_tokens=max_tokens, n=n, seed=seed, **{k: fields[k] for k in names if k in fields})
+    names = (
+        "temperature",
+        "top_p",
+        "stop",
+        "logit_bias",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+    )
+    formatted, constrained = fields.get("response_format"), fields.get("structured_outputs")
+    if formatted is not None and constrained is not None:
+        raise bad_request(
+            "response_format and structured_outputs both constrain the output; send one of them", "structured_outputs"
+        )
+    return Sampling(
+        max_tokens=max_tokens,
+        n=n,
+        seed=seed,
+        top_k=max(fields.get("top_k", 0), 0),
+        structured_outputs=formatted or constrained,
+        **{k: fields[k] for k in names if k in fields},
+    )
 
 
 def _streaming(fields: dict[str, Any]) -> dict[str, Any]:

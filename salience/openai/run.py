@@ -32,7 +32,23 @@ __all__ = ["Run", "prompts"]
 # Request fields whose name starts the core's messages about them (`top_p must be ...`,
 # `features.k must be ...`), and the prefix of their param.
 _FIELDS = {
-    **{name: "" for name in ("temperature", "top_p", "seed", "logit_bias", "prompt")},
+    **{
+        name: ""
+        for name in (
+            "temperature",
+            "top_p",
+            "seed",
+            "logit_bias",
+            "prompt",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "min_tokens",
+            "stop_token_ids",
+            "structured_outputs",
+            "response_format",
+        )
+    },
     **{name: "salience." for name in ("steer", "features")},
 }
 
@@ -102,6 +118,13 @@ class Run:
                     presence_penalty=sampling.presence_penalty,
                     frequency_penalty=sampling.frequency_penalty,
                     logprobs=request.top_logprobs,
+                    top_k=sampling.top_k,
+                    min_p=sampling.min_p,
+                    repetition_penalty=sampling.repetition_penalty,
+                    min_tokens=sampling.min_tokens,
+                    ignore_eos=sampling.ignore_eos,
+                    stop_token_ids=sampling.stop_token_ids,
+                    structured_outputs=sampling.structured_outputs,
                 )
                 with naming("salience" if ext is not None else None, fields=_FIELDS):
                     generation = engine.generate(
@@ -114,7 +137,18 @@ class Run:
                     )
                 self._generations.append(generation)
                 readings = Readings(ext, generation.concepts, self.pieces) if ext is not None else None
-                self.choices.append(Choice(index, engine.tokenizer, prompt, sampling.stop, readings))
+                self.choices.append(
+                    Choice(
+                        index,
+                        engine.tokenizer,
+                        prompt,
+                        sampling.stop,
+                        readings,
+                        min_tokens=sampling.min_tokens,
+                        include_stop=sampling.include_stop_str_in_output,
+                        skip_special_tokens=sampling.skip_special_tokens,
+                    )
+                )
 
     async def close(self) -> None:
         """Let go of the generations `steps` never ran (a refused choice, a client gone before

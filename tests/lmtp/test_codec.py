@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from salience.core.engine.chat_messages import ChatMessage, ImagePart, TextPart
-from salience.core.engine.requests import ImageBlock
+from salience.core.engine.requests import Constraint, ImageBlock
 from salience.core.probes.steering import Intervention, Op
 from salience.lmtp.codec import (
     LmtpError,
@@ -185,6 +185,26 @@ VALID = [
             steer=(Intervention(direction="a", layers=(0, 2), op=Op.SET, value=1, generated=True),),
         ),
     ),
+    # vLLM's structured_outputs, read by core's reader (the OpenAI API's too)
+    (
+        'GENERATE {"prompt": [1], "stream_id": 22, "structured_outputs": {"json": {"type": "object"}, "regex": null}}',
+        Generate(
+            stream_id=22,
+            prompt=(1,),
+            structured_outputs=Constraint(kind="json", spec='{"type":"object"}', source="structured_outputs.json"),
+        ),
+    ),
+    (
+        'SESSION_GENERATE {"stream_id": 23, "session_id": "s", "offset": 0, "max_tokens": 2, '
+        '"structured_outputs": {"choice": ["yes", "no"]}}',
+        SessionGenerate(
+            stream_id=23,
+            session_id="s",
+            offset=0,
+            max_tokens=2,
+            structured_outputs=Constraint(kind="choice", spec=("yes", "no"), source="structured_outputs.choice"),
+        ),
+    ),
 ]
 
 INVALID = [
@@ -258,6 +278,18 @@ INVALID = [
         "images[0].data is not valid base64",
     ),
     ('IMAGE_INFO {"stream_id": 3, "data": 5, "mime": "image/png"}', 3, "data must be a base64 string"),
+    (
+        'GENERATE {"stream_id": 3, "prompt": [1], "structured_outputs": {"regex": "a", "choice": ["b"]}}',
+        3,
+        "GENERATE: structured_outputs must hold exactly one of json, regex, choice, grammar, json_object; "
+        "got regex and choice",
+    ),
+    ('GENERATE {"stream_id": 3, "prompt": [1], "structured_outputs": {"choice": []}}', 3, "structured_outputs.choice"),
+    (
+        'SESSION_GENERATE {"stream_id": 3, "session_id": "s", "offset": 0, "structured_outputs": {"grammar": ""}}',
+        3,
+        "SESSION_GENERATE: structured_outputs.grammar must be a non-empty string",
+    ),
     ('FORK_SESSION {"stream_id": 3, "session_id": "s"}', 3, "missing field 'at_position'"),
     ('GENERATE {"stream_id": 3, "prompt": [1], "steer": {"direction": "a"}}', 3, "steer must be a list"),
     ('GENERATE {"stream_id": 3, "prompt": [1], "steer": [5]}', 3, "steer[0] must be an object"),

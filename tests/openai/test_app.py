@@ -186,8 +186,8 @@ async def test_refusals_are_openai_error_objects_with_the_request_id() -> None:
     assert (response.status, error(response)["code"]) == (404, "model_not_found")
     response, _ = await call(app, "/v1/models/other", None, ok)
     assert response.status == 404
-    response, _ = await call(app, "/v1/chat/completions", {**CHAT_BODY, "top_k": 3}, ok)
-    assert (response.status, error(response)["param"]) == (400, "top_k")
+    response, _ = await call(app, "/v1/chat/completions", {**CHAT_BODY, "guided_regex": "a"}, ok)
+    assert (response.status, error(response)["param"]) == (400, "guided_regex")
     response, _ = await call(app, "/v1/chat/completions", CHAT_BODY, {**ok, "x-request-id": "bad id"})
     assert response.status == 400 and response.headers["x-request-id"] != "bad id"
     status.draining()

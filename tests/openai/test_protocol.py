@@ -18,7 +18,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from salience import errors
 from salience.core.engine.chat_messages import ChatMessage
-from salience.core.engine.requests import FinishReason, TokenEvent
+from salience.core.engine.requests import Constraint, FinishReason, TokenEvent
 from salience.core.probes.calibration import Action, Monitor, MonitorEvent
 from salience.core.probes.live import ConceptView
 from salience.core.probes.steering import Intervention, Op
@@ -70,9 +70,85 @@ BAD = [
     (CHAT, {**CHAT_BASE, "stream": "yes"}, "stream"),
     (CHAT, {**CHAT_BASE, "frobnicate": 1}, "frobnicate"),
     (CHAT, {**CHAT_BASE, "prompt": "hi"}, "prompt"),
-    (CHAT, {**CHAT_BASE, "top_k": 5}, "top_k"),
+    (CHAT, {**CHAT_BASE, "guided_json": {}}, "guided_json"),  # vLLM's old spelling: unknown
     (CHAT, {**CHAT_BASE, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {**CHAT_BASE, "response_format": {"type": "json_object"}}, "response_format"),
+    # vLLM's extras, with vLLM's types and ranges (the core checks what depends on the model)
+    (CHAT, {**CHAT_BASE, "top_k": -2}, "top_k"),
+    (CHAT, {**CHAT_BASE, "top_k": 1.5}, "top_k"),
+    (CHAT, {**CHAT_BASE, "min_p": 1.5}, "min_p"),
+    (CHAT, {**CHAT_BASE, "repetition_penalty": "high"}, "repetition_penalty"),
+    (CHAT, {**CHAT_BASE, "min_tokens": -1}, "min_tokens"),
+    (CHAT, {**CHAT_BASE, "ignore_eos": 1}, "ignore_eos"),
+    (CHAT, {**CHAT_BASE, "stop_token_ids": [-1]}, "stop_token_ids"),
+    (CHAT, {**CHAT_BASE, "stop_token_ids": 5}, "stop_token_ids"),
+    (CHAT, {**CHAT_BASE, "include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    (CHAT, {**CHAT_BASE, "skip_special_tokens": 0}, "skip_special_tokens"),
+    # response_format: OpenAI's three types
+    (CHAT, {**CHAT_BASE, "response_format": "json"}, "response_format.type"),
+    (CHAT, {**CHAT_BASE, "response_format": {"type": "xml"}}, "response_format.type"),
+    (CHAT, {**CHAT_BASE, "response_format": {"type": "structural_tag", "format": {}}}, "response_format.type"),
+    (CHAT, {**CHAT_BASE, "response_format": {"type": "text", "schema": {}}}, "response_format.schema"),
+    (CHAT, {**CHAT_BASE, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    (
+        CHAT,
+        {**CHAT_BASE, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+        "response_format.json_schema.name",
+    ),
+    (
+        CHAT,
+        {**CHAT_BASE, "response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+        "response_format.json_schema.name",
+    ),
+    (
+        CHAT,
+        {**CHAT_BASE, "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
+        "response_format.json_schema.schema",
+    ),
+    (
+        CHAT,
+        {**CHAT_BASE, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": [1]}}},
+        "response_format.json_schema.schema",
+    ),
+    (
+        CHAT,
+        {**CHAT_BASE, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": "{"}}},
+        "response_format.json_schema.schema",
+    ),
+    (
+        CHAT,
+        {
+            **CHAT_BASE,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "strict": "yes"}},
+        },
+        "response_format.json_schema.strict",
+    ),
+    (
+        CHAT,
+        {**CHAT_BASE, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "x": 1}}},
+        "response_format.json_schema.x",
+    ),
+    # structured_outputs: vLLM's object, read by core's reader
+    (CHAT, {**CHAT_BASE, "structured_outputs": "regex"}, "structured_outputs"),
+    (CHAT, {**CHAT_BASE, "structured_outputs": {}}, "structured_outputs"),
+    (CHAT, {**CHAT_BASE, "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    (CHAT, {**CHAT_BASE, "structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    (CHAT, {**CHAT_BASE, "structured_outputs": {"choice": ["a", 1]}}, "structured_outputs.choice"),
+    (CHAT, {**CHAT_BASE, "structured_outputs": {"regex": 5}}, "structured_outputs.regex"),
+    (CHAT, {**CHAT_BASE, "structured_outputs": {"regex": "a" * 65537}}, "structured_outputs.regex"),
+    (CHAT, {**CHAT_BASE, "structured_outputs": {"grammar": "  "}}, "structured_outputs.grammar"),
+    (CHAT, {**CHAT_BASE, "structured_outputs": {"json_object": False}}, "structured_outputs.json_object"),
+    (CHAT, {**CHAT_BASE, "structured_outputs": {"json": 5}}, "structured_outputs.json"),
+    (CHAT, {**CHAT_BASE, "structured_outputs": {"jsn": {}}}, "structured_outputs.jsn"),
+    (
+        CHAT,
+        {**CHAT_BASE, "structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+        "structured_outputs.disable_any_whitespace",
+    ),
+    (
+        CHAT,
+        {**CHAT_BASE, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+        "structured_outputs",
+    ),
     (CHAT, {**CHAT_BASE, "salience": []}, "salience"),
     (CHAT, {**CHAT_BASE, "salience": {"readout": {}}}, "salience.readout"),
     (CHAT, {**CHAT_BASE, "salience": {"zeta": 1, "alpha": 2}}, "salience.alpha"),
@@ -108,6 +184,9 @@ BAD = [
     (COMPLETION, {**COMPLETION_BASE, "best_of": 3}, "best_of"),
     (COMPLETION, {**COMPLETION_BASE, "messages": []}, "messages"),
     (COMPLETION, {**COMPLETION_BASE, "max_completion_tokens": 5}, "max_completion_tokens"),
+    (COMPLETION, {**COMPLETION_BASE, "response_format": {"type": "json"}}, "response_format.type"),
+    (COMPLETION, {**COMPLETION_BASE, "structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    (COMPLETION, {**COMPLETION_BASE, "min_p": -0.1}, "min_p"),
 ]
 
 PARSE = {CHAT: parse_chat, COMPLETION: parse_completion}
@@ -175,6 +254,63 @@ def test_a_chat_request_reads_every_field() -> None:
     )
     assert (request.logprobs, request.top_logprobs, request.stream, request.include_usage) == (True, 3, True, True)
     assert request.salience is None
+
+
+def test_vllms_extras_are_read_as_vllm_spells_them() -> None:
+    extras = {
+        "top_k": 40,
+        "min_p": 0.05,
+        "repetition_penalty": 1.2,
+        "min_tokens": 3,
+        "ignore_eos": True,
+        "stop_token_ids": [7, 9],
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": False,
+        "structured_outputs": {"choice": ["yes", "no"], "regex": None, "disable_any_whitespace": False},
+    }
+    for parse, base in ((parse_chat, CHAT_BASE), (parse_completion, COMPLETION_BASE)):
+        sampling = parse(orjson.dumps({**base, **extras})).sampling
+        assert (sampling.top_k, sampling.min_p, sampling.repetition_penalty, sampling.min_tokens) == (40, 0.05, 1.2, 3)
+        assert (sampling.ignore_eos, sampling.stop_token_ids) == (True, (7, 9))
+        assert (sampling.include_stop_str_in_output, sampling.skip_special_tokens) == (True, False)
+        assert sampling.structured_outputs == Constraint(
+            kind="choice", spec=("yes", "no"), source="structured_outputs.choice"
+        )
+    assert parse_chat(orjson.dumps({**CHAT_BASE, "top_k": -1})).sampling.top_k == 0  # vLLM's "off"
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+@pytest.mark.parametrize(
+    ("response_format", "want"),
+    [
+        ({"type": "text"}, None),
+        ({"type": "json_object"}, Constraint(kind="json_object", spec=None, source="response_format")),
+        (
+            {"type": "json_schema", "json_schema": {"name": "City", "schema": SCHEMA, "strict": True}},
+            Constraint(
+                kind="json",
+                spec='{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}',
+                source="response_format.json_schema.schema",
+            ),
+        ),
+        (  # a schema as JSON text reads as the same schema
+            {"type": "json_schema", "json_schema": {"name": "City", "schema": orjson.dumps(SCHEMA).decode()}},
+            Constraint(
+                kind="json",
+                spec='{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}',
+                source="response_format.json_schema.schema",
+            ),
+        ),
+    ],
+)
+def test_response_format_is_one_core_constraint(response_format: dict, want: Constraint | None) -> None:
+    for parse, base in ((parse_chat, CHAT_BASE), (parse_completion, COMPLETION_BASE)):
+        assert parse(orjson.dumps({**base, "response_format": response_format})).sampling.structured_outputs == want
+    # text beside structured_outputs is no second constraint
+    both = {**CHAT_BASE, "response_format": {"type": "text"}, "structured_outputs": {"regex": "[a-z]+"}}
+    assert parse_chat(orjson.dumps(both)).sampling.structured_outputs.kind == "regex"
 
 
 def test_defaults_are_openais() -> None:
@@ -352,6 +488,25 @@ def test_the_earliest_stop_string_wins_and_the_rest_is_released_at_the_end() -> 
     assert "".join(s.text for s in steps) == "Hello"
     _, steps = run([2, 3, 5], FinishReason.LENGTH, stop=("nothing here",))
     assert "".join(s.text for s in steps) == "Hello worldBye" and steps[-1].finish == "length"
+
+
+def texts(ids: list[int], finish: FinishReason, stop: tuple[str, ...] = (), **rules) -> list[str]:
+    choice = Choice(0, Tokenizer(), [0, 2, 3], stop, **rules)
+    steps = [choice.push(event) for event in events(ids, finish)]
+    return [step.text for step in steps[: next(i for i, s in enumerate(steps) if s.finish) + 1]]
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_tokens_text() -> None:
+    assert texts([2, 7, 8, 9, 5], FinishReason.LENGTH, ("StOP",), include_stop=True) == ["He", "llo", " StOP"]
+    assert texts([2, 6], FinishReason.STOP, include_stop=True) == ["Hello", "!"]  # "!" a stop_token_id
+    assert texts([2, 6], FinishReason.STOP) == ["Hello", ""]
+
+
+def test_min_tokens_leaves_the_first_tokens_text_unsearched_as_vllm_does() -> None:
+    assert texts([2, 3, 5], FinishReason.LENGTH, ("Hello",)) == [""]
+    assert "".join(texts([2, 3, 5], FinishReason.LENGTH, ("Hello",), min_tokens=1)) == "Hello worldBye"
+    # a stop string that starts in the unsearched text and ends after it is found
+    assert texts([2, 7, 8], FinishReason.LENGTH, ("lo St",), min_tokens=1) == ["H", "el"]
 
 
 def test_a_choice_cancelled_by_the_server_is_an_error_for_the_client() -> None:

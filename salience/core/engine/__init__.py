@@ -1,10 +1,10 @@
 """vLLM behind a small typed interface: `Engine` (engine.py) takes token ids and `SamplingOptions`
 (requests.py) and yields `TokenEvent`s and `ScoredToken`s, checking every request first (checks.py,
-images.py) and letting it into vLLM when its client's turn comes on a contended engine
+images.py, constraints.py) and letting it into vLLM when its client's turn comes on a contended engine
 (fair_share.py). Also how vLLM is started, in the order a start reads: settings.py and settings_checks.py,
 environment.py, vllm_args.py (with tap_config.py, transport.py, served_saes.py), launch.py, ray_cpu.py;
 and the worker extension it loads (worker_extension.py).
 
-Imports `core.probes` and `core.models`. requests.py stays importable without torch: the
-clients' LMTP codec uses it.
+Imports `core.probes` and `core.models`. requests.py and constraints.py stay importable without
+torch and vLLM: the clients' LMTP codec uses them.
 """

@@ -17,6 +17,8 @@ from salience.errors import ContextOverflow, InvalidArgument
 if TYPE_CHECKING:
     from vllm import SamplingParams
 
+    from salience.core.engine.constraints import ConstraintBackend
+
 __all__ = ["RequestChecks"]
 
 
@@ -25,6 +27,7 @@ class RequestChecks:
     vocab_size: int
     max_model_len: int
     max_logprobs: int
+    constraints: ConstraintBackend | None = None  # None: structured outputs are refused
 
     def tokens(self, what: str, ids: Sequence[int]) -> list[int]:
         """The ids as a list, or InvalidArgument naming the first that is not in the vocabulary."""
@@ -58,7 +61,7 @@ class RequestChecks:
         from vllm.sampling_params import RequestOutputKind
 
         self.top_k(o.logprobs)
-        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(o, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise InvalidArgument(f"{name} must be a finite number, got {value!r}")
@@ -68,6 +71,8 @@ class RequestChecks:
             raise InvalidArgument(f"top_p must be in (0, 1], got {o.top_p}")
         if not isinstance(o.top_k, int) or o.top_k < 0:
             raise InvalidArgument(f"top_k must be a non-negative integer (0 = off), got {o.top_k!r}")
+        if type(o.min_tokens) is not int or o.min_tokens < 0:
+            raise InvalidArgument(f"min_tokens must be a non-negative integer, got {o.min_tokens!r}")
         if o.seed is not None and (type(o.seed) is not int or not -(2**63) <= o.seed < 2**63):
             raise InvalidArgument(f"seed must be a 64-bit integer, got {o.seed!r}")
         if type(o.priority) is not int or not -(2**31) <= o.priority < 2**31:
@@ -82,6 +87,11 @@ class RequestChecks:
             allowed = self.tokens("allowed_token_ids", o.allowed_token_ids)
             if not allowed:
                 raise InvalidArgument("allowed_token_ids is empty: no token could be sampled")
+        structured = None
+        if o.structured_outputs is not None:
+            if self.constraints is None:
+                raise InvalidArgument(f"{o.structured_outputs.source}: this engine has no structured outputs")
+            structured = self.constraints.params(o.structured_outputs)
         # top_k == 1 is greedy whatever the temperature; running it as greedy keeps
         # the reported logprobs informative (see engine.py's docstring).
         greedy = o.temperature == 0 or o.top_k == 1
@@ -91,6 +101,7 @@ class RequestChecks:
                 temperature=0.0 if greedy else float(o.temperature),
                 top_p=1.0 if greedy else float(o.top_p),
                 top_k=0 if greedy else o.top_k,
+                min_p=0.0 if greedy else float(o.min_p),
                 seed=o.seed,
                 stop_token_ids=stop,
                 logit_bias=dict(zip(bias_ids, map(float, o.logit_bias.values()), strict=True)) or None,
@@ -100,6 +111,8 @@ class RequestChecks:
                 frequency_penalty=float(o.frequency_penalty),
                 logprobs=o.logprobs,
                 ignore_eos=o.ignore_eos,
+                min_tokens=o.min_tokens,
+                structured_outputs=structured,
                 detokenize=False,
                 output_kind=RequestOutputKind.DELTA,
             )

@@ -8,8 +8,9 @@ vLLM's outputs into TokenEvents with absolute positions.
 Logprobs: vLLM runs with logprobs_mode="processed_logprobs", so a generated
 token's logprob and its top-k alternatives describe the distribution the token
 was actually drawn from: log_softmax of the logits after logit_bias,
-allowed_token_ids and the penalties, divided by the temperature, with top-k /
-top-p truncation applied (truncated tokens have logprob -inf). Greedy decoding
+allowed_token_ids, the penalties, min_tokens and a constraint's mask, divided by
+the temperature, with top-k / top-p / min-p truncation applied (truncated or
+masked tokens have logprob -inf). Greedy decoding
 reports that distribution at temperature 1 without truncation: the argmax of it
 is the token chosen. LMQL's own server reports the biased distribution the same
 way. Scored (prompt) tokens carry the model's plain log_softmax.
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING
 from salience.core.engine import environment, launch, settings_checks, vllm_args
 from salience.core.engine.chat import ChatRenderer
 from salience.core.engine.checks import RequestChecks
+from salience.core.engine.constraints import ConstraintBackend
 from salience.core.engine.fair_share import ANONYMOUS, FairShare, Slot, admission, check_client
 from salience.core.engine.feature_steering import resolve_features
 from salience.core.engine.generation import Generation
@@ -83,7 +85,7 @@ class Engine(Passes):
         self.live = LiveConcepts(None, None, self._rpc, None)  # set up by start
         self.compiled = False  # set by start: whether vLLM runs the model compiled
         self.closed = False
-        self.checks = RequestChecks(self.vocab_size, self.max_model_len, self.max_logprobs)
+        self.checks = RequestChecks(self.vocab_size, self.max_model_len, self.max_logprobs, ConstraintBackend(llm))
         self.inflight = InFlight(settings.data_parallel_size)
         self.fair_share: FairShare | None = None  # set by start: None with fair share off
         self.meter = TokenMeter()  # each client's generated tokens over the last minute

@@ -6,13 +6,15 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 from salience.core.probes.calibration import Action, MonitorEvent
 
 Features = tuple[tuple[int, float], ...]  # (feature id, activation), largest activation first
 
 __all__ = [
+    "Constraint",
+    "ConstraintKind",
     "FeatureRequest",
     "Features",
     "FinishReason",
@@ -32,13 +34,32 @@ class FinishReason(enum.Enum):
     MONITOR = "monitor"  # a monitor's `stop` held on the last token (TokenEvent.monitors names it)
 
 
+# vLLM's names for its structured-output constraints (StructuredOutputsParams' fields).
+ConstraintKind = Literal["json", "regex", "choice", "grammar", "json_object"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Constraint:
+    """What the generated text must match, enforced token by token (vLLM's structured outputs):
+    a JSON schema (`spec` its JSON text), any JSON object (`spec` None), a regular expression, one
+    of a list of texts, or a grammar (EBNF/GBNF or Lark). `source` is the request field it came
+    from, as the client spelled it (`structured_outputs.regex`, `response_format`): errors about it
+    name that field on every wire. Read and checked by constraints.py."""
+
+    kind: ConstraintKind
+    spec: str | tuple[str, ...] | None
+    source: str = "structured_outputs"
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingOptions:
     """How to decode. Defaults decode by sampling at temperature 1.
 
-    temperature == 0 means greedy decoding. top_k == 0 and top_p == 1 disable
+    temperature == 0 means greedy decoding. top_k == 0, top_p == 1 and min_p == 0 disable
     truncation. logprobs is how many top alternatives each token carries (the
-    sampled token's own logprob is always reported).
+    sampled token's own logprob is always reported). min_tokens: EOS and stop_token_ids
+    are masked until that many tokens are out. structured_outputs: a constraint every token
+    keeps the text within.
     """
 
     max_tokens: int = 16
@@ -55,6 +76,9 @@ class SamplingOptions:
     priority: int = 0
     logprobs: int = 0
     ignore_eos: bool = False
+    min_p: float = 0.0
+    min_tokens: int = 0
+    structured_outputs: Constraint | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
