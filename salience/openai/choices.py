@@ -40,7 +40,7 @@ _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReaso
 class Step:
     """What one token adds to its choice: the text it releases (maybe none), the token (for
     logprobs), its extension entry (and on the first, the prompt's), and on the choice's last
-    token the finish reason and the extension's end (summary, stopping monitor)."""
+    token the finish reason and the extension's end (summary, JSON fields, stopping monitor)."""
 
     text: str
     event: TokenEvent | None  # None: a step that only ends the choice
@@ -107,12 +107,13 @@ class Choice:
         text = "" if stop_token else self._text.push(event.token_id)
         if reason is not None:
             text += self._text.flush()
+        added = text  # the token's own text, before stop strings hold any back
         stopped = False
         if self._stops is not None:
             text, stopped = self._stops.feed(text, reason is not None, index >= self._min_tokens, self._include_stop)
         step = Step(text, event)
         if self.readings is not None and self.readings.per_token:
-            step.entry = self.readings.token(event, index)
+            step.entry = self.readings.token(event, index, added)
         if stopped:
             self._finish(step, "stop")
         elif reason is not None:
@@ -143,5 +144,5 @@ class Choice:
 
     def _finish(self, step: Step, reason: str) -> None:
         self.finish = step.finish = reason
-        if self.readings is not None and (summary := self.readings.summary()) is not None:
-            step.end = {"summary": summary}
+        if self.readings is not None and (end := self.readings.end()) is not None:
+            step.end = end

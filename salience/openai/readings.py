@@ -6,7 +6,9 @@ request asked for them its `readout` row (layer-major, as LMTP's), its top `feat
 At the choice's end, a summary per calibrated concept at its recommended layer: `running`, p
 that the completion has the concept (the running view at its last token read), then the
 token view's mean and largest over the completion and the token where the largest is; and,
-when a `stop` monitor ended the choice, which monitor, concept and token.
+when a `stop` monitor ended the choice, which monitor, concept and token. When the reply is
+constrained to JSON, the same figures per JSON leaf (`fields`): over the tokens holding the
+value's characters (core/probes/json_fields.py), `running` at the value's last token.
 
 The summary's probabilities come from the readout rows through the concept set's calibration
 (probes/calibration.py), whichever format the client asked the rows in, where that format
@@ -16,12 +18,14 @@ rows in the token view no running mean (`running` is left out).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from salience.core.engine.requests import TokenEvent
 from salience.core.probes.calibration import Calibration, MonitorEvent, ReadoutView
+from salience.core.probes.json_fields import Span, leaves, spans
 from salience.core.probes.live import ConceptView
 from salience.errors import InvalidArgument
 from salience.openai.extension import Extension
@@ -37,28 +41,25 @@ def layout(extension: Extension | None, view: ConceptView | None) -> dict | None
     return {"concepts": list(view.concepts), "layers": list(view.layers), "format": extension.readouts.format}
 
 
-class _Peak:
-    """One concept's token-view mean and maximum over the completion, and what its running p needs:
-    the sum of its raw values (raw rows), or the last running p (running rows)."""
+class _Series:
+    """One concept's figures at each completion token read: its token-view p (None where the rows
+    hold none), and what its running p needs there: the running sum of its raw values (raw rows),
+    or the last running p (running rows)."""
 
-    __slots__ = ("at", "count", "max", "raw", "running", "total")
+    __slots__ = ("p", "raw", "running")
 
     def __init__(self) -> None:
-        self.total, self.count, self.max, self.at = 0.0, 0, -1.0, (0, 0, 0)
-        self.raw = 0.0  # over the `count` tokens read, for raw rows
-        self.running: float | None = None
-
-    def add(self, p: float, at: tuple[int, int, int]) -> None:
-        self.total += p
-        self.count += 1
-        if p > self.max:
-            self.max, self.at = p, at
+        self.p: list[float | None] = []
+        self.raw: list[float] = []
+        self.running: list[float | None] = []
 
 
 class Readings:
     """One choice's extension output, built token by token."""
 
-    def __init__(self, extension: Extension, view: ConceptView | None, pieces: TokenText) -> None:
+    def __init__(
+        self, extension: Extension, view: ConceptView | None, pieces: TokenText, *, fields: bool = False
+    ) -> None:
         self._pieces = pieces
         self.per_token = extension.per_token  # whether each completion token gets an entry
         self._format = ReadoutView.named(extension.readouts.format) if extension.readouts else ReadoutView.RAW
@@ -72,7 +73,10 @@ class Readings:
             for concept, layer in calibration.recommended.items():
                 if layer in calibration.layers:
                     self._watch.append((concept, layer, calibration.index(concept, layer)))
-        self._peaks = {concept: _Peak() for concept, _, _ in self._watch}
+        self._series = {concept: _Series() for concept, _, _ in self._watch}
+        self._read_at: list[tuple[int, int, int]] = []  # (index, position, token id) of each token read
+        # Each completion token's text, when the reply is JSON whose leaves get figures of their own.
+        self._texts: list[str] | None = [] if fields and self._watch else None
 
     def prompt(self, prompt: Sequence[int], readouts: Mapping[int, Any], rows: Mapping[str, Mapping]) -> list[dict]:
         """The covered prompt positions' entries, in order."""
@@ -88,8 +92,8 @@ class Readings:
             entries.append(entry)
         return entries
 
-    def token(self, event: TokenEvent, index: int) -> dict:
-        """The entry of the completion's `index`-th token."""
+    def token(self, event: TokenEvent, index: int, text: str) -> dict:
+        """The entry of the completion's `index`-th token, whose `text` is what it adds to the reply."""
         entry: dict[str, Any] = {"position": event.position}
         row = event.readout
         if row is not None:
@@ -99,42 +103,64 @@ class Readings:
             entry["features"] = [list(pair) for pair in event.features]
         if event.monitors:
             entry["monitors"] = [fired.as_dict() for fired in event.monitors]
+        if self._texts is not None:
+            self._texts.append(text)
         return entry
 
     def _read(self, row: Sequence, at: tuple[int, int, int]) -> None:
+        self._read_at.append(at)
         calibration = self._calibration
         for concept, _, column in self._watch:
-            peak = self._peaks[concept]
+            series, value = self._series[concept], row[column]
             if self._format is ReadoutView.RUNNING:
-                peak.running = row[column] if row[column] is not None else peak.running
+                series.running.append(value if value is not None else (series.running or [None])[-1])
                 continue
             if self._format is ReadoutView.RAW:
-                peak.raw += row[column]
-            p = (
-                row[column]
-                if self._format is ReadoutView.TOKEN or calibration is None
-                else calibration.probability(row, column)
-            )
-            if p is not None:
-                peak.add(p, at)
+                series.raw.append((series.raw[-1] if series.raw else 0.0) + value)
+            assert calibration is not None  # concepts are watched only with one
+            series.p.append(value if self._format is ReadoutView.TOKEN else calibration.probability(row, column))
 
-    def summary(self) -> dict | None:
-        """Per concept read over the completion: mean and max probability, and where the max is."""
+    def end(self) -> dict | None:
+        """The choice's `summary` over the completion, and with a JSON reply its `fields`."""
         if not self._watch:
             return None
+        end: dict[str, Any] = {"summary": self._figures(0, len(self._read_at))}
+        if self._texts is not None:
+            indexes = [at[0] for at in self._read_at]
+            found = spans(leaves("".join(self._texts)), self._texts)
+            end["fields"] = [self._field(span, indexes) for span in found]
+        return end
+
+    def _field(self, span: Span, indexes: Sequence[int]) -> dict:
+        """A JSON leaf's path, characters and tokens, and the figures over its tokens read."""
+        leaf = span.leaf
+        field: dict[str, Any] = {"path": leaf.path, "chars": {"start": leaf.start, "end": leaf.end}}
+        if span.first is not None and span.last is not None:
+            field["tokens"] = {"first": span.first, "last": span.last}
+            field["concepts"] = self._figures(
+                bisect.bisect_left(indexes, span.first), bisect.bisect_right(indexes, span.last)
+            )
+        return field
+
+    def _figures(self, lo: int, hi: int) -> dict:
+        """Per concept, over the tokens read `lo` to `hi` (exclusive, in reading order): the running p
+        at the last of them, the token view's mean and largest, and where the largest is."""
         out = {}
         for concept, layer, column in self._watch:
-            peak = self._peaks[concept]
+            series = self._series[concept]
             entry: dict[str, Any] = {"layer": layer}
-            raw = self._format is ReadoutView.RAW and peak.count
-            if raw and self._calibration is not None and self._calibration.running_scale:
-                entry["running"] = self._calibration.running_probability(peak.raw / peak.count, column)
-            elif peak.running is not None:
-                entry["running"] = peak.running
-            if peak.count:
-                index, position, token = peak.at
-                entry["mean"] = peak.total / peak.count
-                entry["max"] = peak.max
+            if hi > lo and self._format is ReadoutView.RAW:
+                calibration = self._calibration
+                if calibration is not None and calibration.running_scale:  # the mean of raw values read so far
+                    entry["running"] = calibration.running_probability(series.raw[hi - 1] / hi, column)
+            elif hi > lo and self._format is ReadoutView.RUNNING and series.running[hi - 1] is not None:
+                entry["running"] = series.running[hi - 1]
+            read = [(p, k) for k, p in enumerate(series.p[lo:hi], lo) if p is not None]
+            if read:
+                peak, k = max(read, key=lambda pair: (pair[0], -pair[1]))  # the first of equal peaks
+                index, position, token = self._read_at[k]
+                entry["mean"] = sum(p for p, _ in read) / len(read)
+                entry["max"] = peak
                 entry["max_at"] = {"index": index, "position": position, "token": self._pieces.text(token)}
             if len(entry) > 1:
                 out[concept] = entry

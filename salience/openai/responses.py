@@ -10,7 +10,8 @@ The `salience` extension adds, only when the request had one:
   `{"concepts", "layers", "format"}`, when readouts were asked for;
 - per choice `salience`: `tokens` (one entry per completion token, in the order of logprobs'
   content; in a stream, the chunk's own), `prompt` (covered prompt positions; in a stream, on
-  the choice's first token), and on its last, `summary` and `stopped_by` (readings.py).
+  the choice's first token), and on its last, `summary`, `fields` (a JSON reply's leaves) and
+  `stopped_by` (readings.py).
 """
 
 from __future__ import annotations

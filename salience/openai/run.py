@@ -102,6 +102,8 @@ class Run:
         with naming("top_logprobs" if request.kind == CHAT else "logprobs"):
             engine.checks.top_k(request.top_logprobs)
         single = len(self._prompts) * sampling.n == 1
+        constraint = sampling.structured_outputs
+        json_reply = constraint is not None and constraint.kind in ("json", "json_object")  # readouts per field
         for p, (prompt, images) in enumerate((p.tokens, p.images) for p in self._prompts):
             max_tokens = sampling.max_tokens or max(engine.max_model_len - len(prompt), 1)
             with naming("messages" if request.kind == CHAT else "prompt"):
@@ -136,7 +138,9 @@ class Run:
                         **extra,
                     )
                 self._generations.append(generation)
-                readings = Readings(ext, generation.concepts, self.pieces) if ext is not None else None
+                readings = (
+                    Readings(ext, generation.concepts, self.pieces, fields=json_reply) if ext is not None else None
+                )
                 self.choices.append(
                     Choice(
                         index,

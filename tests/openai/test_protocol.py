@@ -645,6 +645,32 @@ def test_readings_summarize_each_calibrated_concept_at_its_recommended_layer() -
     ]
 
 
+def test_a_json_reply_gets_the_summarys_figures_per_leaf_over_the_leafs_tokens() -> None:
+    readings = Readings(Extension(readouts=Readouts(format="raw")), VIEW, TokenText(Tokenizer()), fields=True)
+    texts = ['{"a":', ' "x', 'y"', ', "b": [true', "]}", ""]  # $.a is tokens 1-2, $.b[0] token 3
+    raws = [0.5, 1.5, -1.0, 2.0, 0.0, None]  # the last token has no readout (the context is full)
+    for i, (text, raw) in enumerate(zip(texts, raws, strict=True)):
+        row = None if raw is None else (0.0, 9.0, raw, 9.0)
+        readings.token(TokenEvent(token_id=2 + i, position=3 + i, logprob=0.0, top_logprobs=(), readout=row), i, text)
+    end = readings.end()
+    a, b = end["fields"]
+    assert (a["path"], a["tokens"], a["chars"]) == ("$.a", {"first": 1, "last": 2}, {"start": 7, "end": 9})
+    assert (b["path"], b["tokens"]) == ("$.b[0]", {"first": 3, "last": 3})
+    code = a["concepts"]["code"]
+    assert code["running"] == pytest.approx(logistic(3 * (0.5 + 1.5 - 1.0) / 3 - 0.5))  # at its last token
+    assert code["mean"] == pytest.approx((logistic(3.0) + logistic(-2.0)) / 2)
+    assert (code["max"], code["max_at"]) == (
+        pytest.approx(logistic(3.0)),
+        {"index": 1, "position": 4, "token": " world"},
+    )
+    assert b["concepts"]["code"]["running"] == pytest.approx(logistic(3 * 3.0 / 4 - 0.5))
+    assert b["concepts"]["code"]["max_at"]["index"] == 3
+    assert end["summary"]["code"]["running"] == pytest.approx(logistic(3 * 3.0 / 5 - 0.5))  # the reply's 5 read
+    plain = Readings(Extension(readouts=Readouts(format="raw")), VIEW, TokenText(Tokenizer()))
+    plain.token(TokenEvent(token_id=2, position=3, logprob=0.0, top_logprobs=(), readout=(0, 9, 1, 9)), 0, "{}")
+    assert set(plain.end()) == {"summary"}  # no constraint to JSON: no fields
+
+
 def test_a_stop_monitor_ends_the_choice_as_content_filter_and_names_concept_and_token() -> None:
     monitor = Monitor(concept="code", above=0.9, action=Action.STOP)
     readings = Readings(Extension(monitors=(monitor,)), VIEW, TokenText(Tokenizer()))

@@ -1,7 +1,8 @@
 """Structured outputs on the OpenAI API, with the official `openai` client on the default model:
 `chat.completions.parse(response_format=Model)` validates every sample at temperature 1,
-json_object, regex, choice and grammar hold, vLLM's extras take effect, and a bad constraint is a
-400 naming its param while another stream runs on."""
+json_object, regex, choice and grammar hold, vLLM's extras take effect, a bad constraint is a
+400 naming its param while another stream runs on, and a JSON reply's readouts per field are its
+tokens' readouts."""
 
 from __future__ import annotations
 
@@ -170,3 +171,115 @@ async def test_bad_constraints_are_400s_naming_their_param_while_a_stream_runs(
     assert len(chunks) == 1 + 200  # the role, then every token
     assert json.loads(chunks[-1][6:])["choices"][0]["finish_reason"] == "length"
     assert await settled(default_engine) == 0
+
+
+# ---- readouts per JSON field -----------------------------------------------------------------
+
+PLACE = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "location": {"type": "object", "properties": {"country": {"type": "string"}, "lat": {"type": "number"}}},
+        "districts": {"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 3},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["name", "location", "districts", "capital"],
+}
+
+
+def json_leaves(value, at: str = "$") -> list[tuple[str, object]]:
+    """(JSONPath, value) of each scalar, in document order (the schema's keys are identifiers)."""
+    if isinstance(value, dict):
+        return [leaf for key, item in value.items() for leaf in json_leaves(item, f"{at}.{key}")]
+    if isinstance(value, list):
+        return [leaf for i, item in enumerate(value) for leaf in json_leaves(item, f"{at}[{i}]")]
+    return [(at, value)]
+
+
+def check_spans(texts: list[str], fields: list[dict]) -> None:
+    """Every leaf of the parsed reply has its entry, in order: its characters hold the value (a
+    string's quotes just outside them), and its tokens are exactly those whose text holds one of them."""
+    text = "".join(texts)
+    expected = json_leaves(json.loads(text))
+    assert [field["path"] for field in fields] == [p for p, _ in expected]
+    starts = [sum(map(len, texts[:i])) for i in range(len(texts))]
+    for field, (_, value) in zip(fields, expected, strict=True):
+        start, end = field["chars"]["start"], field["chars"]["end"]
+        quoted = isinstance(value, str)
+        assert json.loads(text[start - quoted : end + quoted]) == value
+        if start == end:  # an empty string holds no token
+            assert "tokens" not in field and "concepts" not in field
+            continue
+        holding = [i for i, s in enumerate(starts) if s < end and s + len(texts[i]) > start]
+        assert (field["tokens"]["first"], field["tokens"]["last"]) == (holding[0], holding[-1])
+
+
+async def test_a_json_reply_has_readouts_per_field_equal_to_its_tokens_readouts(api: openai.AsyncOpenAI) -> None:
+    ask = [{"role": "user", "content": "Describe Paris as JSON."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE}}
+
+    async def reply(format: str, **extra) -> openai.types.chat.ChatCompletion:
+        return await api.chat.completions.create(
+            model=NAME,
+            messages=ask,
+            response_format=response_format,
+            max_tokens=300,
+            temperature=0,
+            extra_body={"salience": {"readouts": {"format": format}}},
+            **extra,
+        )
+
+    texts, entries, end = [], [], {}
+    async for chunk in await reply("raw", stream=True):
+        if not chunk.choices or not (extension := chunk.choices[0].model_extra.get("salience")):
+            continue
+        if "tokens" in extension:  # a token's chunk: its text, its entry
+            texts.append(chunk.choices[0].delta.content or "")
+            entries.extend(extension["tokens"])
+        end = extension
+        finish = chunk.choices[0].finish_reason
+    assert finish == "stop" and len(texts) == len(entries)
+    fields = end["fields"]  # beside the summary, on the last token's chunk
+    assert "summary" in end and len(fields) >= 6
+    check_spans(texts, fields)
+
+    # The same greedy reply with its rows in the token view, then in the running view.
+    token, running = await reply("token"), await reply("running")
+    assert token.choices[0].message.content == running.choices[0].message.content == "".join(texts)
+    layout = token.model_extra["salience"]
+    concepts, layers = layout["concepts"], layout["layers"]
+    token_rows = [entry["readout"] for entry in token.choices[0].model_extra["salience"]["tokens"]]
+    running_rows = [entry["readout"] for entry in running.choices[0].model_extra["salience"]["tokens"]]
+    compared = 0
+    for field in (field for field in fields if "tokens" in field):
+        first, last = field["tokens"]["first"], field["tokens"]["last"]
+        assert field["concepts"]
+        for concept, figures in field["concepts"].items():
+            column = layers.index(figures["layer"]) * len(concepts) + concepts.index(concept)
+            ps = [row[column] for row in token_rows[first : last + 1]]
+            assert figures["mean"] == pytest.approx(sum(ps) / len(ps), abs=1e-6)
+            assert figures["max"] == pytest.approx(max(ps), abs=1e-6)
+            peak = figures["max_at"]["index"]
+            assert first <= peak <= last and ps[peak - first] == pytest.approx(max(ps), abs=1e-6)
+            assert figures["running"] == pytest.approx(running_rows[last][column], abs=1e-6)
+            compared += 1
+    assert compared >= 6
+
+
+async def test_completions_json_object_replies_have_fields_too(api: openai.AsyncOpenAI) -> None:
+    completion = await api.completions.create(
+        model=NAME,
+        prompt="A city, as a JSON object with its name and population:",
+        max_tokens=120,
+        temperature=0,
+        extra_body={"structured_outputs": {"json_object": True}, "salience": {"readouts": {}}},
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    fields, text = choice.model_extra["salience"]["fields"], choice.text
+    expected = json_leaves(json.loads(text))
+    assert [field["path"] for field in fields] == [p for p, _ in expected] and fields
+    for field, (_, value) in zip(fields, expected, strict=True):
+        quoted = isinstance(value, str)
+        assert field["concepts"] and field["tokens"]["first"] <= field["tokens"]["last"]
+        assert json.loads(text[field["chars"]["start"] - quoted : field["chars"]["end"] + quoted]) == value
