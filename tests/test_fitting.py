@@ -235,3 +235,53 @@ def test_bootstrap_intervals_resample_texts_within_each_class() -> None:
     for name, values in (("auroc", aurocs), ("accuracy", accuracies), ("background_fpr", fprs)):
         expected = np.quantile(np.array(values), [0.025, 0.975])
         np.testing.assert_allclose(got[name], expected, atol=1e-12, err_msg=name)
+
+
+def test_logistic_direction_with_more_dimensions_than_texts_matches_scikit_learn() -> None:
+    """As residual streams are read: fewer texts than dimensions, where the fit solves within the
+    span of the texts' means."""
+    data = _concept(texts=40, hidden=96)
+    means = np.stack([data.rows[data.text == t].mean(0).numpy() for t in range(data.texts)])
+    labels = data.labels.numpy()
+    standardised = (means - means.mean(0)) / means.std(0, ddof=1)
+    reference = LogisticRegression(C=1 / fitting.LOGREG_L2, tol=1e-12, max_iter=10_000)
+    reference.fit(standardised, labels, sample_weight=_balanced(labels))
+    expected = reference.coef_[0] / means.std(0, ddof=1)
+    got = fitting.fit_direction("logreg", data).numpy()
+    np.testing.assert_allclose(got, expected / np.linalg.norm(expected), atol=1e-5)
+
+
+@pytest.mark.parametrize("method", fitting.METHODS)
+def test_validation_scores_each_text_as_its_fold_fitted_on_its_own(method: str) -> None:
+    """validate fits every fold together (one product for all directions, one Newton solve per view
+    for all calibrations); each held-out text must score as the public functions fitted on its
+    fold's texts alone score it, and the stored fit must be theirs on every text."""
+    data = _with_background(_concept(signal=1.0), shift=0.5)
+    fold = fitting.folds(data.labels, 5, 0, background=data.background)
+    fit, direction = fitting.validate(method, 7, data, fold)
+    token_p = torch.empty(len(data.rows), dtype=torch.float64)
+    running_p = torch.empty(len(data.rows), dtype=torch.float64)
+    for f in range(5):
+        part = data.subset(fold != f)
+        fitted = fitting.fit_direction(method, part.examples())
+        held = (fold == f)[data.text]
+        raw = data.rows @ fitted
+        token_p[held] = fitting.calibrate(part.rows @ fitted, part)(raw[held])
+        running_p[held] = fitting.calibrate_running(part.rows @ fitted, part)(
+            fitting.running_means(raw, data.text)[held]
+        )
+    own = ~data.ordinary
+    score = running_p[torch.cumsum(torch.bincount(data.text), 0) - 1]
+    tokens = own[data.text]
+    token_labels = data.labels[data.text][tokens]
+    assert fit.layer == 7 and fit.background_texts == 30
+    assert fit.auroc == pytest.approx(fitting.auroc(score[own], data.labels[own]), abs=1e-12)
+    assert fit.background_fpr == pytest.approx(float((score[data.ordinary] > 0.5).double().mean()), abs=1e-12)
+    assert fit.token_auroc == pytest.approx(fitting.auroc(token_p[tokens], token_labels), abs=1e-12)
+    assert fit.running_token_auroc == pytest.approx(fitting.auroc(running_p[tokens], token_labels), abs=1e-12)
+    assert fit.brier == pytest.approx(float(((token_p[tokens] - token_labels.double()) ** 2).mean()), abs=1e-12)
+    final = fitting.fit_direction(method, data.examples())
+    torch.testing.assert_close(direction, final, rtol=0, atol=1e-12)
+    token, running = fitting.calibrate(data.rows @ final, data), fitting.calibrate_running(data.rows @ final, data)
+    assert (fit.scale, fit.offset) == pytest.approx((token.scale, token.offset), rel=1e-9)
+    assert (fit.running_scale, fit.running_offset) == pytest.approx((running.scale, running.offset), rel=1e-9)

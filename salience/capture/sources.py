@@ -14,9 +14,9 @@ from typing import Protocol
 import numpy as np
 
 from salience.core.engine.requests import ResidualRequest
-from salience.errors import InvalidArgument
+from salience.core.probes.concepts import capture_concepts
 
-__all__ = ["EngineSource", "GrpcSource", "Source", "capture_concepts"]
+__all__ = ["EngineSource", "GrpcSource", "Source"]
 
 Rows = tuple[np.ndarray, np.ndarray]  # positions [n], rows [n, layers, hidden] float32
 
@@ -30,28 +30,6 @@ class Source(Protocol):
     async def rows(self, documents: Sequence[list[int]], layers: Sequence[int], start: int) -> list[Rows]: ...
 
     async def close(self) -> None: ...
-
-
-def capture_concepts(model: Path, layers: Sequence[int]):
-    """A concept set that puts taps at `layers` and reads nothing else: one zero concept. What an
-    in-process capture serves when the model has no concept set of its own."""
-    import torch
-
-    from salience.core.models.folders import model_fingerprint, model_shape
-    from salience.core.probes.concepts import ConceptSet
-
-    hidden, num_layers = model_shape(model)
-    outside = [layer for layer in layers if not 0 <= layer < num_layers]
-    if outside:
-        raise InvalidArgument(f"layer {outside[0]} is not a layer of this model (0..{num_layers - 1})")
-    return ConceptSet(
-        concepts=("capture",),
-        vectors={layer: torch.zeros(1, hidden) for layer in sorted(layers)},
-        hidden_size=hidden,
-        num_layers=num_layers,
-        model_fingerprint=model_fingerprint(model),
-        provenance={"method": "taps for residual capture only"},
-    )
 
 
 def no_rows(layers: int, hidden: int) -> Rows:

@@ -35,22 +35,33 @@ def add_concepts_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_concepts(args: argparse.Namespace) -> int:
-    from salience.core.models.default_model import ensure_default_model
-    from salience.core.models.folders import inspect_model_folder
+    if args.concepts_command == "build":
+        return _build(args)
     from salience.core.probes.concepts import ConceptSet
-    from salience.core.serving.concept_builder import build_concept_set, describe
-    from salience.core.serving.concept_spec import load_spec
+    from salience.core.serving.concept_builder import describe
 
     if args.concepts_command == "show":
         print(describe(ConceptSet.load(args.file)))
         return 0
-    if args.concepts_command == "save":
-        saved = asyncio.run(_save_from(args.server, args.token))
-        args.file.write_bytes(saved)
-        print(describe(ConceptSet.load(args.file)))
-        return 0
+    saved = asyncio.run(_save_from(args.server, args.token))  # save
+    args.file.write_bytes(saved)
+    print(describe(ConceptSet.load(args.file)))
+    return 0
+
+
+def _build(args: argparse.Namespace) -> int:
+    from salience.core.engine.fork_server import start_early
+    from salience.core.serving.concept_spec import load_spec
+
+    spec = load_spec(args.spec)  # a bad spec is refused before anything starts
+    # The builder's engine forks from the fork server, which imports vLLM on the other core meanwhile.
+    start_early()
+    from salience.core.models.default_model import ensure_default_model
+    from salience.core.models.folders import inspect_model_folder
+    from salience.core.serving.concept_builder import build_concept_set, describe
+
     model = inspect_model_folder(args.model or ensure_default_model()).path
-    built = asyncio.run(build_concept_set(load_spec(args.spec), model, source=str(args.spec)))
+    built = asyncio.run(build_concept_set(spec, model, source=str(args.spec)))
     built.save(args.output)
     print(describe(built))
     return 0

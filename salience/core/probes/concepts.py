@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from salience.core.models.folders import model_fingerprint, model_shape
-from salience.errors import ModelError
+from salience.errors import InvalidArgument, ModelError
 
-__all__ = ["ConceptSet", "ReadoutManifest"]
+__all__ = ["ConceptSet", "ReadoutManifest", "capture_concepts"]
 
 FORMAT = "concept-set/1"
 
@@ -159,3 +160,21 @@ class ConceptSet:
             raise ModelError(
                 f"concept set was built for model {self.model_fingerprint[:12]}, this model is {fingerprint[:12]}"
             )
+
+
+def capture_concepts(model: Path, layers: Sequence[int]) -> ConceptSet:
+    """A concept set that puts taps at `layers` and reads nothing else: one zero concept. What an
+    engine serves that only captures residual rows (`salience capture` in process, the concept
+    builder) when the model has no concept set of its own."""
+    hidden, num_layers = model_shape(model)
+    outside = [layer for layer in layers if not 0 <= layer < num_layers]
+    if outside:
+        raise InvalidArgument(f"layer {outside[0]} is not a layer of this model (0..{num_layers - 1})")
+    return ConceptSet(
+        concepts=("capture",),
+        vectors={layer: torch.zeros(1, hidden) for layer in sorted(layers)},
+        hidden_size=hidden,
+        num_layers=num_layers,
+        model_fingerprint=model_fingerprint(model),
+        provenance={"method": "taps for residual capture only"},
+    )

@@ -40,6 +40,7 @@ rate (then per-token AUROC, then the earliest layer).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ __all__ = [
     "folds",
     "logit_lens",
     "running_means",
+    "validate",
 ]
 
 METHODS = ("diff_means", "logreg")
@@ -93,7 +95,11 @@ class Residuals:
         return torch.zeros_like(self.labels) if self.background is None else self.background
 
     def means(self) -> torch.Tensor:
-        """[texts, hidden]: each text's mean residual."""
+        """[texts, hidden]: each text's mean residual (taken once: read only)."""
+        return self._means
+
+    @functools.cached_property
+    def _means(self) -> torch.Tensor:
         sums = torch.zeros(self.texts, self.rows.shape[1], dtype=self.rows.dtype).index_add_(0, self.text, self.rows)
         return sums / torch.bincount(self.text, minlength=self.texts).clamp(min=1).unsqueeze(1).to(self.rows.dtype)
 
@@ -151,14 +157,24 @@ class LayerFit:
 
 def fit_direction(method: str, data: Residuals, l2: float = LOGREG_L2) -> torch.Tensor:
     """The unit direction [hidden] that separates the classes, positive side up."""
-    means = data.means()
-    positive, negative = means[data.labels], means[~data.labels]
+    return _direction(method, data.means(), data.labels, data.ordinary, l2)
+
+
+def _direction(
+    method: str, means: torch.Tensor, labels: torch.Tensor, ordinary: torch.Tensor, l2: float = LOGREG_L2
+) -> torch.Tensor:
+    """fit_direction from per-text means [texts, hidden], their classes and which are background."""
     if method == "diff_means":
-        direction = positive.mean(0) - negative.mean(0)
+        direction = means[labels].mean(0) - means[~labels].mean(0)
     elif method == "logreg":
         center, spread = means.mean(0), means.std(0).clamp(min=1e-6)
-        weights = _logistic((means - center) / spread, data.labels.double(), _balanced(data), l2)
-        direction = weights[:-1] / spread
+        x = (means - center) / spread
+        # Where the loss's gradient is zero, w = -x.T (weights * (p - y)) / l2: the optimum lies in
+        # the span of the texts' rows, and so does every Newton step from zero. Solved in that span's
+        # coordinates, the same steps take a (texts + 1)-square Hessian, not a (hidden + 1)-square one.
+        span, within = torch.linalg.qr(x.T)  # x = within.T @ span.T, span orthonormal [hidden, k]
+        theta = _logistic(within.T, labels.double(), _class_weights(labels, ordinary), l2)
+        direction = (span @ theta[:-1]) / spread
     else:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
     return direction / direction.norm()
@@ -167,8 +183,7 @@ def fit_direction(method: str, data: Residuals, l2: float = LOGREG_L2) -> torch.
 def calibrate(raw: torch.Tensor, data: Residuals) -> Calibration:
     """The token view: the logistic map from a token's readout to its text's class, every text
     weighing the same, shared evenly among its tokens."""
-    lengths = torch.bincount(data.text, minlength=data.texts)
-    return _calibration(raw, data, 1.0 / lengths[data.text])
+    return _calibrations(raw.unsqueeze(1), data, _every_text(data), _token_share(data))[0]
 
 
 def calibrate_running(raw: torch.Tensor, data: Residuals) -> Calibration:
@@ -176,9 +191,8 @@ def calibrate_running(raw: torch.Tensor, data: Residuals) -> Calibration:
     the text's class. Every text weighs the same, shared among its prefixes in proportion to
     their length: a prefix of t tokens holds t tokens of evidence, and the whole text (what is
     validated) weighs most."""
-    lengths = torch.bincount(data.text, minlength=data.texts)
-    t = _within(data.text).to(raw.dtype)
-    return _calibration(running_means(raw, data.text), data, t / (lengths * (lengths + 1) / 2)[data.text])
+    x = running_means(raw, data.text).unsqueeze(1)
+    return _calibrations(x, data, _every_text(data), _running_share(data))[0]
 
 
 def running_means(raw: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
@@ -196,15 +210,42 @@ def _within(text: torch.Tensor) -> torch.Tensor:
     return torch.arange(len(text)) - (torch.cumsum(lengths, 0) - lengths)[text] + 1
 
 
-def _calibration(x: torch.Tensor, data: Residuals, share: torch.Tensor) -> Calibration:
-    """Logistic regression of each row's text class on x, a row weighing its text's balanced
-    weight times `share` (its part within the text)."""
-    weights = _balanced(data)[data.text] * share
+def _token_share(data: Residuals) -> torch.Tensor:
+    """[tokens]: a token's part of its text's weight in the token view, one over its length."""
+    return 1.0 / torch.bincount(data.text, minlength=data.texts)[data.text]
+
+
+def _running_share(data: Residuals) -> torch.Tensor:
+    """[tokens]: a prefix's part of its text's weight in the running view, in proportion to its length."""
+    lengths = torch.bincount(data.text, minlength=data.texts)
+    return _within(data.text).double() / (lengths * (lengths + 1) / 2)[data.text]
+
+
+def _every_text(data: Residuals) -> torch.Tensor:
+    return torch.ones(1, data.texts, dtype=torch.bool)
+
+
+def _calibrations(x: torch.Tensor, data: Residuals, fitted: torch.Tensor, share: torch.Tensor) -> list[Calibration]:
+    """One calibration per column of x ([tokens, fits]: each fit's value at every row), fitted on
+    the texts its row of `fitted` ([fits, texts] bool) names: a logistic regression of each row's
+    text class on x, a row weighing its text's balanced weight among those texts times `share`
+    (its part within the text). The fits are solved together, other texts' rows weighing nothing."""
+    inside = fitted[:, data.text].T  # [tokens, fits]
+    weights = torch.zeros(fitted.shape, dtype=torch.float64)
+    for weight, texts in zip(weights, fitted, strict=True):
+        weight[texts] = _class_weights(data.labels[texts], data.ordinary[texts])
     # Standardise so one Newton solve suits readouts of any magnitude, then undo it.
-    center, spread = x.mean(), x.std().clamp(min=1e-12)
-    labels = data.labels[data.text].double()
-    scale, offset = _logistic(((x - center) / spread).unsqueeze(1), labels, weights, CALIBRATION_L2)
-    return Calibration(scale=float(scale / spread), offset=float(offset - scale * center / spread))
+    count = inside.sum(0)
+    center = (x * inside).sum(0) / count
+    spread = ((((x - center) ** 2) * inside).sum(0) / (count - 1)).sqrt().clamp(min=1e-12)
+    labels = data.labels[data.text].double().expand(x.shape[1], -1)
+    standard = ((x - center) / spread).T.unsqueeze(2)  # [fits, tokens, 1]
+    theta = _logistic(standard, labels, weights[:, data.text] * share, CALIBRATION_L2)
+    scale, offset = theta[:, 0], theta[:, 1]
+    return [
+        Calibration(scale=float(a), offset=float(b))
+        for a, b in zip(scale / spread, offset - scale * center / spread, strict=True)
+    ]
 
 
 def folds(
@@ -240,32 +281,43 @@ def folds(
 
 def cross_validate(method: str, layer: int, data: Residuals, fold: torch.Tensor) -> LayerFit:
     """Held-out figures over every fold, and the calibrations of the direction refitted on every text."""
+    return validate(method, layer, data, fold)[0]
+
+
+def validate(method: str, layer: int, data: Residuals, fold: torch.Tensor) -> tuple[LayerFit, torch.Tensor]:
+    """cross_validate's figures and calibrations, with the direction [hidden] refitted on every text.
+
+    Every direction is fitted from the texts' means, taken once; the rows are projected onto all of
+    them in one product, and a fold's calibrations see only its texts' readouts (one column each)."""
+    k = int(fold.max()) + 1
+    means, own = data.means(), ~data.ordinary
+    fitted = torch.stack([fold != f for f in range(k)] + [torch.ones_like(own)])  # [k + 1, texts]
+    directions = torch.stack(
+        [_direction(method, means[t & own], data.labels[t & own], data.ordinary[t & own]) for t in fitted], 1
+    )
+    raw = data.rows @ directions  # [tokens, k + 1]: each fold's readouts, then the final fit's
+    running_raw = torch.stack([running_means(raw[:, f], data.text) for f in range(k + 1)], 1)
+    token = _calibrations(raw, data, fitted, _token_share(data))
+    running = _calibrations(running_raw, data, fitted, _running_share(data))
     token_p = torch.empty(len(data.rows), dtype=torch.float64)
     running_p = torch.empty(len(data.rows), dtype=torch.float64)
-    for f in range(int(fold.max()) + 1):
+    for f in range(k):
         held = (fold == f)[data.text]
-        fit = data.subset(fold != f)
-        direction = fit_direction(method, fit.examples())
-        raw_fit = fit.rows @ direction
-        raw = data.rows @ direction
-        token_p[held] = calibrate(raw_fit, fit)(raw[held])
-        running_p[held] = calibrate_running(raw_fit, fit)(running_means(raw, data.text)[held])
+        token_p[held] = token[f](raw[held, f])
+        running_p[held] = running[f](running_raw[held, f])
     lengths = torch.bincount(data.text, minlength=data.texts)
     score = running_p[torch.cumsum(lengths, 0) - 1]  # each text's last token
     mean_token_p = torch.zeros(data.texts, dtype=torch.float64).index_add_(0, data.text, token_p) / lengths
-    own = ~data.ordinary
     tokens = own[data.text]
     token_labels = data.labels[data.text][tokens]
     intervals = bootstrap(score, data.labels, data.ordinary)
-    final = data.rows @ fit_direction(method, data.examples())
-    token, running = calibrate(final, data), calibrate_running(final, data)
     background = int(data.ordinary.sum())
     return LayerFit(
         layer=layer,
-        scale=token.scale,
-        offset=token.offset,
-        running_scale=running.scale,
-        running_offset=running.offset,
+        scale=token[k].scale,
+        offset=token[k].offset,
+        running_scale=running[k].scale,
+        running_offset=running[k].offset,
         auroc=auroc(score[own], data.labels[own]),
         auroc_interval=intervals["auroc"],
         accuracy=_accuracy(score[own], data.labels[own]),
@@ -279,7 +331,7 @@ def cross_validate(method: str, layer: int, data: Residuals, fold: torch.Tensor)
         background_fpr=float((score[data.ordinary] > 0.5).double().mean()) if background else None,
         background_fpr_interval=intervals.get("background_fpr"),
         background_texts=background,
-    )
+    ), directions[:, k]
 
 
 def bootstrap(
@@ -287,27 +339,33 @@ def bootstrap(
 ) -> dict[str, tuple[float, float]]:
     """95% percentile intervals of the per-text figures, resampling texts with replacement within
     each class (positives, negatives, background) with a fixed seed."""
-    generator = torch.Generator().manual_seed(0)
-
-    def counts(members: torch.Tensor) -> torch.Tensor:
-        """[samples, len(members)]: how often each member is drawn in each resample."""
-        n = int(members.sum())
-        drawn = torch.randint(0, n, (samples, n), generator=generator)
-        return torch.zeros(samples, n, dtype=torch.float64).scatter_add_(1, drawn, torch.ones_like(drawn).double())
-
     own = ~background
+    groups = [own & labels, own & ~labels] + ([background] if background.any() else [])
+    up, down, *rest = _resamples(tuple(int(members.sum()) for members in groups), samples)
     positive, negative = score[own & labels], score[own & ~labels]
     wins = (positive[:, None] > negative[None, :]).double() + 0.5 * (positive[:, None] == negative[None, :]).double()
-    up, down = counts(own & labels), counts(own & ~labels)
     figures = {
         "auroc": ((up @ wins) * down).sum(1) / (len(positive) * len(negative)),
         "accuracy": (up @ (positive > 0.5).double() + down @ (negative <= 0.5).double())
         / (len(positive) + len(negative)),
     }
-    if background.any():
-        figures["background_fpr"] = counts(background) @ (score[background] > 0.5).double() / int(background.sum())
+    if rest:
+        figures["background_fpr"] = rest[0] @ (score[background] > 0.5).double() / int(background.sum())
     bounds = torch.tensor(INTERVAL, dtype=torch.float64)
     return {name: tuple(torch.quantile(values, bounds).tolist()) for name, values in figures.items()}  # type: ignore[misc]
+
+
+@functools.lru_cache(maxsize=4)
+def _resamples(sizes: tuple[int, ...], samples: int) -> tuple[torch.Tensor, ...]:
+    """Per group of `sizes` members, [samples, size]: how often each member is drawn in each
+    resample, drawn in group order from seed 0. The same for every layer and method of a concept:
+    drawn once (read only)."""
+    generator = torch.Generator().manual_seed(0)
+    drawn = [torch.randint(0, n, (samples, n), generator=generator) for n in sizes]
+    return tuple(
+        torch.zeros(samples, n, dtype=torch.float64).scatter_add_(1, d, torch.ones_like(d).double())
+        for n, d in zip(sizes, drawn, strict=True)
+    )
 
 
 def best_layer(fits: Sequence[LayerFit]) -> LayerFit:
@@ -327,13 +385,11 @@ def auroc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     positive, negative = scores[labels], scores[~labels]
     if not len(positive) or not len(negative):
         return math.nan
-    order = torch.argsort(scores)
+    ordered, order = torch.sort(scores)
+    _, run, counts = torch.unique_consecutive(ordered, return_inverse=True, return_counts=True)
+    last = torch.cumsum(counts, 0).to(scores.dtype)  # each run of equal scores' last 1-based rank
     ranks = torch.empty_like(scores)
-    ranks[order] = torch.arange(1, len(scores) + 1, dtype=scores.dtype)
-    for value in torch.unique(scores):  # ties share their mean rank
-        tied = scores == value
-        if int(tied.sum()) > 1:
-            ranks[tied] = ranks[tied].mean()
+    ranks[order] = (last - (counts - 1).to(scores.dtype) / 2)[run]  # ties share their mean rank
     u = float(ranks[labels].sum()) - len(positive) * (len(positive) + 1) / 2
     return u / (len(positive) * len(negative))
 
@@ -352,12 +408,12 @@ def _ece(p: torch.Tensor, labels: torch.Tensor) -> float:
     return total / len(p)
 
 
-def _balanced(data: Residuals) -> torch.Tensor:
-    """Per-text weights: positives sum to one half, negatives to the other; with a background,
-    it takes BACKGROUND_SHARE of the negatives' half."""
-    groups = (data.labels, ~data.labels & ~data.ordinary, data.ordinary)
-    shares = (0.5, 0.5 * (1 - BACKGROUND_SHARE), 0.5 * BACKGROUND_SHARE) if data.ordinary.any() else (0.5, 0.5, 0.0)
-    weights = torch.zeros(data.texts, dtype=torch.float64)
+def _class_weights(labels: torch.Tensor, ordinary: torch.Tensor) -> torch.Tensor:
+    """Per-text weights: positives sum to one half, negatives to the other; with a background
+    (`ordinary`), it takes BACKGROUND_SHARE of the negatives' half."""
+    groups = (labels, ~labels & ~ordinary, ordinary)
+    shares = (0.5, 0.5 * (1 - BACKGROUND_SHARE), 0.5 * BACKGROUND_SHARE) if ordinary.any() else (0.5, 0.5, 0.0)
+    weights = torch.zeros(len(labels), dtype=torch.float64)
     for members, share in zip(groups, shares, strict=True):
         if members.any():
             weights[members] = share / int(members.sum())
@@ -365,16 +421,18 @@ def _balanced(data: Residuals) -> torch.Tensor:
 
 
 def _logistic(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, l2: float) -> torch.Tensor:
-    """[features + 1] (weights, then bias) minimising the weighted log loss plus l2/2 |w|^2 (the
-    bias unpenalised), by Newton's method: the problem is convex and small."""
-    design = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
-    penalty = torch.full((design.shape[1],), l2, dtype=x.dtype)
+    """[..., features + 1] (weights, then bias) minimising the weighted log loss plus l2/2 |w|^2 (the
+    bias unpenalised), by Newton's method: the problem is convex and small. x [..., rows, features],
+    y and weights [..., rows]: a batch of problems steps together until the last has converged (a
+    converged problem's further steps are below the tolerance)."""
+    design = torch.cat([x, x.new_ones(*x.shape[:-1], 1)], -1)
+    penalty = torch.full((design.shape[-1],), l2, dtype=x.dtype)
     penalty[-1] = 0.0
-    theta = torch.zeros(design.shape[1], dtype=x.dtype)
+    theta = x.new_zeros(*design.shape[:-2], design.shape[-1])
     for _ in range(50):
-        p = torch.sigmoid(design @ theta)
-        gradient = design.T @ (weights * (p - y)) + penalty * theta
-        hessian = (design.T * (weights * p * (1 - p))) @ design + torch.diag(penalty + 1e-12)
+        p = torch.sigmoid((design @ theta.unsqueeze(-1)).squeeze(-1))
+        gradient = (design.mT @ (weights * (p - y)).unsqueeze(-1)).squeeze(-1) + penalty * theta
+        hessian = (design.mT * (weights * p * (1 - p)).unsqueeze(-2)) @ design + torch.diag(penalty + 1e-12)
         step = torch.linalg.solve(hessian, gradient)
         theta -= step
         if float(step.abs().max()) < 1e-10:

@@ -19,41 +19,55 @@ An `examples` path is relative to the spec's folder; a line there may also be a 
 kept in one validation fold. Each concept needs at least MIN_EXAMPLES texts per class, and
 concept_info warns below fitting.FEW_EXAMPLES. The background's texts calibrate every concept
 they do not show (`shows` names those they do) and measure its false positives; they never fit
-a direction. The residuals come from the same readout taps the server uses, with identity
-matrices as "concepts", so the builder measures exactly what serving will project; how the
-directions and calibrations are fitted and validated is in probes/fitting.py.
+a direction. How the directions and calibrations are fitted and validated is in probes/fitting.py.
+
+How a build runs (the default spec's 1,231 texts: about a minute on two cores, docs/benchmarks.md):
+
+- Reading. The residuals come from the readout taps the server uses: an engine whose taps only
+  capture residual rows (the same float32 state a readout projects, copied out before any
+  projection), every text one prefill-only request, all of them submitted at once, so vLLM packs
+  their prefills into full steps; the rows come back as arrays, never value by value.
+- Fitting. Once the last text is read, the concepts are fitted side by side in threads, one per
+  core, each on one torch thread, while the engine's processes end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
+import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from salience.core.engine.engine import Engine
+from salience.core.engine.requests import ResidualRequest
 from salience.core.engine.settings import EngineSettings
 from salience.core.models import folders
 from salience.core.models.folders import model_fingerprint, model_shape
 from salience.core.probes import fitting
 from salience.core.probes.calibration import calibrated
-from salience.core.probes.concepts import ConceptSet
+from salience.core.probes.concepts import ConceptSet, capture_concepts
 from salience.core.serving.concept_spec import SIDES, background_for
 from salience.errors import InvalidArgument
 
-__all__ = ["build_concept_set", "describe", "describe_concept", "fit_concept"]
+__all__ = ["build_concept_set", "describe", "describe_concept", "fit_concept", "torch_threads"]
 
 VIEWS = {
     "token": "p that this token belongs to a text with the concept: scale * raw + offset, per token",
     "running": "p that the text so far has the concept: running_scale * (mean raw over the tokens read so far, "
     "the first token of a text left out) + running_offset; on a text's last token, its score",
 }
-READ_BATCH = 16  # texts read at once: their prefills share engine steps
+MAX_TEXT_TOKENS = 2048  # the reading engine's context: an example text's tokens, and one decode step
+READ_MEMORY_MIB = 1024  # residual rows in flight: ~15K tokens at 30 layers of 576, several full steps
 
 
 async def build_concept_set(spec: dict[str, Any], model: Path, *, source: str = "") -> ConceptSet:
@@ -61,33 +75,21 @@ async def build_concept_set(spec: dict[str, Any], model: Path, *, source: str = 
     layers = list(range(num_layers)) if spec.get("layers", "all") == "all" else [int(x) for x in spec["layers"]]
     fingerprint = model_fingerprint(model)
     started = time.monotonic()
-    residuals, tokenizer = await _read_residuals(spec, model, layers, hidden, fingerprint, num_layers)
-    validation = {"folds": 5, "seed": 0, **(spec.get("validation") or {})}
+    engine = await Engine.start(_reading_settings(model, layers))
+    try:
+        residuals = await _read_residuals(engine, spec, layers)
+        fitted = await _fit_concepts(spec, layers, residuals, model, engine.tokenizer, meanwhile=engine.shutdown)
+    finally:
+        engine.shutdown()  # safe twice: normally done once the fits are under way
     names = tuple(c["name"] for c in spec["concepts"])
-    vectors = torch.zeros(len(layers), len(names), hidden, dtype=torch.float32)
-    info = []
-    steps = sum(fitting_steps(c, layers) for c in spec["concepts"])
-    with tqdm(total=steps, desc="fitting and validating", unit="layer") as progress:
-        for column, concept in enumerate(spec["concepts"]):
-            fitted, concept_info = fit_concept(
-                concept,
-                layers,
-                residuals,
-                model,
-                tokenizer,
-                validation,
-                background=background_for(spec, concept["name"]),
-                progress=progress.update,
-            )
-            vectors[:, column] = fitted
-            info.append(concept_info)
+    vectors = torch.stack([directions for directions, _ in fitted], 1)  # [layers, concepts, hidden]
     return ConceptSet(
         concepts=names,
         vectors={layer: vectors[i] for i, layer in enumerate(layers)},
         hidden_size=hidden,
         num_layers=num_layers,
         model_fingerprint=fingerprint,
-        info=tuple(info),
+        info=tuple(info for _, info in fitted),
         provenance={
             "method": "per concept: difference of class means or L2 logistic regression of per-text mean residuals "
             "(first token left out), unit-normalised, with token and running logistic calibrations per layer "
@@ -102,6 +104,57 @@ async def build_concept_set(spec: dict[str, Any], model: Path, *, source: str = 
             "seconds": round(time.monotonic() - started, 1),
         },
     )
+
+
+async def _fit_concepts(
+    spec: dict[str, Any],
+    layers: list[int],
+    residuals: Mapping[str, torch.Tensor],
+    model: Path,
+    tokenizer: Any,
+    *,
+    meanwhile: Callable[[], object],
+) -> list[tuple[torch.Tensor, dict]]:
+    """fit_concept of every concept, in spec order: concepts fitted side by side, one per core, the
+    largest first, each on one torch thread (on torch's own two threads, one concept's fits took
+    8-24x as long whenever another process took one of the two cores). `meanwhile` runs once they
+    are under way."""
+    validation = {"folds": 5, "seed": 0, **(spec.get("validation") or {})}
+    concepts = spec["concepts"]
+    loop = asyncio.get_running_loop()
+
+    def rows(concept: dict[str, Any]) -> int:
+        texts = [*concept["positive"], *concept["negative"], *(t for pair in concept["pairs"] for t in pair)]
+        return sum(len(residuals[text]) for text in texts)
+
+    with (
+        tqdm(total=sum(fitting_steps(c, layers) for c in concepts), desc="fitting and validating", unit="fit") as bar,
+        torch_threads(1),
+        ThreadPoolExecutor(min(len(concepts), os.cpu_count() or 1)) as pool,
+    ):
+
+        def fit(concept: dict[str, Any]) -> tuple[torch.Tensor, dict]:
+            background = background_for(spec, concept["name"])
+            tick = functools.partial(loop.call_soon_threadsafe, bar.update)
+            return fit_concept(
+                concept, layers, residuals, model, tokenizer, validation, background=background, progress=tick
+            )
+
+        largest_first = sorted(range(len(concepts)), key=lambda i: rows(concepts[i]), reverse=True)
+        futures = {i: loop.run_in_executor(pool, fit, concepts[i]) for i in largest_first}
+        meanwhile()
+        return list(await asyncio.gather(*(futures[i] for i in range(len(concepts)))))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's thread count (the process's) set to `n` for the body, and put back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def fitting_steps(concept: dict[str, Any], layers: Sequence[int]) -> int:
@@ -146,13 +199,15 @@ def fit_concept(
         pairs=pair_ids,
         background=ordinary,
     )
-    per_layer = [_residuals_at(residuals, texts, labels, ordinary, i) for i in range(len(layers))]
     methods = fitting.METHODS if concept["method"] == "auto" else (concept["method"],)
-    fits: dict[str, list[fitting.LayerFit]] = {}
-    for method in methods:
-        fits[method] = []
-        for i, layer in enumerate(layers):
-            fits[method].append(fitting.cross_validate(method, layer, per_layer[i], fold))
+    fits: dict[str, list[fitting.LayerFit]] = {method: [] for method in methods}
+    directions: dict[str, list[torch.Tensor]] = {method: [] for method in methods}
+    for i, layer in enumerate(layers):  # one layer's rows in float64 at a time
+        data = _residuals_at(residuals, texts, labels, ordinary, i)
+        for method in methods:
+            fit, direction = fitting.validate(method, layer, data, fold)
+            fits[method].append(fit)
+            directions[method].append(direction)
             progress()
     allowed = set(candidates if candidates is not None else layers)
 
@@ -160,9 +215,7 @@ def fit_concept(
         return fitting.best_layer([fit for fit in fits[method] if fit.layer in allowed])
 
     method = max(methods, key=lambda m: (best(m).auroc, m == "diff_means"))
-    vectors = torch.stack(
-        [fitting.fit_direction(method, per_layer[i].examples()).to(torch.float32) for i in range(len(layers))]
-    )
+    vectors = torch.stack(directions[method]).to(torch.float32)
     recommended = best(method).layer
     raises, lowers = fitting.logit_lens(vectors[layers.index(recommended)], norm, unembedding)
     info = {
@@ -191,21 +244,10 @@ def fit_concept(
     return vectors, info
 
 
-async def _read_residuals(
-    spec: dict[str, Any], model: Path, layers: list[int], hidden: int, fingerprint: str, num_layers: int
-) -> tuple[dict[str, torch.Tensor], Any]:
-    """Each distinct example text's residuals [tokens after the first, layers, hidden] float32, and
-    the model's tokenizer."""
-    identity = ConceptSet(
-        concepts=tuple(f"d{i}" for i in range(hidden)),
-        vectors={layer: torch.eye(hidden) for layer in layers},
-        hidden_size=hidden,
-        num_layers=num_layers,
-        model_fingerprint=fingerprint,
-    )
-    engine = await Engine.start(
-        EngineSettings(model=model, served_model_name="concept-builder", concepts=identity, max_model_len=2048)
-    )
+async def _read_residuals(engine: Engine, spec: dict[str, Any], layers: list[int]) -> dict[str, torch.Tensor]:
+    """Each distinct example text's residuals [tokens after the first, layers, hidden] float32.
+    Every text is submitted at once: vLLM packs their prefills into full steps, and the rows come
+    back as arrays (the engine's residual rows), never value by value."""
     texts = list(
         dict.fromkeys(
             [
@@ -220,30 +262,44 @@ async def _read_residuals(
         if len(ids) < 2:
             raise InvalidArgument(f"example text {text!r} is a single token; it needs at least two")
     residuals = {}
-    progress = tqdm(total=len(texts), desc="reading example texts", unit="text")
+    with tqdm(total=sum(map(len, encoded.values())), desc="reading example texts", unit="token") as bar:
 
-    async def read(text: str) -> None:
-        ids = encoded[text]
-        readouts = await engine.readout(ids, [(1, len(ids))])
-        rows = torch.tensor([readouts[p] for p in range(1, len(ids))], dtype=torch.float32)
-        residuals[text] = rows.reshape(len(ids) - 1, len(layers), hidden)
-        progress.update()
+        async def read(text: str) -> None:
+            ids = encoded[text]
+            asked = ResidualRequest(layers=tuple(layers), ranges=((1, len(ids)),))
+            rows = (await engine.prefill(ids, residual=asked)).residuals
+            residuals[text] = torch.from_numpy(np.stack([rows[p] for p in range(1, len(ids))]))
+            bar.update(len(ids))
 
-    try:
-        for start in range(0, len(texts), READ_BATCH):  # prefills batched in the engine
-            await asyncio.gather(*(read(text) for text in texts[start : start + READ_BATCH]))
-    finally:
-        progress.close()
-        engine.shutdown()
-    return residuals, engine.tokenizer
+        await asyncio.gather(*map(read, texts))
+    return residuals
+
+
+def _reading_settings(model: Path, layers: list[int]) -> EngineSettings:
+    """An engine that only captures residual rows: taps at `layers` (the rows are copied out before
+    any projection), no steering, no fair share, room for every example text's rows at every
+    layer, and its processes forked from the fork server (`salience concepts build` starts it
+    early)."""
+    return EngineSettings(
+        model=model,
+        served_model_name="concept-builder",
+        concepts=capture_concepts(model, layers),
+        steering=False,
+        spare_concepts=0,
+        fair_share=False,
+        max_model_len=MAX_TEXT_TOKENS,
+        max_residual_rows=MAX_TEXT_TOKENS * len(layers),
+        residual_memory_mib=READ_MEMORY_MIB,
+        fork_server=True,
+    )
 
 
 def _residuals_at(
     residuals: Mapping[str, torch.Tensor], texts: list[str], labels: torch.Tensor, ordinary: torch.Tensor, i: int
 ) -> fitting.Residuals:
-    blocks = [residuals[text][:, i].double() for text in texts]
+    blocks = [residuals[text][:, i] for text in texts]
     text = torch.repeat_interleave(torch.arange(len(texts)), torch.tensor([len(b) for b in blocks]))
-    return fitting.Residuals(torch.cat(blocks), text, labels, ordinary if ordinary.any() else None)
+    return fitting.Residuals(torch.cat(blocks).double(), text, labels, ordinary if ordinary.any() else None)
 
 
 def few_examples(positive: int, negative: int) -> dict[str, str]:

@@ -22,7 +22,7 @@ import torch
 from salience.core.engine.requests import ResidualRequest
 from salience.core.probes import fitting
 from salience.core.probes.live import check_name
-from salience.core.serving.concept_builder import READ_BATCH, describe_concept, fit_concept
+from salience.core.serving.concept_builder import describe_concept, fit_concept, torch_threads
 from salience.core.serving.concept_spec import MIN_EXAMPLES, SIDES
 from salience.core.serving.status import ServerStatus
 from salience.errors import ContextOverflow, InvalidArgument
@@ -31,6 +31,7 @@ __all__ = ["MAX_EXAMPLES", "ConceptDefinition", "define", "delete", "save"]
 
 MAX_EXAMPLES = 256  # per class: the fit holds every text's residuals at every read layer in memory
 VALIDATION = {"folds": 5, "seed": 0}  # as the builder's default
+READ_BATCH = 16  # examples read at once: their prefills share engine steps
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,12 +149,8 @@ def _on_one_core(fit, *args, **kwargs):
     threads beside it (this process's, two on two cores) left 8 generating streams 11% of their
     throughput and made the define 6x as long (tools/bench_define.py). torch's thread count is the
     process's; this process runs no model, so nothing else here loses by it meanwhile."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         return fit(*args, **kwargs)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _checked_examples(engine, definition: ConceptDefinition) -> dict:
