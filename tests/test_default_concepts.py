@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from salience.core.models.atomic import build_folder_once
 from salience.core.probes.concepts import ConceptSet
@@ -66,3 +67,21 @@ def test_a_start_waiting_on_another_build_says_so(tmp_path: Path, caplog: pytest
     assert waiting[0].builder_pid.isdigit()
     assert waiter_result == [target] and (target / "done").read_text() == "yes"
     assert any("the other build of folder ended" in r.getMessage() for r in caplog.records)
+
+
+def test_a_build_of_the_default_spec_reproduces_the_shipped_set(default_model: Path, tmp_path: Path) -> None:
+    """The shipped file is what this code builds (about a minute: the build a start runs where
+    the shipped set does not fit), to float noise: every direction, calibration and figure."""
+    out = tmp_path / "built.safetensors"
+    shipped.build_default_concepts(default_model, out)
+    built, ours = ConceptSet.load(out), ConceptSet.load(shipped.SHIPPED)
+    assert built.concepts == ours.concepts and built.layers == ours.layers
+    for layer in ours.layers:
+        assert torch.allclose(built.vectors[layer], ours.vectors[layer], atol=1e-5), layer
+    assert built.provenance["spec_digest"] == ours.provenance["spec_digest"]
+    for made, kept in zip(built.info, ours.info, strict=True):
+        assert made is not None and kept is not None
+        assert (made["method"], made["recommended_layer"]) == (kept["method"], kept["recommended_layer"])
+        for row, kept_row in zip(made["layers"], kept["layers"], strict=True):
+            for key, value in kept_row.items():
+                assert row[key] == pytest.approx(value, abs=1e-4), (made["name"], row["layer"], key)

@@ -24,6 +24,7 @@ def main() -> int:
     setup_logging("info")
     scratch = SHIPPED.with_suffix(".tmp")
     build_default_concepts(ensure_default_model(), scratch)
+    scratch.chmod(0o644)  # safetensors writes 0600; every user of an installed package reads it
     scratch.rename(SHIPPED)
     shipped = ConceptSet.load(SHIPPED)
     size, layers = SHIPPED.stat().st_size, len(shipped.layers)
