@@ -60,10 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(sys.argv[1:])
     finally:
-        from salience.core.engine.children import end_children
-
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the wait short
-        end_children()
+        _end_children()
+
+
+def _end_children() -> None:
+    try:
+        from salience.core.engine.children import end_children
+    except ModuleNotFoundError:  # the client-only install (no psutil) starts no process
+        return
+    end_children()
 
 
 def _run(argv: list[str]) -> int:
