@@ -56,7 +56,10 @@ def test_difference_of_means_is_of_text_means() -> None:
 
 
 def test_logistic_direction_matches_scikit_learn() -> None:
-    data = _concept()
+    _assert_logistic_matches_scikit_learn(_concept())
+
+
+def _assert_logistic_matches_scikit_learn(data) -> None:
     means = np.stack([data.rows[data.text == t].mean(0).numpy() for t in range(data.texts)])
     labels = data.labels.numpy()
     standardised = (means - means.mean(0)) / means.std(0, ddof=1)
@@ -240,15 +243,7 @@ def test_bootstrap_intervals_resample_texts_within_each_class() -> None:
 def test_logistic_direction_with_more_dimensions_than_texts_matches_scikit_learn() -> None:
     """As residual streams are read: fewer texts than dimensions, where the fit solves within the
     span of the texts' means."""
-    data = _concept(texts=40, hidden=96)
-    means = np.stack([data.rows[data.text == t].mean(0).numpy() for t in range(data.texts)])
-    labels = data.labels.numpy()
-    standardised = (means - means.mean(0)) / means.std(0, ddof=1)
-    reference = LogisticRegression(C=1 / fitting.LOGREG_L2, tol=1e-12, max_iter=10_000)
-    reference.fit(standardised, labels, sample_weight=_balanced(labels))
-    expected = reference.coef_[0] / means.std(0, ddof=1)
-    got = fitting.fit_direction("logreg", data).numpy()
-    np.testing.assert_allclose(got, expected / np.linalg.norm(expected), atol=1e-5)
+    _assert_logistic_matches_scikit_learn(_concept(texts=40, hidden=96))
 
 
 @pytest.mark.parametrize("method", fitting.METHODS)
