@@ -3,7 +3,8 @@
 images.py, constraints.py) and letting it into vLLM when its client's turn comes on a contended engine
 (fair_share.py). Also how vLLM is started, in the order a start reads: settings.py and settings_checks.py,
 environment.py, vllm_args.py (with tap_config.py, transport.py, served_saes.py), launch.py, ray_cpu.py;
-and the worker extension it loads (worker_extension.py).
+and the worker extension it loads (worker_extension.py); and, as a command ends, every process it
+started ended (children.py).
 
 Imports `core.probes` and `core.models`. requests.py and constraints.py stay importable without
 torch and vLLM: the clients' LMTP codec uses them.
