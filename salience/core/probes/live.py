@@ -14,7 +14,7 @@ meanwhile. A deleted concept leaves the views at once, but its column keeps its 
 last request holding a view with it has ended; only then is it zeroed and free again. So a column
 is never reused under a request that still reads or steers it.
 
-Pure bookkeeping (no engine calls): the engine (engine/concepts.py) writes the workers' columns.
+Pure bookkeeping (no engine calls): the engine (engine/live.py) writes the workers' columns.
 """
 
 from __future__ import annotations
