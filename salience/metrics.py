@@ -43,7 +43,7 @@ _KINDS = {
     "lmtp_ws": _LMTP_KINDS,
     "lmtp_tcp": _LMTP_KINDS,
     "grpc": ("session_generate",),
-    "openai": ("completion", "chat_completion"),  # one stream per HTTP request, whatever its n
+    "openai": ("completion", "chat_completion", "response"),  # one stream per HTTP request, whatever its n
 }
 
 STREAMS_STARTED = Counter(

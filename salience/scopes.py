@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from salience.core.probes.calibration import Monitor
+from salience.core.probes.monitors import Monitor
 from salience.core.probes.steering import Intervention
 
 __all__ = ["OPEN", "OPERATIONS", "asked", "needs"]
@@ -38,6 +38,9 @@ OPERATIONS: dict[str, tuple[str, ...] | str] = {
     "GET /v1/models/{model}": (),
     "POST /v1/completions": ("generate",),
     "POST /v1/chat/completions": ("generate",),
+    "POST /v1/responses": ("generate",),
+    "GET /v1/responses/{id}": ("generate",),
+    "DELETE /v1/responses/{id}": ("generate",),
     "GET /metrics": (),
     "GET /health": OPEN,
     "GET /ui/": OPEN,

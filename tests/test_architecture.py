@@ -91,7 +91,7 @@ def test_the_graph_is_read(graph: dict[str, set[str]]) -> None:
     assert {f"salience.core.{layer}" for layer in LAYERS} <= set(graph)
     assert "salience.core.engine.engine" in graph["salience.core.serving.sessions"]
     assert "salience.lmtp.streams" in graph["salience.lmtp.session"]  # `from salience.lmtp import streams`
-    assert "salience.core.engine.launch" in graph["salience.core.engine.engine"]
+    assert "salience.core.engine.launch" in graph["salience.core.engine.startup"]
 
 
 def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
@@ -129,3 +129,16 @@ def test_core_imports_no_frontend_and_no_wire(graph: dict[str, set[str]]) -> Non
         or target in WIRE_LIBRARIES
     ]
     assert not outside, outside
+
+
+def test_the_inspect_provider_imports_no_server_code(graph: dict[str, set[str]]) -> None:
+    # salience.evals is part of the client-only install (`salience[inspect]`): nothing it reaches
+    # may be core, vLLM or the model libraries.
+    reached, todo = set(), [m for m in graph if m.startswith("salience.evals")]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(graph.get(module, ()))
+    server = sorted(m for m in reached if m.startswith("salience.core") or m in {"vllm", "torch", "transformers"})
+    assert "salience.evals.provider" in reached and not server, server

@@ -14,8 +14,8 @@ import torch
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import FeatureRequest, FinishReason, ResidualRequest, SamplingOptions
 from salience.core.features.sae import SparseAutoencoder, load_sae
-from salience.core.probes.calibration import Action, Monitor
 from salience.core.probes.concepts import ConceptSet
+from salience.core.probes.monitors import Action, Monitor
 from salience.core.probes.steering import Intervention, Op
 from salience.errors import InvalidArgument, ModelError
 from salience.lmtp.client import LmtpClient, LmtpStreamError

@@ -5,11 +5,12 @@ parse back to it."""
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import pytest
 
-from salience.core.probes.json_fields import Leaf, Span, leaves, path, spans
+from salience.core.probes.json_fields import Cursor, Leaf, Span, leaves, path, pattern, spans
 
 
 def parsed_leaves(value: Any, steps: tuple = ()) -> list[tuple[str, Any]]:
@@ -121,3 +122,65 @@ def test_one_token_may_hold_several_leaves() -> None:
     texts = ['{"a":', " [1, 2, 3]", "}"]
     found = spans(leaves("".join(texts)), texts)
     assert [(s.leaf.path, s.first, s.last) for s in found] == [("$.a[0]", 1, 1), ("$.a[1]", 1, 1), ("$.a[2]", 1, 1)]
+
+
+def pieces(text: str, seed: int) -> list[str]:
+    """`text` cut into random pieces of 0 to 4 characters, as tokens' texts."""
+    rng = random.Random(seed)
+    out, pos = [], 0
+    while pos < len(text):
+        size = rng.randint(0, 4)
+        out.append(text[pos : pos + size])
+        pos += size
+    return out
+
+
+@pytest.mark.parametrize("text", [d for d in DOCUMENTS if d.lstrip()[0] in "{["])
+@pytest.mark.parametrize("seed", range(5))
+def test_a_cursor_fed_token_by_token_finds_each_tokens_leaves_as_the_whole_scan_does(text: str, seed: int) -> None:
+    texts = pieces(text, seed)
+    cursor = Cursor()
+    fed = [set(cursor.feed(piece)) for piece in texts]
+    holding: list[set[str]] = [set() for _ in texts]
+    for span in spans(leaves(text), texts):
+        for i in range(span.first, span.last + 1) if span.first is not None else ():
+            if texts[i]:  # a token without text, between two of the value's, holds none of it
+                holding[i].add(span.leaf.path)
+    assert fed == holding
+
+
+def test_a_cursor_names_the_value_being_written() -> None:
+    cursor = Cursor()
+    assert [cursor.feed(piece) for piece in ['{"n": 1', "2", ', "s": "a', "b", '", "t": tr', "ue}"]] == [
+        ("$.n",),
+        ("$.n",),
+        ("$.s",),  # its comma ends the number, whose characters came before
+        ("$.s",),
+        ("$.t",),
+        ("$.t",),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("query", "inside", "outside"),
+    [
+        ("$.city", ["$.city"], ["$.city_name", "$.cities[0]", "$.x.city"]),
+        ("$.items[2].name", ["$.items[2].name"], ["$.items[1].name", "$.items[2].names"]),
+        ("$.items[*].name", ["$.items[0].name", "$.items[12].name"], ["$.items[0].tags[0]", "$.name"]),
+        ("$.items", ["$.items[0].name", "$.items[3]"], ["$.itemsx", "$.x.items[0]"]),
+        ("$['two words']", ["$['two words']", "$['two words'].a"], ["$['two words x']"]),
+        ("$['city']", ["$.city"], ["$.cityx"]),
+        ('$["it\'s"]', ["$['it\\'s']"], ["$.its"]),
+        ("$.*.id", ["$.a.id", "$['b c'].id"], ["$[0].id", "$.a.b.id"]),
+        ("$", ["$", "$.a", "$[0]"], []),
+    ],
+)
+def test_a_pattern_names_a_leaf_or_the_leaves_under_a_container(query: str, inside: list, outside: list) -> None:
+    found = pattern(query)
+    assert all(found.match(p) for p in inside) and not any(found.match(p) for p in outside)
+
+
+@pytest.mark.parametrize("query", ["city", "$.", "$[x]", "$.a b", "$['a]", "$..a", '$["a\\x"]'])
+def test_a_bad_pattern_is_a_value_error(query: str) -> None:
+    with pytest.raises(ValueError):
+        pattern(query)

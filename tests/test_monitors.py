@@ -22,8 +22,8 @@ import torch
 
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import FinishReason, SamplingOptions
-from salience.core.probes.calibration import Action, Monitor
 from salience.core.probes.concepts import ConceptSet
+from salience.core.probes.monitors import Action, Monitor
 from salience.errors import InvalidArgument
 from salience.lmtp.client import LmtpClient, LmtpStreamError
 from salience.lmtp.codec import readout_values

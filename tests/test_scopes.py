@@ -156,6 +156,9 @@ LMTP_BODIES = {
 HTTP_BODIES = {
     "POST /v1/completions": {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1},
     "POST /v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    "POST /v1/responses": {"model": "tiny", "input": "hi", "max_output_tokens": 1, "store": False},
+    "GET /v1/responses/{id}": {},
+    "DELETE /v1/responses/{id}": {},
 }
 
 
@@ -176,6 +179,7 @@ async def lmtp_error(served: Frontends, client: str, kind: str, body: dict) -> s
 
 async def http_error(served: Frontends, client: str, operation: str, body: dict) -> tuple[int, dict]:
     method, path = operation.split(" ")
+    path = path.replace("{id}", "resp_unknown")  # a route's placeholder, as a client fills it
     headers = {"Authorization": f"Bearer {token(client)}"}
     async with (
         aiohttp.ClientSession() as http,
@@ -222,7 +226,7 @@ async def test_each_operation_needs_its_scope_on_its_wire(served: Frontends, ope
         kind = operation.removeprefix("LMTP ")
         assert denial(scope, lacking) in (await lmtp_error(served, lacking, kind, LMTP_BODIES[kind]) or "")
         assert "lacks the scope" not in (await lmtp_error(served, "all", kind, LMTP_BODIES[kind]) or "")
-    elif operation.startswith(("GET ", "POST ")):
+    elif operation.startswith(("GET ", "POST ", "DELETE ")):
         status, body = await http_error(served, lacking, operation, HTTP_BODIES[operation])
         assert status == 403 and body["error"]["type"] == "permission_error"
         assert denial(scope, lacking) in body["error"]["message"]

@@ -1,18 +1,20 @@
 """Structured outputs in the core engine, on the tiny model: each kind of constraint holds on every
 sample, a constrained request beside an unconstrained one in the same batch (or before it in the
 prefix cache) changes nothing of the unconstrained one's, and a constraint the backend refuses is
-an InvalidArgument naming its field before anything reaches vLLM, while other requests run on."""
+an InvalidArgument naming its field before anything reaches vLLM, while other requests run on;
+validation runs off the event loop, and its verdicts are kept, a bounded number of them."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
+import threading
 from pathlib import Path
 
 import pytest
 
-from salience.core.engine.constraints import parse_constraint
+from salience.core.engine.constraints import CHECKED, parse_constraint
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import FinishReason, SamplingOptions, TokenEvent
 from salience.errors import InvalidArgument
@@ -109,6 +111,43 @@ async def test_a_constraint_the_backend_refuses_is_refused_before_vllm_while_oth
     assert tiny_engine.num_unfinished_requests() == 1  # the refused never reached vLLM
     rest = [event async for event in running]
     assert len([first, *rest]) == 200 and rest[-1].finish_reason is FinishReason.LENGTH
+    assert await settled(tiny_engine) == 0
+
+
+async def test_a_constraint_is_validated_off_the_event_loop_and_its_verdict_kept_with_a_bound(
+    tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = tiny_engine.checks.constraints
+    verify, entered, release = backend._verify, threading.Event(), threading.Event()
+
+    def slow(c):  # a schema that takes long to parse: held until the stream has moved on
+        entered.set()
+        release.wait(120)
+        return verify(c)
+
+    monkeypatch.setattr(backend, "_verify", slow)
+    digits = parse_constraint({"regex": "[0-9]{6}"})
+    running = tiny_engine.generate(PROMPT, SamplingOptions(max_tokens=60, temperature=0.0, ignore_eos=True))
+    await anext(running)
+    check = asyncio.create_task(tiny_engine.checks.constraint(digits))
+    await asyncio.to_thread(entered.wait, 120)
+    # on the loop, this stream's tokens keep coming while the validation is held in its thread
+    moved = [await anext(running) for _ in range(30)]
+    assert len(moved) == 30 and not check.done()
+    release.set()
+    await check
+    rest = [event async for event in running]
+    assert rest[-1].finish_reason is FinishReason.LENGTH
+    calls: list = []
+    monkeypatch.setattr(backend, "_verify", lambda c: calls.append(c) or "refused")
+    events = await run(tiny_engine, PROMPT, max_tokens=12, temperature=1.0, seed=1, structured_outputs=digits)
+    assert calls == [] and re.fullmatch("[0-9]{6}", text(tiny_engine, events))  # the kept verdict
+    for n in range(CHECKED):  # as many others: `digits` is the least recent, and goes
+        await tiny_engine.checks.constraint(parse_constraint({"regex": f"x{n}"}))
+    assert len(calls) == CHECKED
+    with pytest.raises(InvalidArgument, match=r"^structured_outputs\.regex: refused$"):
+        tiny_engine.generate(PROMPT, SamplingOptions(max_tokens=4, structured_outputs=digits))
+    assert len(calls) == CHECKED + 1  # validated again, on the caller's thread
     assert await settled(tiny_engine) == 0
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import aiohttp
 import grpc
+import openai
 import pytest
 import pytest_asyncio
 import trustme
@@ -36,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import ServerStatus
 from salience.errors import InvalidArgument
+from salience.evals.provider import SalienceAPI
 from salience.grpc_frontend.server import start_grpc_server
 from salience.lmtp.app import make_app
 from salience.lmtp.client import LmtpClient
@@ -193,6 +195,23 @@ async def test_mutual_tls_refuses_a_client_without_a_certificate_it_trusts(serve
     with pytest.raises(grpc.RpcError) as refused:
         await asyncio.to_thread(grpc_health, ports.grpc, client.grpc_credentials())
     assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+async def test_the_inspect_provider_trusts_the_ca_and_shows_the_certificate_it_is_given(served, pki: Pki) -> None:
+    ports, mutual = served
+    url = f"https://127.0.0.1:{ports.http}/v1"
+    own = {"cert_file": str(pki.client.cert), "key_file": str(pki.client.key)} if mutual else {}
+    trusting = SalienceAPI("tiny", base_url=url, max_retries=0, ca_file=str(pki.ca), **own)
+    stranger = SalienceAPI("tiny", base_url=url, max_retries=0)  # the system's CAs only
+    try:
+        with pytest.raises(openai.APIStatusError) as answered:
+            await trusting.client.models.list()
+        assert answered.value.status_code == 503  # past the handshake: the server answers, still loading
+        with pytest.raises(openai.APIConnectionError):
+            await stranger.client.models.list()
+    finally:
+        await trusting.aclose()
+        await stranger.aclose()
 
 
 def serve_line(*flags: str) -> str:

@@ -50,8 +50,7 @@ from salience.core.engine.engine import Engine  # noqa: E402
 from salience.core.engine.requests import SamplingOptions  # noqa: E402
 from salience.core.engine.settings import EngineSettings  # noqa: E402
 from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model  # noqa: E402
-from tools.bench_openai import percentile  # noqa: E402
-from tools.harness import Report, arguments, prompts, rotations, run_main, say  # noqa: E402
+from tools.harness import Report, arguments, percentile, prompts, rotations, run_main, say  # noqa: E402
 
 WAYS = ("fair", "fcfs", "idle")
 PAUSE_SECONDS = 3.0  # before each measurement: vLLM's threads stay busy a while after a run

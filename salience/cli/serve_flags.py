@@ -62,6 +62,13 @@ def _model(serve: argparse.ArgumentParser) -> None:
         help="a Jinja chat template to render chat messages with, in place of the model's own; a model without "
         "one takes messages only with it (docs/lmtp.md#chat-messages) (default: the model's own, from its folder)",
     )
+    group.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        help="vLLM's parser for the tool calls a model writes (hermes, mistral, llama3_json, ...), which "
+        'tool_choice "auto" needs on /v1/chat/completions (docs/openai.md#tools) (default: the one the chat '
+        "template names: hermes for one that writes Hermes' tool_call tags)",
+    )
 
 
 def _network(serve: argparse.ArgumentParser) -> None:

@@ -221,14 +221,17 @@ class AsyncSession:
         steer: Sequence[Intervention | dict] = (),
         residual: ext.Residual | None = None,
         features: ext.Features | None = None,
+        constraint: ext.Constraint | None = None,
         **params,
     ) -> AsyncIterator[ext.ExtendedGenerateEvent]:
-        """stream() through ExtendedGenerate: each event with its residual rows and SAE features."""
+        """stream() through ExtendedGenerate: each event with its residual rows and SAE features;
+        under `constraint`, the text matches it."""
         request = ext.ExtendedGenerateRequest(
             generate=await self._request(append, truncate_to, params),
             interventions=_interventions(steer),
             residual=residual,
             features=features,
+            constraint=constraint,
         )
         call = self._client._extensions.ExtendedGenerate(request, metadata=self._client._metadata)
         async for event in self._follow(call, lambda e: e.event):
@@ -243,6 +246,7 @@ class AsyncSession:
         readout_format: int = 0,
         residual: ext.Residual | None = None,
         features: ext.Features | None = None,
+        constraint: ext.Constraint | None = None,
         **params,
     ) -> AsyncIterator[ext.ChatGenerateEvent]:
         """ChatGenerate: `messages` (OpenAI's JSON form, or ChatMessage protobufs) join the session's
@@ -257,6 +261,7 @@ class AsyncSession:
             readout_format=readout_format,
             residual=residual,
             features=features,
+            constraint=constraint,
         )
         request = ext.ChatGenerateRequest(turn=turn, messages=[chat_message_proto(m) for m in messages])
         call = self._client._extensions.ChatGenerate(request, metadata=self._client._metadata)

@@ -8,9 +8,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from salience.core.engine.constraints import KINDS, parse_constraint
 from salience.core.engine.images import Vision
-from salience.core.engine.requests import FeatureRequest, ResidualRequest
-from salience.core.probes.calibration import Action, Monitor, MonitorEvent, ReadoutView, calibrated, parse_monitors
+from salience.core.engine.requests import Constraint, FeatureRequest, ResidualRequest
+from salience.core.probes.calibration import ReadoutView, calibrated
+from salience.core.probes.monitors import Action, Monitor, MonitorEvent, parse_monitors
 from salience.core.probes.steering import MAX_INTERVENTIONS, MAX_MAGNITUDE, Intervention, Op
 from salience.core.serving import live_concepts
 from salience.core.serving.conversations import ChatTurn
@@ -212,7 +214,17 @@ def extended_turn(request: ext.ExtendedGenerateRequest) -> Turn:
     if view is None:
         raise InvalidArgument(f"readout_format {request.readout_format} is not a ReadoutFormat")
     steer, watch = interventions(request.interventions), monitors(request.monitors)
-    return turn_from(request.generate, REQUEST_ID.get(), steer, watch, view, residual, features)
+    constraint = structured_outputs(request.constraint) if request.HasField("constraint") else None
+    return turn_from(request.generate, REQUEST_ID.get(), steer, watch, view, residual, features, constraint)
+
+
+def structured_outputs(message: ext.Constraint) -> Constraint:
+    """A core Constraint from its protobuf form, through the one reader LMTP's and the OpenAI API's
+    JSON form use: its set members as vLLM's `structured_outputs` object (errors name `constraint.json`, ...)."""
+    given = {kind: getattr(message, kind) for kind in KINDS if message.HasField(kind)}
+    if "choice" in given:
+        given["choice"] = list(message.choice.texts)
+    return parse_constraint(given, "constraint")
 
 
 def extended_event(item: SessionToken | TurnDone) -> ext.ExtendedGenerateEvent:

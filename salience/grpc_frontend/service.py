@@ -9,8 +9,16 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from salience import metrics
-from salience.core.engine.requests import FeatureRequest, FinishReason, ImageBlock, ResidualRequest, SamplingOptions
-from salience.core.probes.calibration import Monitor, ReadoutView
+from salience.core.engine.requests import (
+    Constraint,
+    FeatureRequest,
+    FinishReason,
+    ImageBlock,
+    ResidualRequest,
+    SamplingOptions,
+)
+from salience.core.probes.calibration import ReadoutView
+from salience.core.probes.monitors import Monitor
 from salience.core.probes.steering import Intervention
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import Admitted, ServerStatus
@@ -139,9 +147,10 @@ def turn_from(
     readout_view: ReadoutView = ReadoutView.RAW,
     residual: ResidualRequest | None = None,
     features: FeatureRequest | None = None,
+    constraint: Constraint | None = None,
 ) -> Turn:
-    """The core Turn a seed GenerateRequest asks for (and, from the extensions, its interventions
-    and monitors), as the call's client's."""
+    """The core Turn a seed GenerateRequest asks for (and, from the extensions, its interventions,
+    monitors and constraint), as the call's client's."""
     return Turn(
         **CLIENT.get().engine_keywords(),
         steer=steer,
@@ -166,6 +175,7 @@ def turn_from(
             top_k=request.top_k,
             stop_token_ids=tuple(request.stop_token_ids),
             priority=request.priority,
+            structured_outputs=constraint,
         ),
     )
 

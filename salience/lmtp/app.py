@@ -198,7 +198,7 @@ def make_app(status: ServerStatus, config: LmtpConfig, sessions: SessionStore | 
     app.router.add_get("/", lmtp_websocket)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_endpoint)
-    openai_app.add_routes(app, status, config.tokens)
+    openai_app.add_routes(app, status, config.tokens, app[SESSIONS])
     add_routes(app)
     app.on_shutdown.append(_close_sockets)
     return app

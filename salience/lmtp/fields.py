@@ -20,7 +20,7 @@ from salience import request_ids
 from salience.core.engine.chat_messages import ChatMessage, parse_messages
 from salience.core.engine.constraints import parse_constraint
 from salience.core.engine.requests import Constraint, FeatureRequest, ImageBlock, ResidualRequest
-from salience.core.probes.calibration import Monitor, parse_monitors
+from salience.core.probes.monitors import Monitor, parse_monitors
 from salience.core.probes.steering import Intervention
 from salience.core.probes.steering_json import parse_interventions, parse_vector
 from salience.errors import InvalidArgument

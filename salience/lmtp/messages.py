@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 from salience.core.engine.chat_messages import ChatMessage
 from salience.core.engine.requests import Constraint, FeatureRequest, ImageBlock, ResidualRequest
-from salience.core.probes.calibration import Monitor
+from salience.core.probes.monitors import Monitor
 from salience.core.probes.steering import Intervention
 
 __all__ = [

@@ -13,7 +13,8 @@ import numpy as np
 from salience.auth import Client
 from salience.core.engine.detokenizer import TextStream
 from salience.core.engine.requests import Features, FinishReason, SamplingOptions, ScoredToken, TokenEvent
-from salience.core.probes.calibration import MonitorEvent, ReadoutView
+from salience.core.probes.calibration import ReadoutView
+from salience.core.probes.monitors import MonitorEvent
 from salience.core.probes.readouts import float32_row
 from salience.core.serving.turns import SessionToken, Turn, TurnDone
 from salience.lmtp.messages import Generate, SessionGenerate

@@ -28,6 +28,7 @@ import aiohttp
 
 from salience.core.models.home import salience_home
 from salience.core.probes.calibration import calibrated
+from salience.lmtp import repl_constraints
 from salience.lmtp.client import LmtpClient, LmtpStreamError
 from salience.lmtp.codec import readout_values
 from salience.lmtp.repl_chat import CHAT_COMMANDS, ChatMode, Reply, is_end_of_turn
@@ -38,7 +39,7 @@ from salience.tls import ClientTls
 
 __all__ = ["run_repl"]
 
-HELP = """\
+HELP = f"""\
   TEXT [key=value ...]       chat mode: your turn in the conversation, the reply streams in; plain
                              completion: a prompt the model continues. Parameters may follow
                              (e.g. max_tokens=32 temperature=0 top_k=40 seed=1)
@@ -59,6 +60,7 @@ HELP = """\
   /features [K] [SAE]        show every token's K most active SAE features (default 5) at the SAE's
                              layer, as #id:activation; SAE picks one where the server serves several
   /features off              stop showing features
+{repl_constraints.HELP}
   /monitor NAME >P|<P stop|flag [LAYER]
                              watch concept NAME on every generated token: stop the generation, or
                              flag each token, where its probability goes above (below) P
@@ -94,6 +96,7 @@ class Repl:
         self.steer: list[dict] = []  # sent with every GENERATE and SCORE
         self.monitors: list[dict] = []  # sent with every GENERATE
         self.features: FeatureView | None = None  # asked for with every GENERATE and SCORE
+        self.constraint: dict | None = None  # sent with every GENERATE as its structured_outputs
         self._manifest: dict | None = None
 
     def run(self, coroutine) -> Any:
@@ -123,6 +126,9 @@ class Repl:
             self.set_steer(rest.strip())
         elif command == "/monitor":
             self.set_monitor(rest.strip())
+        elif command in repl_constraints.COMMANDS:
+            self.constraint = repl_constraints.constraint_field(command, rest.strip())
+            print(repl_constraints.describe(self.constraint))
         elif command == "/define":
             self.define(rest.strip())
         elif command == "/delete":
@@ -290,6 +296,8 @@ class Repl:
             fields["steer"] = self.steer
         if self.monitors and kind == "GENERATE":
             fields["monitors"] = self.monitors
+        if self.constraint is not None and kind == "GENERATE":
+            fields.setdefault("structured_outputs", self.constraint)  # a line's own key=value wins
         if self.features is not None:
             fields["features"] = self.features.field()
         payloads = []

@@ -64,6 +64,7 @@ async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit
     stream_id = request.stream_id
     read = await prompt_of(engine, request)
     prompt = read.tokens
+    await engine.checks.constraint(request.structured_outputs)
     generation = engine.generate(
         prompt,
         payloads.sampling_options(request),

@@ -3,7 +3,9 @@
 `GET /v1/models`, `GET /v1/models/{model}`, `POST /v1/completions` and
 `POST /v1/chat/completions`. Each handler only converts: the body to an ApiRequest
 (requests.py), its choices to engine generations (run.py), their steps to bytes (responses.py),
-and any error to OpenAI's error object with its status (errors.py).
+and any error to OpenAI's error object with its status (errors.py). The Responses API
+(`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`) is read, checked and admitted here
+alike, then run on the chat path by responses_http.py.
 
 Every request has an id: the `x-request-id` header, else a new one; it is the logging context,
 the engine's request id, the response's `id` (`chatcmpl-<id>`, `cmpl-<id>`) and its
@@ -34,12 +36,16 @@ from aiohttp import web
 
 from salience import metrics, request_ids
 from salience.auth import Client, Tokens
+from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import Admitted, ServerStatus
 from salience.errors import SalienceError
 from salience.logs import CLIENT_NAME, REQUEST_ID
 from salience.openai.errors import ApiError, from_salience, naming, unauthorized
 from salience.openai.requests import CHAT, ApiRequest, parse_chat, parse_completion
+from salience.openai.response_store import ResponseStore
 from salience.openai.responses import DONE, Chunks, Collected, Logprobs, response
+from salience.openai.responses_api import RESPONSE, parse_responses
+from salience.openai.responses_http import Exchange, answer
 from salience.openai.run import Run, prompts
 from salience.scopes import asked, needs
 
@@ -57,17 +63,43 @@ class OpenAIContext:
     status: ServerStatus
     tokens: Tokens
     created: int  # the models' `created`: when the server started
+    responses: ResponseStore  # the Responses API's stored responses, on the shared sessions
 
 
 OPENAI = web.AppKey("openai", OpenAIContext)
 
 
-def add_routes(app: web.Application, status: ServerStatus, tokens: Tokens) -> None:
-    app[OPENAI] = OpenAIContext(status, tokens, int(time.time()))
+def add_routes(
+    app: web.Application, status: ServerStatus, tokens: Tokens, sessions: SessionStore | None = None
+) -> None:
+    """The routes; `sessions` (shared with the other frontends) keep stored responses."""
+    stored = ResponseStore(sessions if sessions is not None else SessionStore(status.serving_engine))
+    app[OPENAI] = OpenAIContext(status, tokens, int(time.time()), stored)
+    app.middlewares.append(_unknown_routes)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
+
+
+@web.middleware
+async def _unknown_routes(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """A path under /v1/ that no route serves (or not with that method) answers OpenAI's error object,
+    as OpenAI's server does (`Invalid URL (POST /v1/foo)`), so a client shows why; the rest of the
+    port (LMTP's WebSocket, the page) is left as aiohttp answers it."""
+    try:
+        return await handler(request)
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+        if not request.path.startswith("/v1/") or request.match_info.route.resource is not None:
+            raise  # not under /v1/, or a route's own answer
+        error = ApiError(exc.status, f"Invalid URL ({request.method} {request.path})", kind="NotFound")
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else {}
+        return web.Response(
+            status=exc.status, body=orjson.dumps(error.body()), content_type="application/json", headers=headers
+        )
 
 
 # ---- models ---------------------------------------------------------------------------------
@@ -185,6 +217,47 @@ async def _stream(
     return out
 
 
+# ---- the Responses API (responses_http.py) ---------------------------------------------------------
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    async def create(context: OpenAIContext) -> web.StreamResponse:
+        ask = parse_responses(await _body(request))
+        client: Client = request[_CLIENT]
+        with naming("model", status=404, code="model_not_found"):
+            context.status.check_model(ask.chat.model)
+        with naming():
+            client.require(needs("POST /v1/responses") + _asked(ask.chat))
+            admitted = context.status.admit(FRONTEND, RESPONSE, **client.admission())
+        with admitted:  # ends it as "error" or "cancelled" if what follows raises
+            exchange = Exchange(
+                request, request[_ID], client, context.status.model_name, _headers(request), _failure(request)
+            )
+            return await answer(exchange, ask, context.responses, admitted)
+
+    return await _handle(request, create)
+
+
+async def get_response(request: web.Request) -> web.Response:
+    async def get(context: OpenAIContext) -> web.Response:
+        with naming():
+            request[_CLIENT].require(needs("GET /v1/responses/{id}"))
+            return _json(context.responses.find(request.match_info["response_id"], request[_CLIENT]).body, request)
+
+    return await _handle(request, get)
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    async def delete(context: OpenAIContext) -> web.Response:
+        response_id = request.match_info["response_id"]
+        with naming():
+            request[_CLIENT].require(needs("DELETE /v1/responses/{id}"))
+            await context.responses.delete(response_id, request[_CLIENT])
+        return _json({"id": response_id, "object": "response", "deleted": True}, request)
+
+    return await _handle(request, delete)
+
+
 # ---- what every handler shares ------------------------------------------------------------------
 
 _ID = web.RequestKey("openai_request_id", str)
@@ -279,6 +352,17 @@ def _headers(request: web.Request) -> dict[str, str]:
 
 def _json(payload: dict, request: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps(payload), content_type="application/json", headers=_headers(request))
+
+
+def _failure(request: web.Request) -> Callable[[Exception], ApiError]:
+    """How an error after a stream's status line is reported: as OpenAI's object, logged and counted."""
+
+    def fail(exc: Exception) -> ApiError:
+        error = _as_api_error(exc)
+        _failed(error, request)
+        return error
+
+    return fail
 
 
 def _failed(error: ApiError, request: web.Request) -> None:

@@ -17,6 +17,11 @@ logprobs like any other, while its text is cut at the stop string (as vLLM does;
 
 A token's logprob entry and extension entry always go out with the token itself, even while its
 text is held back.
+
+A reply that may call tools (tool_calls.py) passes its released text through `Calls`: in a
+stream, what a chunk carries becomes content and delta tool calls; at the end, the reply's calls
+(`Step.reply`) end the choice with finish_reason "tool_calls", and the readings report each
+call's arguments per JSON path.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from salience.core.engine.detokenizer import TextStream
 from salience.core.engine.requests import FinishReason, TokenEvent
 from salience.errors import Unavailable
 from salience.openai.readings import Readings
+from salience.openai.tool_calls import Calls, Reply
 
 __all__ = ["Choice", "Step"]
 
@@ -48,6 +54,8 @@ class Step:
     prompt: list[dict] | None = None
     finish: str | None = None
     end: dict | None = None
+    calls: list[dict] | None = None  # OpenAI's delta tool calls, in a stream
+    reply: Reply | None = None  # on the last step of a reply that may call tools: its content and calls
 
 
 class _StopStrings:
@@ -89,6 +97,7 @@ class Choice:
         min_tokens: int = 0,
         include_stop: bool = False,
         skip_special_tokens: bool = True,
+        calls: Calls | None = None,
     ) -> None:
         self.index = index
         self.tokens = 0  # completion tokens so far
@@ -98,6 +107,7 @@ class Choice:
         self._stops = _StopStrings(stop) if stop else None
         self._min_tokens = min_tokens
         self._include_stop = include_stop
+        self._calls = calls
 
     def push(self, event: TokenEvent) -> Step:
         """The next token; the Step says whether the choice ends with it."""
@@ -111,7 +121,7 @@ class Choice:
         stopped = False
         if self._stops is not None:
             text, stopped = self._stops.feed(text, reason is not None, index >= self._min_tokens, self._include_stop)
-        step = Step(text, event)
+        step = self._step(text, event)
         if self.readings is not None and self.readings.per_token:
             step.entry = self.readings.token(event, index, added)
         if stopped:
@@ -130,9 +140,15 @@ class Choice:
         text = self._text.flush()
         if self._stops is not None:
             text, _ = self._stops.feed(text, True, self.tokens > self._min_tokens, self._include_stop)
-        step = Step(text, None)
+        step = self._step(text, None)
         self._finish(step, self.finish_reason(reason))
         return step
+
+    def _step(self, text: str, event: TokenEvent | None) -> Step:
+        if self._calls is None:
+            return Step(text, event)
+        content, deltas = self._calls.feed(text, () if event is None else (event.token_id,))
+        return Step(content, event, calls=deltas or None)
 
     @staticmethod
     def finish_reason(reason: FinishReason | None) -> str:
@@ -143,6 +159,14 @@ class Choice:
         return _FINISH[reason]
 
     def _finish(self, step: Step, reason: str) -> None:
+        spans = None
+        if self._calls is not None:
+            step.reply, content, deltas = self._calls.end()
+            step.text += content
+            step.calls = (step.calls or []) + deltas or None
+            spans = step.reply.spans
+            if step.reply.calls and reason == "stop":
+                reason = "tool_calls"
         self.finish = step.finish = reason
-        if self.readings is not None and (end := self.readings.end()) is not None:
+        if self.readings is not None and (end := self.readings.end(spans)) is not None:
             step.end = end

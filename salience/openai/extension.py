@@ -4,15 +4,22 @@
       "readouts": {"format": "raw" | "probability", "over": "prompt" | "completion" | "all"},
       "features": {"k": 8, "sae": "name", "over": "prompt" | "completion" | "all"},
       "monitors": [{"concept": "code", "above": 0.9, "action": "stop"}, ...],
-      "steer": [{"direction": "french", "layers": 15, "value": 8}, ...]
+      "steer": [{"direction": "french", "layers": 15, "value": 8}, ...],
+      "logprobs": "raw" | "processed"
     }
 
 Every part is optional, and so is the object: without it a request is a plain OpenAI request.
-`monitors` and `steer` are LMTP's, read by the core's own parsers (calibration.parse_monitors,
+`monitors` and `steer` are LMTP's, read by the core's own parsers (monitors.parse_monitors,
 steering_json.parse_interventions) so their rules live once; `readouts` and `features` name
 spans of the request (`over`) instead of LMTP's absolute position ranges, which a chat client
 cannot know before the template is rendered. What depends on the served concepts and SAEs
 (names, layers, k) is the engine's check, as for LMTP. See responses.py for what comes back.
+
+`logprobs` says which distribution the response's logprobs describe: `raw`, the model's own
+(vLLM's raw_logprobs, what OpenAI's API reports), or `processed`, the one each token was drawn
+from (LMTP's rule). By default raw when sampling, and at temperature 0 the distribution whose
+argmax was taken, at temperature 1 (`processed`, which is the raw one unless penalties, a bias
+or a mask change it).
 """
 
 from __future__ import annotations
@@ -21,16 +28,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from salience.core.engine.requests import FeatureRequest
-from salience.core.probes.calibration import Monitor, ReadoutView, parse_monitors
+from salience.core.probes.calibration import ReadoutView
+from salience.core.probes.monitors import Monitor, parse_monitors
 from salience.core.probes.steering import Intervention
 from salience.core.probes.steering_json import parse_interventions
 from salience.openai.errors import bad_request, naming
 
-__all__ = ["FORMATS", "SPANS", "Extension", "Features", "Readouts", "parse_extension"]
+__all__ = ["FORMATS", "LOGPROBS", "SPANS", "Extension", "Features", "Readouts", "parse_extension"]
 
 FORMATS = ("raw", "running", "token", "probability")  # what a readout value is: as LMTP's readout_format
 SPANS = ("prompt", "completion", "all")
-_FIELDS = ("readouts", "features", "monitors", "steer")
+LOGPROBS = ("raw", "processed")  # which distribution logprobs describe
+_FIELDS = ("readouts", "features", "monitors", "steer", "logprobs")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +61,11 @@ class Extension:
     features: Features | None = None
     monitors: tuple[Monitor, ...] = ()
     steer: tuple[Intervention, ...] = ()
+    logprobs: str | None = None  # one of LOGPROBS; None: raw when sampling, processed when greedy
+
+    def raw_logprobs(self, temperature: float) -> bool:
+        """Whether a request at `temperature` asks the engine for raw logprobs."""
+        return self.logprobs == "raw" if self.logprobs is not None else temperature > 0
 
     def engine_arguments(self, prompt_len: int, max_tokens: int) -> dict[str, Any]:
         """Engine.generate's keyword arguments for a prompt of `prompt_len` tokens."""
@@ -99,6 +113,8 @@ def parse_extension(value: Any, name: str = "salience") -> Extension:
     if value.get("steer") is not None:
         with naming(f"{name}.steer", fields={"steer": f"{name}."}):
             parts["steer"] = parse_interventions(value["steer"])
+    if value.get("logprobs") is not None:
+        parts["logprobs"] = _choice(value, "logprobs", LOGPROBS, "raw", name)
     return Extension(**parts)
 
 

@@ -8,7 +8,9 @@ that the completion has the concept (the running view at its last token read), t
 token view's mean and largest over the completion and the token where the largest is; and,
 when a `stop` monitor ended the choice, which monitor, concept and token. When the reply is
 constrained to JSON, the same figures per JSON leaf (`fields`): over the tokens holding the
-value's characters (core/probes/json_fields.py), `running` at the value's last token.
+value's characters (core/probes/json_fields.py), `running` at the value's last token. When the
+reply calls tools, the same per call instead (`tool_calls`: each call's `index` and the `fields`
+of its arguments, paths from the arguments object: `$.city`).
 
 The summary's probabilities come from the readout rows through the concept set's calibration
 (probes/calibration.py), whichever format the client asked the rows in, where that format
@@ -21,17 +23,25 @@ from __future__ import annotations
 import bisect
 import contextlib
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from salience.core.engine.requests import TokenEvent
-from salience.core.probes.calibration import Calibration, MonitorEvent, ReadoutView
-from salience.core.probes.json_fields import Span, leaves, spans
+from salience.core.probes.calibration import Calibration, ReadoutView
+from salience.core.probes.json_fields import Leaf, Span, leaves, spans
 from salience.core.probes.live import ConceptView
+from salience.core.probes.monitors import MonitorEvent
 from salience.errors import InvalidArgument
 from salience.openai.extension import Extension
 from salience.openai.tokens import TokenText
 
 __all__ = ["Readings", "layout"]
+
+
+def _leaves(text: str, at: tuple[int, int]) -> list[Leaf]:
+    """The leaves of the JSON object at `text[start:end]`, their characters counted in `text`."""
+    start, end = at
+    return [replace(leaf, start=leaf.start + start, end=leaf.end + start) for leaf in leaves(text[start:end])]
 
 
 def layout(extension: Extension | None, view: ConceptView | None) -> dict | None:
@@ -120,15 +130,23 @@ class Readings:
             assert calibration is not None  # concepts are watched only with one
             series.p.append(value if self._format is ReadoutView.TOKEN else calibration.probability(row, column))
 
-    def end(self) -> dict | None:
-        """The choice's `summary` over the completion, and with a JSON reply its `fields`."""
+    def end(self, calls: Sequence[tuple[int, int] | None] | None = None) -> dict | None:
+        """The choice's `summary` over the completion, and with a JSON reply its `fields`; with
+        `calls` (where each tool call's arguments lie in the reply's text) each call's `fields`."""
         if not self._watch:
             return None
         end: dict[str, Any] = {"summary": self._figures(0, len(self._read_at))}
         if self._texts is not None:
             indexes = [at[0] for at in self._read_at]
-            found = spans(leaves("".join(self._texts)), self._texts)
-            end["fields"] = [self._field(span, indexes) for span in found]
+            text = "".join(self._texts)
+            if calls is None:
+                end["fields"] = [self._field(span, indexes) for span in spans(leaves(text), self._texts)]
+            else:
+                end["tool_calls"] = [
+                    {"index": i, "fields": [self._field(s, indexes) for s in spans(_leaves(text, at), self._texts)]}
+                    for i, at in enumerate(calls)
+                    if at is not None
+                ]
         return end
 
     def _field(self, span: Span, indexes: Sequence[int]) -> dict:

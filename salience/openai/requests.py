@@ -10,8 +10,11 @@ Fields are OpenAI's contract, plus the extras vLLM's server takes (`top_k`, `min
 `structured_outputs`, ..., spelled as vLLM spells them), not a superset: an unknown top-level
 field is a 400 ("Unrecognized request argument supplied"), as OpenAI's own server answers, never
 silently ignored. Fields that do not change the output (`user`, `metadata`, `store`, ...) are
-accepted and ignored; fields asking for what this server does not do (`tools`, `echo`, ...) are a
-400 naming them, unless they carry their neutral value (`tools: []`, `echo: false`).
+accepted and ignored; fields asking for what this server does not do (`functions`, `echo`, ...)
+are a 400 naming them, unless they carry their neutral value (`functions: []`, `echo: false`).
+
+Chat's `tools` and `tool_choice` are read by tools.py; a forced choice (`required`, a named
+function) becomes the request's constraint, so it cannot be sent with another one.
 
 `response_format` and `structured_outputs` become one core Constraint, read by core's reader
 (core/engine/constraints.py, LMTP's too); the engine checks it against its backend.
@@ -19,25 +22,23 @@ accepted and ignored; fields asking for what this server does not do (`tools`, `
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-import orjson
-
-from salience.core.engine.chat_messages import ChatMessage, parse_messages
+from salience.core.engine.chat_messages import ChatMessage, check_tool_replies, parse_messages
 from salience.core.engine.constraints import constraint, parse_constraint
 from salience.core.engine.requests import Constraint
 from salience.openai.errors import bad_request, naming
 from salience.openai.extension import Extension, parse_extension
+from salience.openai.fields import INT64, Reader, boolean, finite, integer, load, number, read_fields, show, string
+from salience.openai.tools import AUTO, NONE, Tool, ToolChoice, forced_call, parse_tool_choice, parse_tools
 
 __all__ = ["CHAT", "COMPLETION", "ApiRequest", "Sampling", "parse_chat", "parse_completion"]
 
 CHAT, COMPLETION = "chat_completion", "completion"  # the endpoints, as metrics name their streams
-INT64 = 2**63
 MAX_STOP = 4  # stop strings, as OpenAI allows
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, OpenAI's bound (the server's --max-logprobs may be lower)
@@ -85,48 +86,12 @@ class ApiRequest:
     stream: bool = False
     include_usage: bool = False
     salience: Extension | None = None
+    tools: tuple[Tool, ...] = ()  # chat's functions the model may call
+    tool_choice: ToolChoice = NONE  # auto when tools are given
+    parallel_tool_calls: bool = True
 
 
 # ---- readers: value and field name in, typed value out, or a 400 naming the field ------------
-
-
-def _show(value: Any) -> str:
-    text = orjson.dumps(value).decode() if isinstance(value, (dict, list, str, int, float, bool)) else "?"
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _number(low: float, high: float) -> Callable[[Any, str], float]:
-    def read(value: Any, name: str) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise bad_request(f"{name} must be a number, got {_show(value)}", name)
-        if not low <= value <= high:
-            raise bad_request(f"{name} must be in [{low:g}, {high:g}], got {value}", name)
-        return float(value)
-
-    return read
-
-
-def _int(low: int, high: int) -> Callable[[Any, str], int]:
-    def read(value: Any, name: str) -> int:
-        if type(value) is not int:
-            raise bad_request(f"{name} must be an integer, got {_show(value)}", name)
-        if not low <= value <= high:
-            raise bad_request(f"{name} must be in [{low}, {high}], got {value}", name)
-        return value
-
-    return read
-
-
-def _bool(value: Any, name: str) -> bool:
-    if type(value) is not bool:
-        raise bad_request(f"{name} must be true or false, got {_show(value)}", name)
-    return value
-
-
-def _str(value: Any, name: str) -> str:
-    if not isinstance(value, str):
-        raise bad_request(f"{name} must be a string, got {_show(value)}", name)
-    return value
 
 
 def _stop(value: Any, name: str) -> tuple[str, ...]:
@@ -140,12 +105,12 @@ def _stop(value: Any, name: str) -> tuple[str, ...]:
 
 def _logit_bias(value: Any, name: str) -> Mapping[int, float]:
     if not isinstance(value, dict):
-        raise bad_request(f"{name} must be an object of token id -> bias, got {_show(value)}", name)
+        raise bad_request(f"{name} must be an object of token id -> bias, got {show(value)}", name)
     bias = {}
     for key, amount in value.items():
         if not (key.isascii() and key.isdigit()) or int(key) >= INT64:
             raise bad_request(f"{name} key {key!r} is not a token id", name)
-        bias[int(key)] = _number(-100, 100)(amount, f"{name}[{key}]")
+        bias[int(key)] = number(-100, 100)(amount, f"{name}[{key}]")
     return MappingProxyType(bias)
 
 
@@ -156,7 +121,7 @@ def _stream_options(value: Any, name: str) -> bool:
         raise bad_request(f'{name} must be {{"include_usage": bool, "include_obfuscation": bool}}', name)
     for key, flag in value.items():
         if flag is not None:
-            _bool(flag, f"{name}.{key}")
+            boolean(flag, f"{name}.{key}")
     return bool(value.get("include_usage"))
 
 
@@ -181,7 +146,9 @@ def _token_ids(value: list, name: str) -> tuple[int, ...]:
 
 def _messages(value: Any, name: str) -> tuple[ChatMessage, ...]:
     with naming(name):  # core's one reader of messages, whichever wire they came on
-        return parse_messages(value, name)
+        messages = parse_messages(value, name)
+        check_tool_replies(messages, name)
+        return messages
 
 
 def _extension(value: Any, name: str) -> Extension:
@@ -192,11 +159,6 @@ def _token_id_list(value: Any, name: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(type(t) is int and 0 <= t < INT64 for t in value):
         raise bad_request(f"{name} must be a list of token ids (integers >= 0)", name)
     return tuple(value)
-
-
-def _finite(value: Any, name: str) -> float:
-    """A number whose range the core checks (vLLM's extras have vLLM's ranges)."""
-    return _number(-math.inf, math.inf)(value, name)
 
 
 def _structured_outputs(value: Any, name: str) -> Constraint:
@@ -223,7 +185,7 @@ def _response_format(value: Any, name: str) -> Constraint | None:
         raise bad_request(f"{where}.{extra[0]} is not a field of json_schema", f"{where}.{extra[0]}")
     if not isinstance(spec.get("name"), str) or not SCHEMA_NAME.fullmatch(spec["name"]):
         raise bad_request(f"{where}.name must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{where}.name")
-    for key, check in (("strict", _bool), ("description", _str)):
+    for key, check in (("strict", boolean), ("description", string)):
         if spec.get(key) is not None:
             check(spec[key], f"{where}.{key}")
     if spec.get("schema") is None:
@@ -232,45 +194,47 @@ def _response_format(value: Any, name: str) -> Constraint | None:
         return constraint("json", spec["schema"], f"{where}.schema")
 
 
-_Reader = Callable[[Any, str], Any]
-_SAMPLING: dict[str, _Reader] = {
-    "model": _str,
-    "temperature": _number(0, 2),
-    "top_p": _number(0, 1),
-    "seed": _int(-INT64, INT64 - 1),
+_SAMPLING: dict[str, Reader] = {
+    "model": string,
+    "temperature": number(0, 2),
+    "top_p": number(0, 1),
+    "seed": integer(-INT64, INT64 - 1),
     "stop": _stop,
-    "n": _int(1, MAX_N),
+    "n": integer(1, MAX_N),
     "logit_bias": _logit_bias,
-    "presence_penalty": _number(-2, 2),
-    "frequency_penalty": _number(-2, 2),
-    "stream": _bool,
+    "presence_penalty": number(-2, 2),
+    "frequency_penalty": number(-2, 2),
+    "stream": boolean,
     "stream_options": _stream_options,
     "salience": _extension,
     "response_format": _response_format,
     # vLLM's extras, as its server spells them
     "structured_outputs": _structured_outputs,
-    "top_k": _int(-1, INT64 - 1),  # -1 and 0: off
-    "min_p": _number(0, 1),
-    "repetition_penalty": _finite,
-    "min_tokens": _int(0, INT64 - 1),
-    "ignore_eos": _bool,
+    "top_k": integer(-1, INT64 - 1),  # -1 and 0: off
+    "min_p": number(0, 1),
+    "repetition_penalty": finite,
+    "min_tokens": integer(0, INT64 - 1),
+    "ignore_eos": boolean,
     "stop_token_ids": _token_id_list,
-    "include_stop_str_in_output": _bool,
-    "skip_special_tokens": _bool,
+    "include_stop_str_in_output": boolean,
+    "skip_special_tokens": boolean,
 }
-_CHAT: dict[str, _Reader] = {
+_CHAT: dict[str, Reader] = {
     **_SAMPLING,
     "messages": _messages,
-    "max_tokens": _int(1, INT64 - 1),
-    "max_completion_tokens": _int(1, INT64 - 1),
-    "logprobs": _bool,
-    "top_logprobs": _int(0, MAX_TOP_LOGPROBS),
+    "max_tokens": integer(1, INT64 - 1),
+    "max_completion_tokens": integer(1, INT64 - 1),
+    "logprobs": boolean,
+    "top_logprobs": integer(0, MAX_TOP_LOGPROBS),
+    "tools": parse_tools,
+    "tool_choice": lambda value, name: value,  # read with the tools it names (parse_chat)
+    "parallel_tool_calls": boolean,
 }
-_COMPLETION: dict[str, _Reader] = {
+_COMPLETION: dict[str, Reader] = {
     **_SAMPLING,
     "prompt": _prompts,
-    "max_tokens": _int(1, INT64 - 1),
-    "logprobs": _int(0, MAX_COMPLETION_LOGPROBS),
+    "max_tokens": integer(1, INT64 - 1),
+    "logprobs": integer(0, MAX_COMPLETION_LOGPROBS),
 }
 # Accepted, with no effect on what is generated.
 _IGNORED = frozenset(
@@ -279,11 +243,8 @@ _IGNORED = frozenset(
 # OpenAI's, asking for what this server does not do: refused unless neutral (the SDKs and LangChain
 # send some of these with their neutral value).
 _NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: v == [],
-    "functions": lambda v: v == [],
-    "tool_choice": lambda v: v == "none",
+    "functions": lambda v: v == [],  # OpenAI's deprecated spelling of tools
     "function_call": lambda v: v == "none",
-    "parallel_tool_calls": lambda v: isinstance(v, bool),
     "modalities": lambda v: v == ["text"],
     "audio": lambda v: False,
     "prediction": lambda v: False,
@@ -298,22 +259,6 @@ _NEUTRAL_COMPLETION: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: v == "",
     "best_of": lambda v: v == 1,
 }
-
-
-def _fields(data: Any, readers: dict[str, _Reader], neutral: dict[str, Callable[[Any], bool]]) -> dict[str, Any]:
-    """The body's known fields read, null ones left out (null means the default, as in OpenAI's API)."""
-    if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object")
-    for name, value in data.items():
-        if name in readers or name in _IGNORED or value is None:
-            continue
-        if name not in neutral:
-            raise bad_request(f"Unrecognized request argument supplied: {name}", name)
-        if not neutral[name](value):
-            raise bad_request(f"{name} is not supported by this server", name)
-    if data.get("model") is None:
-        raise bad_request("you must provide a model parameter", "model")
-    return {name: readers[name](value, name) for name, value in data.items() if name in readers and value is not None}
 
 
 def _sampling(fields: dict[str, Any], max_tokens: int | None) -> Sampling:
@@ -357,35 +302,43 @@ def _streaming(fields: dict[str, Any]) -> dict[str, Any]:
     return {"stream": stream, "include_usage": fields.get("stream_options", False)}
 
 
-def _load(body: bytes) -> Any:
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"the request body is not valid JSON ({exc})") from None
-
-
 def parse_chat(body: bytes) -> ApiRequest:
     """A `POST /v1/chat/completions` body."""
-    fields = _fields(_load(body), _CHAT, _NEUTRAL)
+    fields = read_fields(load(body), _CHAT, _IGNORED, _NEUTRAL)
     if "messages" not in fields:
         raise bad_request("messages is required", "messages")
     if "top_logprobs" in fields and not fields.get("logprobs"):
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    tools = fields.get("tools", ())
+    choice = parse_tool_choice(fields["tool_choice"], tools) if "tool_choice" in fields else AUTO if tools else NONE
+    parallel = fields.get("parallel_tool_calls", True)
+    sampling = _sampling(fields, fields.get("max_completion_tokens", fields.get("max_tokens")))
+    if choice.forced:
+        if sampling.structured_outputs is not None:
+            raise bad_request(
+                f"tool_choice {choice.name or choice.mode!r} forces a call, and {sampling.structured_outputs.source} "
+                "constrains the reply too; send one of them",
+                "tool_choice",
+            )
+        sampling = replace(sampling, structured_outputs=forced_call(tools, choice, parallel=parallel))
     return ApiRequest(
         kind=CHAT,
         model=fields["model"],
         messages=fields["messages"],
-        sampling=_sampling(fields, fields.get("max_completion_tokens", fields.get("max_tokens"))),
+        sampling=sampling,
         logprobs=fields.get("logprobs", False),
         top_logprobs=fields.get("top_logprobs", 0),
         salience=fields.get("salience"),
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
         **_streaming(fields),
     )
 
 
 def parse_completion(body: bytes) -> ApiRequest:
     """A `POST /v1/completions` body."""
-    fields = _fields(_load(body), _COMPLETION, {**_NEUTRAL_COMPLETION})
+    fields = read_fields(load(body), _COMPLETION, _IGNORED, _NEUTRAL_COMPLETION)
     if "prompt" not in fields:
         raise bad_request("prompt is required", "prompt")
     return ApiRequest(

@@ -10,8 +10,8 @@ The `salience` extension adds, only when the request had one:
   `{"concepts", "layers", "format"}`, when readouts were asked for;
 - per choice `salience`: `tokens` (one entry per completion token, in the order of logprobs'
   content; in a stream, the chunk's own), `prompt` (covered prompt positions; in a stream, on
-  the choice's first token), and on its last, `summary`, `fields` (a JSON reply's leaves) and
-  `stopped_by` (readings.py).
+  the choice's first token), and on its last, `summary`, `fields` (a JSON reply's leaves),
+  `tool_calls` (each call's arguments' leaves) and `stopped_by` (readings.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from salience.openai.choices import Step
 from salience.openai.errors import ApiError
 from salience.openai.requests import CHAT
 from salience.openai.tokens import TokenText
+from salience.openai.tool_calls import Reply, as_openai
 
 __all__ = ["DONE", "Chunks", "Collected", "response", "sse", "usage"]
 
@@ -113,7 +114,10 @@ class Chunks:
         event, finish = step.event, step.finish
         choice: dict = {"index": index}
         if self._chat:
-            choice["delta"] = {"content": step.text} if step.text or finish is None else {}
+            delta = {"content": step.text} if step.text or (finish is None and step.calls is None) else {}
+            if step.calls is not None:
+                delta["tool_calls"] = step.calls
+            choice["delta"] = delta
         else:
             choice["text"] = step.text
         lists = None
@@ -173,6 +177,7 @@ class Collected:
     prompt: list[dict] | None = None
     finish: str | None = None
     end: dict | None = None
+    reply: Reply | None = None  # the content and calls of a reply that may call tools
 
     def add(self, step: Step) -> None:
         self.text.append(step.text)
@@ -185,7 +190,7 @@ class Collected:
                 self.entries = []
             self.entries.append(step.entry)
         if step.finish is not None:
-            self.finish, self.end = step.finish, step.end
+            self.finish, self.end, self.reply = step.finish, step.end, step.reply
 
 
 def response(
@@ -206,6 +211,10 @@ def response(
         lists = None
         if kind == CHAT:
             choice["message"] = {"role": "assistant", "content": text}
+            if (reply := collected.reply) is not None:
+                choice["message"]["content"] = reply.content
+                if reply.calls:
+                    choice["message"]["tool_calls"] = as_openai(reply.calls)
             if logprobs is not None:
                 lists = {"content": [logprobs.chat_entry(event) for event in collected.events]}
         else:

@@ -22,10 +22,12 @@ from salience.core.engine.prompts import Prompt
 from salience.core.engine.requests import SamplingOptions
 from salience.openai.choices import Choice, Step
 from salience.openai.errors import naming
+from salience.openai.extension import Extension
 from salience.openai.readings import Readings, layout
 from salience.openai.requests import CHAT, ApiRequest
 from salience.openai.responses import usage
 from salience.openai.tokens import TokenText, token_text
+from salience.openai.tool_calls import Calls, require_parser
 
 __all__ = ["Run", "prompts"]
 
@@ -47,9 +49,10 @@ _FIELDS = {
             "stop_token_ids",
             "structured_outputs",
             "response_format",
+            "tools",
         )
     },
-    **{name: "salience." for name in ("steer", "features")},
+    **{name: "salience." for name in ("steer", "features", "monitors")},
 }
 
 
@@ -58,8 +61,9 @@ async def prompts(engine: Engine, request: ApiRequest) -> list[Prompt]:
     their images); the completions endpoint's texts tokenized as vLLM's server does (with the
     tokenizer's special tokens)."""
     if request.kind == CHAT:
+        tools = [tool.as_json() for tool in request.tools]
         with naming("messages"):
-            return [await engine.chat.prompt(request.messages)]
+            return [await engine.chat.prompt(request.messages, tools or None)]
     out = []
     for i, prompt in enumerate(request.prompts):
         param = "prompt" if len(request.prompts) == 1 else f"prompt[{i}]"
@@ -88,6 +92,7 @@ class Run:
     ) -> Run:
         """Every choice checked and submitted, or none: a refused one (a 400) closes the others;
         each is `client`'s for fair share."""
+        await engine.checks.constraint(request.sampling.structured_outputs)  # off the loop; refused in _submit
         run = cls(request, prompts, token_text(engine.tokenizer))
         try:
             run._submit(engine, request_id, client)
@@ -101,9 +106,14 @@ class Run:
         request, sampling, ext = self._request, self._request.sampling, self._request.salience
         with naming("top_logprobs" if request.kind == CHAT else "logprobs"):
             engine.checks.top_k(request.top_logprobs)
+        calling = request.tool_choice.mode != "none"  # the reply may call tools (tool_calls.py)
+        if calling:
+            require_parser(request.tool_choice, engine.chat.tool_parser)
         single = len(self._prompts) * sampling.n == 1
         constraint = sampling.structured_outputs
-        json_reply = constraint is not None and constraint.kind in ("json", "json_object")  # readouts per field
+        # readouts per JSON field, or per tool call's argument
+        json_reply = calling or (constraint is not None and constraint.kind in ("json", "json_object"))
+        raw_logprobs = request.logprobs and (ext or Extension()).raw_logprobs(sampling.temperature)
         for p, (prompt, images) in enumerate((p.tokens, p.images) for p in self._prompts):
             max_tokens = sampling.max_tokens or max(engine.max_model_len - len(prompt), 1)
             with naming("messages" if request.kind == CHAT else "prompt"):
@@ -127,6 +137,7 @@ class Run:
                     ignore_eos=sampling.ignore_eos,
                     stop_token_ids=sampling.stop_token_ids,
                     structured_outputs=sampling.structured_outputs,
+                    raw_logprobs=raw_logprobs,
                 )
                 with naming("salience" if ext is not None else None, fields=_FIELDS):
                     generation = engine.generate(
@@ -151,6 +162,15 @@ class Run:
                         min_tokens=sampling.min_tokens,
                         include_stop=sampling.include_stop_str_in_output,
                         skip_special_tokens=sampling.skip_special_tokens,
+                        calls=Calls(
+                            request.tools,
+                            request.tool_choice,
+                            parser=engine.chat.tool_parser,
+                            tokenizer=engine.tokenizer,
+                            streaming=request.stream,
+                        )
+                        if calling
+                        else None,
                     )
                 )
 

@@ -258,9 +258,9 @@ INVALID = [
         "messages[0].content[0].image_url.url is an http(s) URL, and the server fetches nothing",
     ),
     (
-        'GENERATE {"stream_id": 3, "messages": [{"role": "assistant", "content": "", "tool_calls": []}]}',
+        'GENERATE {"stream_id": 3, "messages": [{"role": "assistant", "content": "", "tool_calls": {}}]}',
         3,
-        "messages[0]: unknown field 'tool_calls'",
+        "messages[0].tool_calls must be a list of tool calls",
     ),
     ('CANCEL {"stream_id": "a"}', None, "stream_id must be an integer"),
     ("GENERATE \xff\xfe", None, "not valid JSON"),

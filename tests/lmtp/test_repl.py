@@ -26,6 +26,7 @@ from salience.core.probes.concepts import ConceptSet
 from salience.lmtp.client import LmtpClient
 from salience.lmtp.repl import Repl
 from salience.lmtp.repl_chat import ChatMode, Conversation, Reply, Turn
+from salience.lmtp.repl_constraints import constraint_field
 from salience.lmtp.repl_features import choose_features
 from salience.lmtp.repl_parsing import parse_line, parse_monitor, parse_steer
 from salience.lmtp.repl_readouts import ReadoutView, choose_readout, readout_summary, readout_table
@@ -588,6 +589,54 @@ async def test_repl_without_a_chat_template_stays_plain(lmtp_server: LmtpServer)
         await terminal.expect(r"\[length\]")
         terminal.send("/history\r")
         await terminal.expect(r"\(no conversation yet\)")  # a prompt is not a turn
+        await leave(terminal)
+    finally:
+        terminal.close()
+
+
+def test_constraint_commands_read_their_argument_or_file(tmp_path: Path) -> None:
+    schema = tmp_path / "pet.json"
+    schema.write_text('{"type": "object"}')
+    assert constraint_field("/json", f"@{schema}") == {"json": '{"type": "object"}'}
+    assert constraint_field("/json", "") == {"json_object": True}
+    assert constraint_field("/choice", "a|b c") == {"choice": ["a", "b c"]}
+    assert constraint_field("/free", "") is None
+    for command, arg, message in (
+        ("/regex", "", "usage: /regex R"),
+        ("/grammar", f"@{tmp_path / 'none'}", "cannot read"),
+        ("/json", "{", "structured_outputs.json is not valid JSON"),
+        ("/choice", "x" * 70_000, "at most 65536"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            constraint_field(command, arg)
+
+
+async def test_repl_constrains_every_later_reply_until_free(lmtp_server: LmtpServer, tmp_path: Path) -> None:
+    grammar = tmp_path / "answer.gbnf"
+    grammar.write_text('root ::= ("yes" | "no") ", " [0-9] [0-9]')
+    choices = ["alpha", "beta gamma", "delta"]
+    eos = lmtp_server.engine.tokenizer.eos_token or ""  # plain completion prints the stop token's text
+    terminal = Terminal([SALIENCE, "repl", lmtp_server.url.replace("http://", "ws://")])
+
+    async def reply(line: str, end: str = r"\n\[stop\]") -> str:
+        """What the terminal shows up to `end` (a generation's: its text, without the stop token's)."""
+        await terminal.expect(">>> ")  # typed before readline reads it, a line would be echoed twice
+        terminal.send(line + "\r")
+        out = await terminal.expect(end)
+        return _shown_reply(out, line).removesuffix(eos) if line.startswith("def ") else out
+
+    try:
+        await reply(
+            "/choice " + "|".join(choices), re.escape('structured_outputs {"choice": ["alpha", "beta gamma", "delta"]}')
+        )
+        for seed in range(3):
+            assert await reply(f"def hello max_tokens=12 temperature=1 seed={seed}") in choices
+        await reply(f"/grammar @{grammar}", re.escape('structured_outputs {"grammar": "root ::= ('))
+        assert re.fullmatch(r"(yes|no), \d\d", await reply("def hello max_tokens=12"))
+        await reply("/regex [0-9", re.escape('structured_outputs {"regex": "[0-9"}'))  # the server refuses it
+        await reply("def hello max_tokens=4", r"\[error\] structured_outputs\.regex: Grammar error")
+        await reply("/free", "no constraint")
+        await reply("def hello max_tokens=3 ignore_eos=true", r"\[length\]")
         await leave(terminal)
     finally:
         terminal.close()

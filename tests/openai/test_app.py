@@ -41,7 +41,7 @@ class Tokenizer:
 
 
 class Chat:
-    async def prompt(self, messages: Sequence) -> Prompt:
+    async def prompt(self, messages: Sequence, tools: Sequence | None = None) -> Prompt:
         return Prompt((0, 2, 3))
 
 

@@ -19,8 +19,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from salience import errors
 from salience.core.engine.chat_messages import ChatMessage
 from salience.core.engine.requests import Constraint, FinishReason, TokenEvent
-from salience.core.probes.calibration import Action, Monitor, MonitorEvent
 from salience.core.probes.live import ConceptView
+from salience.core.probes.monitors import Action, Monitor, MonitorEvent
 from salience.core.probes.steering import Intervention, Op
 from salience.openai.choices import Choice
 from salience.openai.errors import ApiError, from_salience, naming, unauthorized
@@ -71,7 +71,12 @@ BAD = [
     (CHAT, {**CHAT_BASE, "frobnicate": 1}, "frobnicate"),
     (CHAT, {**CHAT_BASE, "prompt": "hi"}, "prompt"),
     (CHAT, {**CHAT_BASE, "guided_json": {}}, "guided_json"),  # vLLM's old spelling: unknown
-    (CHAT, {**CHAT_BASE, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (
+        CHAT,
+        {**CHAT_BASE, "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+        "tools[0].function.parameters",
+    ),
+    (CHAT, {**CHAT_BASE, "tool_choice": "required"}, "tool_choice"),  # no tools to call
     # vLLM's extras, with vLLM's types and ranges (the core checks what depends on the model)
     (CHAT, {**CHAT_BASE, "top_k": -2}, "top_k"),
     (CHAT, {**CHAT_BASE, "top_k": 1.5}, "top_k"),
@@ -171,6 +176,7 @@ BAD = [
     ),
     (CHAT, {**CHAT_BASE, "salience": {"steer": [{"direction": "d", "op": "spin"}]}}, "salience.steer[0]"),
     (CHAT, {**CHAT_BASE, "salience": {"steer": "d"}}, "salience.steer"),
+    (CHAT, {**CHAT_BASE, "salience": {"logprobs": "sampled"}}, "salience.logprobs"),
     (COMPLETION, {"prompt": "hi"}, "model"),
     (COMPLETION, {"model": "m"}, "prompt"),
     (COMPLETION, {**COMPLETION_BASE, "prompt": []}, "prompt"),

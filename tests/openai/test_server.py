@@ -20,6 +20,7 @@ from salience.core.engine.engine import Engine
 from salience.core.engine.requests import SamplingOptions
 from salience.core.probes.calibration import ReadoutView
 from salience.lmtp.session import LmtpConfig
+from salience.openai.tokens import token_text
 from tests.inprocess import Frontends, frontends
 from tests.reference import Reference
 
@@ -77,6 +78,44 @@ async def test_a_greedy_chat_is_transformers_reply_with_its_logprobs(
     for i, (token, lp) in enumerate(zip(want, choice.logprobs.content, strict=True)):
         assert lp.logprob == pytest.approx(logprobs[len(prompt) + i - 1, token].item(), abs=1e-4)
         assert len(lp.top_logprobs) == 2 and lp.top_logprobs[0].logprob == pytest.approx(lp.logprob, abs=1e-6)
+
+
+async def test_a_sample_reports_the_models_logprobs_and_the_extension_the_processed_ones(
+    served: Frontends, default_engine: Engine, reference: Reference, prompt: list[int]
+) -> None:
+    """At T=0.7 the logprobs are log_softmax(logits), as OpenAI and `vllm serve` give them; with
+    `salience.logprobs: processed` the same sample's are log_softmax(logits / 0.7). Both run in
+    one batch: the engine serves each request its own rule."""
+
+    def sample(**extra) -> list:
+        reply = client(served).chat.completions.create(
+            model=NAME,
+            messages=QUESTION,
+            max_tokens=8,
+            temperature=0.7,
+            seed=7,
+            logprobs=True,
+            top_logprobs=3,
+            **extra,
+        )
+        return reply.choices[0].logprobs.content
+
+    raw, processed = await asyncio.gather(
+        asyncio.to_thread(sample),
+        asyncio.to_thread(sample, extra_body={"salience": {"logprobs": "processed"}}),
+    )
+    pieces = token_text(default_engine.tokenizer)
+    by_bytes = {pieces.bytes(i): i for i in range(default_engine.vocab_size)}
+    sampled = [by_bytes[bytes(lp.bytes)] for lp in raw]
+    assert sampled == [by_bytes[bytes(lp.bytes)] for lp in processed]  # the same seed: the same sample
+    logits = reference.logits(prompt + sampled)[len(prompt) - 1 : -1]
+    for content, rows in ((raw, logits.log_softmax(-1)), (processed, (logits / 0.7).log_softmax(-1))):
+        for token, lp, row in zip(sampled, content, rows, strict=True):
+            assert lp.logprob == pytest.approx(row[token].item(), abs=1e-4)
+            top = row.topk(3)
+            assert [by_bytes[bytes(alt.bytes)] for alt in lp.top_logprobs] == top.indices.tolist()
+            assert [alt.logprob for alt in lp.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(raw, processed, strict=True)) > 1e-2
 
 
 async def test_a_stream_says_the_same_and_ends_with_its_usage(served: Frontends) -> None:

@@ -7,6 +7,7 @@ tokens' readouts."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 from collections.abc import AsyncIterator
@@ -125,6 +126,7 @@ async def test_vllms_sampling_extras_take_effect(api: openai.AsyncOpenAI, defaul
     assert sampled.choices[0].message.content == plain.choices[0].message.content  # top_k 1: greedy
 
 
+FIELD_MONITOR = {"concept": "french", "above": 0.5, "action": "flag", "path": "$.city"}
 BAD = [
     ({"extra_body": {"structured_outputs": {"regex": "[0-9"}}}, "structured_outputs.regex"),
     ({"extra_body": {"structured_outputs": {"choice": []}}}, "structured_outputs.choice"),
@@ -151,6 +153,9 @@ BAD = [
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),  # vLLM's range
     ({"extra_body": {"stop_token_ids": [10**6]}}, "stop_token_ids[0]"),  # the model's vocabulary
     ({"extra_body": {"guided_regex": "a"}}, "guided_regex"),  # still unknown
+    # A monitor watching a field of a JSON reply needs one; its path is a JSONPath.
+    ({"extra_body": {"salience": {"monitors": [FIELD_MONITOR]}}}, "salience.monitors[0].path"),
+    ({"extra_body": {"salience": {"monitors": [{**FIELD_MONITOR, "path": "city"}]}}}, "salience.monitors"),
 ]
 
 
@@ -283,3 +288,87 @@ async def test_completions_json_object_replies_have_fields_too(api: openai.Async
         quoted = isinstance(value, str)
         assert field["concepts"] and field["tokens"]["first"] <= field["tokens"]["last"]
         assert json.loads(text[field["chars"]["start"] - quoted : field["chars"]["end"] + quoted]) == value
+
+
+# ---- monitors on a JSON field ----------------------------------------------------------------
+
+
+async def test_monitors_with_a_path_act_only_inside_that_field(api: openai.AsyncOpenAI) -> None:
+    """A greedy JSON reply read in the token view gives each token's p and, checked against its
+    parse, each field's tokens. Then the same reply with a flag monitor on `$.districts[*]` flags
+    exactly where that field starts to hold, and a stop monitor on `$.location.country`, whose
+    threshold an earlier token already passes, ends the reply at the field's first token."""
+    ask = [{"role": "user", "content": "Describe Paris as JSON."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE}}
+
+    async def reply(**salience) -> openai.types.chat.ChatCompletion:
+        return await api.chat.completions.create(
+            model=NAME,
+            messages=ask,
+            response_format=response_format,
+            max_tokens=300,
+            temperature=0,
+            extra_body={"salience": {"readouts": {"format": "token"}, **salience}},
+        )
+
+    full = await reply()
+    texts, entries, end = [], [], {}
+    async for chunk in await api.chat.completions.create(
+        model=NAME,
+        messages=ask,
+        response_format=response_format,
+        max_tokens=300,
+        temperature=0,
+        stream=True,
+        extra_body={"salience": {"readouts": {"format": "token"}}},
+    ):
+        if chunk.choices and (extension := chunk.choices[0].model_extra.get("salience")):
+            if "tokens" in extension:
+                texts.append(chunk.choices[0].delta.content or "")
+                entries.extend(extension["tokens"])
+            end = extension
+    assert "".join(texts) == full.choices[0].message.content and full.choices[0].finish_reason == "stop"
+    fields = end["fields"]
+    check_spans(texts, fields)  # each field's tokens, as json.loads reads the reply
+    layout = full.model_extra["salience"]
+
+    def inside(prefix: str) -> list[bool]:
+        """Whether each token holds a character of a leaf at or under `prefix` (a JSONPath)."""
+        spans = [f["tokens"] for f in fields if "tokens" in f and re.match(prefix + r"(?=$|[.\[])", f["path"])]
+        return [bool(texts[i]) and any(s["first"] <= i <= s["last"] for s in spans) for i in range(len(texts))]
+
+    def ps(concept: str) -> tuple[int, list[float]]:
+        """The concept's monitored layer, and its token-view p at each completion token."""
+        layer = end["summary"][concept]["layer"]
+        column = layout["layers"].index(layer) * len(layout["concepts"]) + layout["concepts"].index(concept)
+        return layer, [entry["readout"][column] for entry in entries]
+
+    districts, country = inside(r"\$\.districts\[\d+\]"), inside(r"\$\.location\.country")
+    first = country.index(True)
+    # A concept that some token before the country passes at least as much as the country's first.
+    concept = next(c for c in end["summary"] if any(v > ps(c)[1][first] * 0.999 for v in ps(c)[1][:first]))
+    layer, p = ps(concept)
+
+    # flag: where the field holds after a token where it did not (or outside the field)
+    watched = sorted({p[i] for i, yes in enumerate(districts) if yes})
+    assert len(watched) >= 2
+    low, high = max(itertools.pairwise(watched), key=lambda pair: pair[1] - pair[0])  # the widest gap
+    threshold = (low + high) / 2
+    holds = [yes and value > threshold for yes, value in zip(districts, p, strict=True)]
+    expected = [i for i, now in enumerate(holds) if now and not (i and holds[i - 1])]
+    monitor = {"concept": concept, "layer": layer, "above": threshold, "action": "flag", "path": "$.districts[*]"}
+    flagged = (await reply(monitors=[monitor])).choices[0]
+    assert flagged.message.content == full.choices[0].message.content
+    flags = [i for i, entry in enumerate(flagged.model_extra["salience"]["tokens"]) if entry.get("monitors")]
+    assert flags == expected and flags
+    fired = flagged.model_extra["salience"]["tokens"][flags[0]]["monitors"][0]
+    assert fired["path"] == "$.districts[*]" and fired["action"] == "flag"
+
+    # stop: inside $.location.country, not at an earlier token that passes the threshold too
+    threshold = p[first] * 0.999
+    assert any(value > threshold for value in p[:first])  # without its path it would stop sooner
+    monitor = {"concept": concept, "layer": layer, "above": threshold, "action": "stop", "path": "$.location.country"}
+    stopped = (await reply(monitors=[monitor])).choices[0]
+    assert stopped.finish_reason == "content_filter"
+    assert stopped.message.content == "".join(texts[: first + 1])
+    assert stopped.model_extra["salience"]["stopped_by"]["index"] == first

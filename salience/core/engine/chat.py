@@ -7,7 +7,14 @@ or tokenizer_config.json's `chat_template`), unless `--chat-template FILE` overr
 resolved once, when the engine starts (`Engine.chat`). Messages reach the template in the form
 vLLM's OpenAI server gives them, so that both servers render a request alike: text parts joined
 with newlines for a template that reads content as a string, developer messages as system ones
-for a template that does not name the developer role.
+for a template that does not name the developer role, a tool call's arguments as an object.
+
+Tools reach the template as transformers passes them (`tools=`, OpenAI's chat form). A template
+that ignores them (renders the same with and without; SmolLM2's) is replaced, for a request with
+tools or calls, by the fallback `chat_templates/chatml_tools.jinja` (ChatML with Qwen2.5's
+Hermes-style tool prompt; docs/openai.md#tools), which is right for ChatML models; another
+family's model takes its own tool template with --chat-template. The parser that finds calls in
+a reply (`tool_parser`) is --tool-call-parser, or the one the template names (tool_parsers.py).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,12 +32,16 @@ import jinja2
 from salience.core.engine.chat_messages import ChatMessage, ContentPart, ImagePart, TextPart
 from salience.core.engine.images import ImageFacts, Vision
 from salience.core.engine.prompts import PlacedImage, Prompt
+from salience.core.engine.tool_parsers import detect
 from salience.errors import FailedPrecondition, InvalidArgument
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["ChatRenderer", "ChatTemplate", "load_chat_template"]
+__all__ = ["FALLBACK_TOOLS_TEMPLATE", "ChatRenderer", "ChatTemplate", "load_chat_template"]
+
+FALLBACK_TOOLS_TEMPLATE = Path(__file__).with_name("chat_templates") / "chatml_tools.jinja"
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "parameters": {"type": "object", "properties": {}}}}
 
 
 @dataclass(frozen=True)
@@ -61,29 +72,41 @@ class ChatRenderer:
     images (None: it reads only text)."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, override: ChatTemplate | None = None, *, vision: Vision | None = None
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        override: ChatTemplate | None = None,
+        *,
+        vision: Vision | None = None,
+        tool_parser: str | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._vision = vision
         self.template: str | None = override.text if override is not None else _own_template(tokenizer)
         self._text_as_string = True
         self._developer_role = False
+        # The template a request with tools renders with: the model's own, unless it ignores tools.
+        self.tools_template: str | None = self.template
         if self.template is not None:
             from vllm.renderers.hf import _detect_content_format, _detect_developer_role_support
 
             self._text_as_string = _detect_content_format(self.template, default="string") == "string"
             self._developer_role = _detect_developer_role_support(self.template)
+            if self._ignores_tools():
+                self.tools_template = FALLBACK_TOOLS_TEMPLATE.read_text(encoding="utf-8")
+        # vLLM's parser for calls in a reply (None: none known; tool_choice auto cannot be served).
+        self.tool_parser: str | None = tool_parser or detect(self.tools_template)
 
     @property
     def has_template(self) -> bool:
         return self.template is not None
 
-    async def prompt(self, messages: Sequence[ChatMessage]) -> Prompt:
+    async def prompt(self, messages: Sequence[ChatMessage], tools: Sequence[Mapping] | None = None) -> Prompt:
         """The conversation as the model reads it, the generation prompt appended: the template's
         ids with each image's one pad expanded to the pads its processor makes of it (as
         transformers' processor expands them), and the images placed in their blocks. Images are
-        decoded off the event loop: a large one takes a while."""
-        ids = self.render(messages)
+        decoded off the event loop: a large one takes a while. `tools`: the functions the model
+        may call, in OpenAI's chat form."""
+        ids = self.render(messages, tools=tools)
         parts = [
             (f"messages[{i}].content[{j}]", part)
             for i, message in enumerate(messages)
@@ -102,7 +125,13 @@ class ChatRenderer:
         )
         return _expand(vision, ids, facts)
 
-    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> tuple[int, ...]:
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping] | None = None,
+    ) -> tuple[int, ...]:
         """The conversation's token ids, as the template writes them (one pad per image). With the
         generation prompt (the default) they end where the assistant's reply begins: its first
         token is at position len(ids)."""
@@ -110,18 +139,22 @@ class ChatRenderer:
             raise FailedPrecondition(
                 "this model has no chat template: start the server with --chat-template FILE, or send token ids"
             )
+        from vllm.renderers.chat_utils import _postprocess_messages
         from vllm.renderers.hf import _consolidate_system_messages, _convert_developer_to_system
 
         conversation = [self._as_dict(message, f"messages[{i}]") for i, message in enumerate(messages)]
         if not self._developer_role and any(m["role"] == "developer" for m in conversation):
             conversation = _consolidate_system_messages(_convert_developer_to_system(conversation))
+        _postprocess_messages(conversation)  # a call's arguments as an object, as templates read them
+        with_tools = bool(tools) or any(message.tool_calls for message in messages)
         try:
             ids = self._tokenizer.apply_chat_template(
                 conversation,
-                chat_template=self.template,
+                chat_template=self.tools_template if with_tools else self.template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 return_dict=False,
+                tools=[dict(tool) for tool in tools] if tools else None,
             )
         except jinja2.TemplateError as exc:  # the template's own raise_exception: alternation, roles it refuses
             raise InvalidArgument(f"the chat template refused the messages: {exc}") from None
@@ -145,7 +178,25 @@ class ChatRenderer:
             out["name"] = message.name
         if message.tool_call_id is not None:
             out["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            out["tool_calls"] = [
+                {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                for call in message.tool_calls
+            ]
         return out
+
+    def _ignores_tools(self) -> bool:
+        """Whether the template writes nothing of a tool it is given (one that fails on the probe
+        is taken to read them)."""
+        user = [{"role": "user", "content": "probe"}]
+        try:
+            plain, offered = (
+                self._tokenizer.apply_chat_template(user, chat_template=self.template, tokenize=False, tools=tools)
+                for tools in (None, [_PROBE_TOOL])
+            )
+        except Exception:  # a template's own error: not ours to judge here
+            return False
+        return plain == offered
 
     def _content(self, content: str | tuple[ContentPart, ...], where: str) -> str | list[dict[str, str]]:
         if isinstance(content, str):

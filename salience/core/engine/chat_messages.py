@@ -9,15 +9,25 @@ transformers here: the LMTP codec, which the client-only install carries, reads 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from salience.errors import InvalidArgument
 
-__all__ = ["ROLES", "ChatMessage", "ContentPart", "ImagePart", "TextPart", "parse_messages"]
+__all__ = [
+    "ROLES",
+    "ChatMessage",
+    "ContentPart",
+    "ImagePart",
+    "TextPart",
+    "ToolCall",
+    "check_tool_replies",
+    "parse_messages",
+]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's
-_MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id")
+_MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id", "tool_calls")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,11 +46,22 @@ ContentPart = TextPart | ImagePart
 
 
 @dataclass(frozen=True, kw_only=True)
+class ToolCall:
+    """A function call an assistant message made: `arguments` is the JSON text the model wrote
+    (OpenAI's form; not necessarily valid JSON)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class ChatMessage:
     role: str
-    content: str | tuple[ContentPart, ...]
+    content: str | tuple[ContentPart, ...]  # "" for an assistant message that only calls tools
     name: str | None = None
     tool_call_id: str | None = None  # a tool message's answer to the call of that id
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant message's calls
 
 
 def parse_messages(value: Any, name: str = "messages") -> tuple[ChatMessage, ...]:
@@ -52,6 +73,24 @@ def parse_messages(value: Any, name: str = "messages") -> tuple[ChatMessage, ...
     return tuple(_message(item, f"{name}[{i}]") for i, item in enumerate(value))
 
 
+def check_tool_replies(messages: Sequence[ChatMessage], name: str = "messages") -> None:
+    """Each tool message answers a call an earlier assistant message made (its tool_call_id is
+    that call's id), as OpenAI's API requires of a whole conversation. Not part of
+    `parse_messages`: a session's conversation arrives a message at a time."""
+    calls: set[str] = set()
+    for i, message in enumerate(messages):
+        calls.update(call.id for call in message.tool_calls)
+        if message.role != "tool":
+            continue
+        if message.tool_call_id is None:
+            raise InvalidArgument(f"{name}[{i}].tool_call_id is required: a tool message answers a tool call")
+        if message.tool_call_id not in calls:
+            raise InvalidArgument(
+                f"{name}[{i}].tool_call_id {_show(message.tool_call_id)} answers no tool call "
+                "of an earlier assistant message"
+            )
+
+
 def _message(value: Any, where: str) -> ChatMessage:
     if not isinstance(value, dict):
         raise InvalidArgument(f'{where} must be an object {{"role": ..., "content": ...}}')
@@ -61,12 +100,45 @@ def _message(value: Any, where: str) -> ChatMessage:
     role = value.get("role")
     if role not in ROLES:
         raise InvalidArgument(f"{where}.role must be one of {', '.join(ROLES)}, got {_show(role)}")
+    calls = _tool_calls(value.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else ()
+    if role != "assistant" and value.get("tool_calls") is not None:
+        raise InvalidArgument(f"{where}.tool_calls is only allowed on an assistant message")
+    content = value.get("content")
     return ChatMessage(
         role=role,
-        content=_content(value.get("content"), f"{where}.content"),
+        # OpenAI's assistant message may leave content out (null) when it calls tools
+        content="" if content is None and role == "assistant" else _content(content, f"{where}.content"),
         name=_optional_str(value.get("name"), f"{where}.name"),
         tool_call_id=_optional_str(value.get("tool_call_id"), f"{where}.tool_call_id"),
+        tool_calls=calls,
     )
+
+
+def _tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
+    """OpenAI's `[{"id", "type": "function", "function": {"name", "arguments"}}, ...]`."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InvalidArgument(f"{where} must be a list of tool calls")
+    calls = []
+    for i, call in enumerate(value):
+        at = f"{where}[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(function, dict)
+            or set(call) - {"id", "type", "function"}
+            or call.get("type", "function") != "function"
+            or set(function) - {"name", "arguments"}
+        ):
+            raise InvalidArgument(f'{at} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
+        for key, text in (("id", call.get("id")), ("function.name", function.get("name"))):
+            if not isinstance(text, str) or not text:
+                raise InvalidArgument(f"{at}.{key} must be a non-empty string")
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise InvalidArgument(f"{at}.function.arguments must be a string (the arguments' JSON text)")
+        calls.append(ToolCall(id=call["id"], name=function["name"], arguments=arguments))
+    return tuple(calls)
 
 
 def _content(value: Any, where: str) -> str | tuple[ContentPart, ...]:

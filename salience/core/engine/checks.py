@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from salience.core.engine.requests import SamplingOptions
+from salience.core.engine.logprobs_worker import RAW_LOGPROBS
+from salience.core.engine.requests import Constraint, SamplingOptions
 from salience.errors import ContextOverflow, InvalidArgument
 
 if TYPE_CHECKING:
@@ -53,6 +54,12 @@ class RequestChecks:
     def top_k(self, k: int) -> None:
         if not isinstance(k, int) or k < 0 or k > self.max_logprobs:
             raise InvalidArgument(f"top logprobs must be an integer in 0..{self.max_logprobs}, got {k!r}")
+
+    async def constraint(self, c: Constraint | None) -> None:
+        """Validate a request's constraint in a worker thread (constraints.py), before `generate`:
+        a large schema's parse then holds up no other stream. Refusals wait for `sampling_params`."""
+        if c is not None and self.constraints is not None:
+            await self.constraints.check(c)
 
     def sampling_params(self, o: SamplingOptions) -> SamplingParams:
         """vLLM's SamplingParams for `o` (streamed as deltas, not detokenized), every field checked."""
@@ -113,6 +120,7 @@ class RequestChecks:
                 ignore_eos=o.ignore_eos,
                 min_tokens=o.min_tokens,
                 structured_outputs=structured,
+                extra_args={RAW_LOGPROBS: True} if o.raw_logprobs else None,
                 detokenize=False,
                 output_kind=RequestOutputKind.DELTA,
             )

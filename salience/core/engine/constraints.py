@@ -10,14 +10,23 @@ Whether the backend can compile a constraint is `ConstraintBackend.params`, whic
 before vLLM sees the request: vLLM's own validation (`SamplingParams.verify`: xgrammar, falling
 back to guidance, then outlines, as vLLM chooses), on a probe holding the constraint alone, so
 that what it refuses is the constraint. Left to vLLM's input processor, a refusal would come as
-the request's failure once a response had started. vLLM validates again when the request is
-added; the second pass finds the backend chosen and costs a grammar parse (well under a
-millisecond for a JSON schema; compiling against the vocabulary is the engine core's, once).
+the request's failure once a response had started.
+
+That validation parses the grammar (a large schema takes a while), so frontends run it ahead,
+in a worker thread (`ConstraintBackend.check`, awaited through `RequestChecks.constraint`): the
+event loop that serves every other stream never waits on it. Its verdicts, refusals included,
+are kept for the last `CHECKED` constraints, so `params`, on the loop, only looks one up. vLLM
+validates again when the request is added, in its input processor's thread pool; compiling
+against the vocabulary is the engine core's, in its own thread pool, while other requests
+decode, and xgrammar keeps compiled grammars up to `VLLM_XGRAMMAR_CACHE_MB` (512 MB by default).
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import json
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, get_args
 
 from salience.core.engine.requests import Constraint, ConstraintKind
@@ -27,12 +36,14 @@ if TYPE_CHECKING:
     from vllm.sampling_params import StructuredOutputsParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["KINDS", "MAX_SPEC_CHARS", "ConstraintBackend", "constraint", "parse_constraint"]
+__all__ = ["CHECKED", "KINDS", "MAX_SPEC_CHARS", "ConstraintBackend", "constraint", "parse_constraint"]
 
 KINDS: tuple[ConstraintKind, ...] = get_args(ConstraintKind)
 # A schema's JSON text, a regex, a grammar, or the choices together: past this a constraint is
-# refused, since vLLM validates it on the event loop and compiles it before the request runs.
+# refused, since vLLM parses it twice and compiles it before the request runs.
 MAX_SPEC_CHARS = 65_536
+# How many constraints' verdicts ConstraintBackend keeps (each at most MAX_SPEC_CHARS of text).
+CHECKED = 256
 # vLLM's other options in the same object: accepted at their neutral value only.
 _NEUTRAL = {
     "disable_any_whitespace": False,
@@ -106,10 +117,36 @@ class ConstraintBackend:
         config = llm.vllm_config
         self._verify_with = (llm.model_config, config.speculative_config, config.structured_outputs_config)
         self._tokenizer = llm.get_tokenizer()
+        # (kind, spec) -> vLLM's params as it checked them, or why it refused; least recent first.
+        self._checked: OrderedDict[tuple, StructuredOutputsParams | str] = OrderedDict()
+
+    async def check(self, c: Constraint) -> None:
+        """Validate `c` in a worker thread, unless its verdict is kept; `params` then finds it."""
+        key = (c.kind, c.spec)
+        if key not in self._checked:
+            self._keep(key, await asyncio.to_thread(self._verify, c))
 
     def params(self, c: Constraint) -> StructuredOutputsParams:
         """vLLM's StructuredOutputsParams for `c`, checked as vLLM will check it, with its backend
-        chosen; InvalidArgument naming `c.source` if no backend takes it."""
+        chosen; InvalidArgument naming `c.source` if no backend takes it. Validates here, on the
+        caller's thread, only what `check` has not."""
+        key = (c.kind, c.spec)
+        verdict = self._checked.get(key)
+        if verdict is None:
+            verdict = self._verify(c)
+        self._keep(key, verdict)
+        if isinstance(verdict, str):
+            raise InvalidArgument(f"{c.source}: {verdict}")
+        return copy.deepcopy(verdict)  # vLLM's own validation writes into the request's copy
+
+    def _keep(self, key: tuple, verdict: StructuredOutputsParams | str) -> None:
+        self._checked[key] = verdict
+        self._checked.move_to_end(key)
+        while len(self._checked) > CHECKED:
+            self._checked.popitem(last=False)
+
+    def _verify(self, c: Constraint) -> StructuredOutputsParams | str:
+        """vLLM's validation of `c` alone: the params it checked, or its reason for refusing."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import StructuredOutputsParams
@@ -119,7 +156,7 @@ class ConstraintBackend:
         try:
             SamplingParams(max_tokens=1, structured_outputs=params).verify(*self._verify_with, self._tokenizer)
         except (ValueError, VLLMClientError) as exc:
-            raise InvalidArgument(f"{c.source}: {_one_line(exc)}") from None
+            return _one_line(exc)
         return params
 
 

@@ -13,41 +13,41 @@ the temperature, with top-k / top-p / min-p truncation applied (truncated or
 masked tokens have logprob -inf). Greedy decoding
 reports that distribution at temperature 1 without truncation: the argmax of it
 is the token chosen. LMQL's own server reports the biased distribution the same
-way. Scored (prompt) tokens carry the model's plain log_softmax.
+way. Scored (prompt) tokens carry the model's plain log_softmax. A request with
+`raw_logprobs` gets vLLM's `raw_logprobs` instead (logprobs_worker.py): the model's
+distribution before all of that but a constraint's mask, as OpenAI and `vllm serve` report it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-import os
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from salience.core.engine import environment, launch, settings_checks, vllm_args
+from salience.core.engine import startup
 from salience.core.engine.chat import ChatRenderer
 from salience.core.engine.checks import RequestChecks
 from salience.core.engine.constraints import ConstraintBackend
-from salience.core.engine.fair_share import ANONYMOUS, FairShare, Slot, admission, check_client
+from salience.core.engine.detokenizer import TextStream
+from salience.core.engine.fair_share import ANONYMOUS, FairShare, Slot, check_client
 from salience.core.engine.feature_steering import resolve_features
 from salience.core.engine.generation import Generation
 from salience.core.engine.images import Vision
 from salience.core.engine.inflight import InFlight
-from salience.core.engine.live import Hold, LiveConcepts, install_probes
+from salience.core.engine.live import Hold, LiveConcepts
 from salience.core.engine.newcomer_scheduler import NEWCOMER
 from salience.core.engine.passes import Passes
 from salience.core.engine.prompts import PlacedImage, submission
 from salience.core.engine.requests import FeatureRequest, ResidualRequest, SamplingOptions
 from salience.core.engine.row_budget import RowBudget
 from salience.core.engine.rows import RowPlan, feature_plan, watched_features
-from salience.core.engine.served_saes import served_saes
 from salience.core.engine.settings import EngineSettings
 from salience.core.engine.token_meter import TokenMeter
 from salience.core.features.served import ServedSAE
-from salience.core.probes.calibration import Calibration, Monitor, MonitorState, Presenter, ReadoutView
+from salience.core.probes.calibration import Calibration, Presenter, ReadoutView
 from salience.core.probes.live import ConceptView
+from salience.core.probes.monitors import Monitor, MonitorState
 from salience.core.probes.readout_worker import TAG
 from salience.core.probes.readouts import READ_TO_END, ReadoutHub, check_ranges, each_engine
 from salience.core.probes.steering import Directions, Intervention, ResolvedSteer
@@ -77,7 +77,9 @@ class Engine(Passes):
         self.hidden_size: int = model_config.get_hidden_size()
         self.max_logprobs: int = settings.max_logprobs
         self.tokenizer = llm.get_tokenizer()
-        self.chat = ChatRenderer(self.tokenizer, settings.chat_template, vision=vision)
+        self.chat = ChatRenderer(
+            self.tokenizer, settings.chat_template, vision=vision, tool_parser=settings.tool_call_parser
+        )
         self.block_size: int = llm.vllm_config.cache_config.block_size  # the prefix cache's unit
         self.readouts: ReadoutHub | None = None
         self.steering: Directions | None = None  # what requests may steer along; None: no steering
@@ -112,57 +114,8 @@ class Engine(Passes):
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> Engine:
-        """Load the model and warm it up; only then is the engine ready to serve."""
-        started = time.monotonic()
-        cpu = environment.is_cpu()
-        settings_checks.check(settings)
-        env = environment.process_environment(settings, cpu)
-        vision = await asyncio.to_thread(Vision.load, settings.model)
-        compiled = vllm_args.compiled(settings)
-        args = vllm_args.engine_args(settings, cpu, vision, compiled)
-        llm = await launch.start_vllm(args, env, compiled, settings.fork_server)
-        engine = cls(llm, settings, vision)
-        engine.compiled = compiled
-        try:
-            if settings.distributed_executor_backend != "ray":  # Ray's workers run elsewhere
-                await engine._rpc("salience_watch_server", (os.getpid(),))
-            engine.fair_share = admission(settings, llm.vllm_config.scheduler_config.max_num_seqs)
-            if settings.pipeline_parallel_size > 1:
-                await llm.collective_rpc("salience_pipeline_setup")
-            engine.readouts, engine.steering, engine.live = await install_probes(
-                llm, settings, cpu, compiled, engine._rpc
-            )
-            engine.saes = served_saes(settings)
-            await engine._warm_up()
-        except BaseException:
-            engine.shutdown()
-            raise
-        log.info(
-            "engine ready: %s in %.1f s",
-            settings.served_model_name,
-            time.monotonic() - started,
-            extra={"mode": "compiled" if compiled else "eager"},
-        )
-        if engine.readouts is not None:
-            budget = engine.row_budget
-            log.info(
-                "residual rows: at most %d per request, %d held at once (%.0f MiB of float32)",
-                settings.max_residual_rows,
-                budget.rows,
-                budget.rows * budget.row_bytes / 2**20,
-            )
-        return engine
-
-    async def _warm_up(self) -> None:
-        # The first request with logprobs compiles a sampler op (20 s cold):
-        # pay for it before reporting ready, for sampled and prompt logprobs.
-        eos = self.tokenizer.eos_token_id or 0
-        prompt = [eos, min(1, self.vocab_size - 1)]
-        async for _ in self.generate(prompt, SamplingOptions(max_tokens=2, logprobs=1, temperature=1.0, top_k=5)):
-            pass
-        async for _ in self.generate(prompt, SamplingOptions(max_tokens=2, logprobs=1, temperature=0.0)):
-            pass
-        await self.score(prompt[:1], prompt[1:], top_logprobs=1)
+        """Load the model and warm it up; only then is the engine ready to serve (startup.py)."""
+        return await startup.start(cls, settings)
 
     def shutdown(self) -> None:
         """Stop the engine processes. Safe to call twice."""
@@ -217,7 +170,7 @@ class Engine(Passes):
         to the least loaded one (`Generation.dp_rank` says which).
 
         `monitors` watch calibrated concept probabilities on every generated token
-        (calibration.py); they read those tokens' readouts whether or not `readout_ranges`
+        (monitors.py); they read those tokens' readouts whether or not `readout_ranges`
         shows them. `readout_view` says what a shown readout value is (calibration.ReadoutView). `residual`
         asks for raw residual rows: each covered event carries them (TokenEvent.residual), the
         prompt's in `Generation.prompt_rows`; `features` likewise for an SAE's top features.
@@ -246,8 +199,9 @@ class Engine(Passes):
         scored_from = logprobs_from if prompt_logprobs is not None else None  # None: no prompt logprob wanted
         hold = self._hold(steer, len(prompt))
         try:
-            concept_monitors = any(m.feature is None for m in monitors)
-            watch = MonitorState(monitors, self.calibration(hold.view) if concept_monitors else None, self.saes)
+            text = self._reply_text(monitors, options, prompt)
+            calibration = self.calibration(hold.view) if any(m.feature is None for m in monitors) else None
+            watch = MonitorState(monitors, calibration, self.saes, text)
             present = self.presenter(hold.view, readout_view)
             shown = check_ranges(readout_ranges)
             read = [*shown, [len(prompt), READ_TO_END]] if watch.concepts else shown
@@ -312,6 +266,21 @@ class Engine(Passes):
 
         generation.on_end = ended
         return generation
+
+    def _reply_text(
+        self, monitors: Sequence[Monitor], options: SamplingOptions, prompt: Sequence[int]
+    ) -> Callable[[int], str] | None:
+        """Each generated token's text, for monitors that watch a field of a JSON reply (None if none does)."""
+        scoped = next((i for i, m in enumerate(monitors) if m.path is not None), None)
+        if scoped is None:
+            return None
+        constraint = options.structured_outputs
+        if constraint is None or constraint.kind not in ("json", "json_object"):
+            raise InvalidArgument(
+                f"monitors[{scoped}].path watches a field of a JSON reply: ask for one "
+                "(response_format json_schema or json_object; structured_outputs json or json_object)"
+            )
+        return TextStream(self.tokenizer, prompt, skip_special_tokens=True).push
 
     def _enter(
         self, client: str, weight: float, params: SamplingParams, prompt_tokens: int, priority: int = 0

@@ -18,7 +18,8 @@ from salience.core.engine.output_streams import admitted, guarded, releasing
 from salience.core.engine.prompt_scores import PromptScores, top_alternatives
 from salience.core.engine.prompts import check_expansion
 from salience.core.engine.requests import Features, FinishReason, TokenEvent, covers
-from salience.core.probes.calibration import MonitorState, Presenter
+from salience.core.probes.calibration import Presenter
+from salience.core.probes.monitors import MonitorState
 from salience.errors import EngineError
 
 if TYPE_CHECKING:
@@ -241,7 +242,7 @@ class Generation:
             row = got.get(event.position)
             fired = ()
             if self._monitors and (row is not None or not self._monitors.concepts):
-                fired = self._monitors.step(event.position, row, watched.get(event.position))
+                fired = self._monitors.step(event.position, row, watched.get(event.position), event.token_id)
             shown = present(event.position, row) if row is not None and covers(self._shown, event.position) else None
             found = {field: taken[event.position] for field, taken in rows.items() if event.position in taken}
             if "features" in found:

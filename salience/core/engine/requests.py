@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from salience.core.probes.calibration import Action, MonitorEvent
+from salience.core.probes.monitors import Action, MonitorEvent
 
 Features = tuple[tuple[int, float], ...]  # (feature id, activation), largest activation first
 
@@ -59,7 +59,9 @@ class SamplingOptions:
     truncation. logprobs is how many top alternatives each token carries (the
     sampled token's own logprob is always reported). min_tokens: EOS and stop_token_ids
     are masked until that many tokens are out. structured_outputs: a constraint every token
-    keeps the text within.
+    keeps the text within. raw_logprobs: the logprobs describe the model's own distribution
+    (vLLM's raw_logprobs, as OpenAI's API reports them) instead of the one each token was drawn
+    from (engine.py's docstring).
     """
 
     max_tokens: int = 16
@@ -79,6 +81,7 @@ class SamplingOptions:
     min_p: float = 0.0
     min_tokens: int = 0
     structured_outputs: Constraint | None = None
+    raw_logprobs: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,6 +27,7 @@ class EngineSettings:
     model: Path
     served_model_name: str
     chat_template: ChatTemplate | None = None  # --chat-template, in place of the model's own (chat.py)
+    tool_call_parser: str | None = None  # --tool-call-parser: vLLM's parser of calls (None: the template's)
     max_model_len: int | None = None
     dtype: str | None = None  # None: float32 on CPU, the model's own on GPU
     kv_cache_gib: float = 2.0  # CPU only: KV cache size

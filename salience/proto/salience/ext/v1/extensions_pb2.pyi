@@ -70,7 +70,7 @@ class SaveConceptsResponse(_message.Message):
     def __init__(self, concept_set: _Optional[bytes] = ..., concepts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ExtendedGenerateRequest(_message.Message):
-    __slots__ = ("generate", "interventions", "readout_format", "monitors", "residual", "features")
+    __slots__ = ("generate", "interventions", "readout_format", "monitors", "residual", "features", "constraint")
     class ReadoutFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         READOUT_FORMAT_RAW: _ClassVar[ExtendedGenerateRequest.ReadoutFormat]
@@ -87,13 +87,35 @@ class ExtendedGenerateRequest(_message.Message):
     MONITORS_FIELD_NUMBER: _ClassVar[int]
     RESIDUAL_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     generate: _salience_pb2.GenerateRequest
     interventions: _containers.RepeatedCompositeFieldContainer[Intervention]
     readout_format: ExtendedGenerateRequest.ReadoutFormat
     monitors: _containers.RepeatedCompositeFieldContainer[Monitor]
     residual: Residual
     features: Features
-    def __init__(self, generate: _Optional[_Union[_salience_pb2.GenerateRequest, _Mapping]] = ..., interventions: _Optional[_Iterable[_Union[Intervention, _Mapping]]] = ..., readout_format: _Optional[_Union[ExtendedGenerateRequest.ReadoutFormat, str]] = ..., monitors: _Optional[_Iterable[_Union[Monitor, _Mapping]]] = ..., residual: _Optional[_Union[Residual, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
+    constraint: Constraint
+    def __init__(self, generate: _Optional[_Union[_salience_pb2.GenerateRequest, _Mapping]] = ..., interventions: _Optional[_Iterable[_Union[Intervention, _Mapping]]] = ..., readout_format: _Optional[_Union[ExtendedGenerateRequest.ReadoutFormat, str]] = ..., monitors: _Optional[_Iterable[_Union[Monitor, _Mapping]]] = ..., residual: _Optional[_Union[Residual, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("json", "regex", "choice", "grammar", "json_object")
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    regex: str
+    choice: Choices
+    grammar: str
+    json_object: bool
+    def __init__(self, json: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ...) -> None: ...
+
+class Choices(_message.Message):
+    __slots__ = ("texts",)
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ChatGenerateRequest(_message.Message):
     __slots__ = ("turn", "messages")
