@@ -273,7 +273,7 @@ def monitors(messages) -> tuple[Monitor, ...]:
                 **({"feature": m.feature.id, "sae": m.feature.sae or None} if m.HasField("feature") else {}),
                 **({"concept": m.concept} if m.concept or not m.HasField("feature") else {}),
                 "action": _ACTIONS.get(m.action),
-                **{field: getattr(m, field) for field in ("layer", "above", "below") if m.HasField(field)},
+                **{field: getattr(m, field) for field in ("layer", "above", "below", "path") if m.HasField(field)},
             }
             for m in messages
         ]
@@ -291,6 +291,8 @@ def _monitor_event(event: MonitorEvent) -> ext.MonitorEvent:
     )
     if event.feature is not None:
         message.feature.CopyFrom(ext.FeatureRef(sae=event.sae or "", id=event.feature))
+    if event.path is not None:
+        message.path = event.path
     return message
 
 

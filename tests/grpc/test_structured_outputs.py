@@ -101,3 +101,31 @@ async def test_a_bad_constraint_is_invalid_argument_naming_its_member_while_a_st
         rest = [event async for event in stream]  # it ran on to its end, every token there
         assert rest[-1].event.done.completion_tokens == 1 + sum(e.event.HasField("token") for e in rest) > 20
     assert await settled(default_engine) == 0
+
+
+async def test_a_monitor_with_a_path_fires_only_inside_that_field(target: str, default_engine: Engine) -> None:
+    # Below 0.999999 holds on nearly every token, so the flag fires where the field starts.
+    watch = ext.Monitor(concept="names", below=0.999999, action=ext.Monitor.ACTION_FLAG, path="$.name")
+    async with AsyncSalienceClient(target) as client:
+        session = await client.open_session(default_engine.model_name)
+        pieces, fired = [], []
+        messages = [{"role": "user", "content": "Describe a pet."}]
+        schema = ext.Constraint(json=json.dumps(PET))
+        async for item in session.chat_stream(messages, max_tokens=80, top_k=1, monitors=[watch], constraint=schema):
+            event = item.event.event
+            if item.HasField("event") and event.HasField("token") and not event.token.is_prefill:
+                start = sum(map(len, pieces))
+                pieces.append(default_engine.tokenizer.decode([event.token.id], skip_special_tokens=True))
+                fired += [(m, start, start + len(pieces[-1])) for m in item.event.monitors]
+        reply = "".join(pieces)
+        name = json.loads(reply)["name"]
+        begins = reply.index('"', reply.index(":", reply.index('"name"'))) + 1  # the value, quotes left out
+        assert len(fired) == 1, fired
+        event, start, end = fired[0]
+        assert event.path == "$.name" and event.concept == "names"
+        assert start < begins + len(name) and end > begins  # the field's first token
+        assert start <= begins  # and not a later one
+
+        no_json = session.chat_stream(messages, max_tokens=4, monitors=[watch])
+        code, details = await status_of(no_json)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "path" in details, details

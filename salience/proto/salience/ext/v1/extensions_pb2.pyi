@@ -232,7 +232,7 @@ class Residual(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[int]] = ..., ranges: _Optional[_Iterable[_Union[_salience_pb2.PositionRange, _Mapping]]] = ...) -> None: ...
 
 class Monitor(_message.Message):
-    __slots__ = ("concept", "layer", "above", "below", "action", "feature")
+    __slots__ = ("concept", "layer", "above", "below", "action", "feature", "path")
     class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ACTION_UNSPECIFIED: _ClassVar[Monitor.Action]
@@ -247,16 +247,18 @@ class Monitor(_message.Message):
     BELOW_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     FEATURE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     concept: str
     layer: int
     above: float
     below: float
     action: Monitor.Action
     feature: FeatureRef
-    def __init__(self, concept: _Optional[str] = ..., layer: _Optional[int] = ..., above: _Optional[float] = ..., below: _Optional[float] = ..., action: _Optional[_Union[Monitor.Action, str]] = ..., feature: _Optional[_Union[FeatureRef, _Mapping]] = ...) -> None: ...
+    path: str
+    def __init__(self, concept: _Optional[str] = ..., layer: _Optional[int] = ..., above: _Optional[float] = ..., below: _Optional[float] = ..., action: _Optional[_Union[Monitor.Action, str]] = ..., feature: _Optional[_Union[FeatureRef, _Mapping]] = ..., path: _Optional[str] = ...) -> None: ...
 
 class MonitorEvent(_message.Message):
-    __slots__ = ("monitor", "concept", "layer", "position", "probability", "action", "feature")
+    __slots__ = ("monitor", "concept", "layer", "position", "probability", "action", "feature", "path")
     MONITOR_FIELD_NUMBER: _ClassVar[int]
     CONCEPT_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +266,7 @@ class MonitorEvent(_message.Message):
     PROBABILITY_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     FEATURE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     monitor: int
     concept: str
     layer: int
@@ -271,7 +274,8 @@ class MonitorEvent(_message.Message):
     probability: float
     action: Monitor.Action
     feature: FeatureRef
-    def __init__(self, monitor: _Optional[int] = ..., concept: _Optional[str] = ..., layer: _Optional[int] = ..., position: _Optional[int] = ..., probability: _Optional[float] = ..., action: _Optional[_Union[Monitor.Action, str]] = ..., feature: _Optional[_Union[FeatureRef, _Mapping]] = ...) -> None: ...
+    path: str
+    def __init__(self, monitor: _Optional[int] = ..., concept: _Optional[str] = ..., layer: _Optional[int] = ..., position: _Optional[int] = ..., probability: _Optional[float] = ..., action: _Optional[_Union[Monitor.Action, str]] = ..., feature: _Optional[_Union[FeatureRef, _Mapping]] = ..., path: _Optional[str] = ...) -> None: ...
 
 class ExtendedGenerateEvent(_message.Message):
     __slots__ = ("event", "monitors", "stopped_by", "residual", "features")
