@@ -29,7 +29,7 @@ from salience.core.serving.sessions import SessionLimits, SessionStore
 from salience.core.serving.status import ServerStatus
 from salience.errors import InvalidArgument
 from salience.grpc_frontend.server import GrpcServer, start_grpc_server
-from salience.lmtp.app import make_app, make_metrics_app
+from salience.http_app import make_app, make_metrics_app
 from salience.lmtp.config import check_tcp_auth
 from salience.lmtp.session import ConnectionLimits, LmtpConfig
 from salience.lmtp.tcp import start_tcp_server

@@ -15,7 +15,7 @@ from salience.core.engine.engine import Engine
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import ServerStatus
 from salience.grpc_frontend.server import start_grpc_server
-from salience.lmtp.app import make_app
+from salience.http_app import make_app
 from salience.lmtp.session import LmtpConfig
 from salience.lmtp.tcp import start_tcp_server
 from tests.conftest import free_port

@@ -142,3 +142,23 @@ def test_the_inspect_provider_imports_no_server_code(graph: dict[str, set[str]])
             todo.extend(graph.get(module, ()))
     server = sorted(m for m in reached if m.startswith("salience.core") or m in {"vllm", "torch", "transformers"})
     assert "salience.evals.provider" in reached and not server, server
+
+
+FRONTENDS = ("salience.lmtp", "salience.openai", "salience.grpc_frontend")
+
+
+def test_frontends_import_no_other_frontend(graph: dict[str, set[str]]) -> None:
+    # Each frontend is a translation onto the core; what composes them (salience.http_app,
+    # salience.server) sits above all of them.
+    def frontend(module: str) -> str | None:
+        return next((f for f in FRONTENDS if module == f or module.startswith(f + ".")), None)
+
+    crossing = [
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if (mine := frontend(module)) is not None
+        for target in targets
+        if (theirs := frontend(target)) is not None and theirs != mine
+    ]
+    assert not crossing, crossing
+    assert "salience.openai.app" in graph["salience.http_app"]  # the check sees the composition's imports

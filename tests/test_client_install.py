@@ -101,7 +101,7 @@ def test_no_model_code_and_the_clients_import(client_install: ClientInstall) -> 
     script = (
         "import importlib, importlib.util, json, sys\n"
         f"missing = [m for m in {SERVER_ONLY!r} if importlib.util.find_spec(m) is None]\n"
-        "for m in ['salience.lmtp.client', 'salience.grpc_frontend.client', 'salience.lmtp.repl', 'salience.cli']:\n"
+        "for m in ['salience.lmtp.client', 'salience.grpc_frontend.client', 'salience.repl', 'salience.cli']:\n"
         "    importlib.import_module(m)\n"
         "print(json.dumps([missing, sys.modules['salience'].__file__]))\n"
     )

@@ -310,7 +310,7 @@ async def test_readouts_over_lmtp(engine: Engine, concepts: ConceptSet) -> None:
     from aiohttp import web
 
     from salience.core.serving.status import ServerStatus
-    from salience.lmtp.app import make_app
+    from salience.http_app import make_app
     from salience.lmtp.client import LmtpClient, LmtpStreamError
     from salience.lmtp.codec import readout_values
     from salience.lmtp.session import LmtpConfig

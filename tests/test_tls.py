@@ -39,7 +39,7 @@ from salience.core.serving.status import ServerStatus
 from salience.errors import InvalidArgument
 from salience.evals.provider import SalienceAPI
 from salience.grpc_frontend.server import start_grpc_server
-from salience.lmtp.app import make_app
+from salience.http_app import make_app
 from salience.lmtp.client import LmtpClient
 from salience.lmtp.session import LmtpConfig
 from salience.lmtp.tcp import start_tcp_server

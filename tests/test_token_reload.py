@@ -28,9 +28,9 @@ from prometheus_client import REGISTRY
 from salience import auth, server
 from salience.auth import Client, Identity, Tokens, token_digest
 from salience.core.engine.engine import Engine
-from salience.lmtp.app import AUTH_CLOSE_CODE
 from salience.lmtp.codec import parse_server_line
 from salience.lmtp.session import UNAUTHORIZED, LmtpConfig
+from salience.lmtp.websocket import AUTH_CLOSE_CODE
 from salience.proto.salience.v1 import salience_pb2, salience_pb2_grpc
 from tests.inprocess import Frontends, frontends
 

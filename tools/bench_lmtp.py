@@ -34,7 +34,7 @@ from salience.core.engine.requests import SamplingOptions  # noqa: E402
 from salience.core.engine.settings import EngineSettings  # noqa: E402
 from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model  # noqa: E402
 from salience.core.serving.status import ServerStatus  # noqa: E402
-from salience.lmtp.app import make_app  # noqa: E402
+from salience.http_app import make_app  # noqa: E402
 from salience.lmtp.client import LmtpClient  # noqa: E402
 from salience.lmtp.session import LmtpConfig  # noqa: E402
 from tools.harness import HOST, Report, arguments, listens, prompts, rotations, run_main, say, serve  # noqa: E402

@@ -79,7 +79,7 @@ def _run(argv: list[str]) -> int:
 
     setup_logging(getattr(args, "log_level", "info"))
     if args.command == "repl":
-        from salience.lmtp.repl import run_repl
+        from salience.repl.console import run_repl
 
         try:
             tls = ClientTls(ca=args.ca, cert=args.cert, key=args.key)

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from salience.auth import Identity
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import ServerStatus
-from salience.lmtp.app import LINGER_SECONDS, serve_session
 from salience.lmtp.session import OVERSIZED_FRAME, LmtpConfig, LmtpSession
+from salience.lmtp.websocket import LINGER_SECONDS, serve_session
 
 __all__ = ["start_tcp_server"]
 
@@ -78,7 +78,7 @@ async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
 
     Closing a socket with unread data makes the kernel send a reset, which discards the error
     line at the client before it is read; so read on until the client closes, for at most
-    LINGER_SECONDS, as the WebSocket does (salience.lmtp.app.LingeringWebSocket).
+    LINGER_SECONDS, as the WebSocket does (salience.lmtp.websocket.LingeringWebSocket).
     """
     with contextlib.suppress(OSError, TimeoutError):
         if writer.can_write_eof():

@@ -27,7 +27,7 @@ from salience.core.serving.status import ServerStatus
 from salience.core.serving.turns import Turn
 from salience.grpc_frontend.client import AsyncSalienceClient
 from salience.grpc_frontend.server import GrpcServer, start_grpc_server
-from salience.lmtp.app import make_app
+from salience.http_app import make_app
 from salience.lmtp.session import LmtpConfig
 from salience.proto.salience.ext.v1 import extensions_pb2 as ext
 from salience.proto.salience.ext.v1 import extensions_pb2_grpc

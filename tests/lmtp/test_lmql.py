@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import SamplingOptions
 from salience.core.serving.status import ServerStatus
-from salience.lmtp.app import make_app
+from salience.http_app import make_app
 from salience.lmtp.session import LmtpConfig
 from tests.conftest import free_port
 from tools.lmql_env import client_python

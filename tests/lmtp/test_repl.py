@@ -24,12 +24,12 @@ import pytest_asyncio
 from salience.core.engine.engine import Engine
 from salience.core.probes.concepts import ConceptSet
 from salience.lmtp.client import LmtpClient
-from salience.lmtp.repl import Repl
-from salience.lmtp.repl_chat import ChatMode, Conversation, Reply, Turn
-from salience.lmtp.repl_constraints import constraint_field
-from salience.lmtp.repl_features import choose_features
-from salience.lmtp.repl_parsing import parse_line, parse_monitor, parse_steer
-from salience.lmtp.repl_readouts import ReadoutView, choose_readout, readout_summary, readout_table
+from salience.repl.chat import ChatMode, Conversation, Reply, Turn
+from salience.repl.console import Repl
+from salience.repl.constraints import constraint_field
+from salience.repl.features import choose_features
+from salience.repl.parsing import parse_line, parse_monitor, parse_steer
+from salience.repl.readouts import ReadoutView, choose_readout, readout_summary, readout_table
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
 from tests.inprocess import frontends
 from tests.lmtp.conftest import LmtpServer

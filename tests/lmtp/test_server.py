@@ -13,7 +13,7 @@ from aiohttp import WSCloseCode, web
 
 from salience.core.engine.requests import SamplingOptions
 from salience.core.serving.status import ServerStatus
-from salience.lmtp.app import make_app
+from salience.http_app import make_app
 from salience.lmtp.codec import parse_server_line
 from salience.lmtp.session import ConnectionLimits, LmtpConfig
 from salience.lmtp.tcp import start_tcp_server

@@ -13,8 +13,9 @@ from salience.auth import Tokens
 from salience.core.serving.status import ServerStatus
 from salience.grpc_frontend.client import AsyncSalienceClient, AsyncSession
 from salience.grpc_frontend.server import start_grpc_server
-from salience.lmtp.app import AUTH_CLOSE_CODE, make_app
+from salience.http_app import make_app
 from salience.lmtp.session import LmtpConfig
+from salience.lmtp.websocket import AUTH_CLOSE_CODE
 from tests.conftest import free_port
 from tests.lmtp.conftest import LmtpServer
 from tests.reference import Reference

@@ -23,7 +23,7 @@ from playwright.async_api import Browser, Page, WebSocketRoute, async_playwright
 from salience.core.engine.engine import Engine
 from salience.core.probes.concepts import ConceptSet
 from salience.core.serving.status import ServerStatus
-from salience.lmtp.app import make_app
+from salience.http_app import make_app
 from salience.lmtp.codec import parse_server_line, readout_values
 from salience.lmtp.session import LmtpConfig
 from tests.conftest import free_port

@@ -15,7 +15,7 @@ from playwright.async_api import Locator, expect
 from salience.auth import Tokens
 from salience.core.engine.engine import Engine
 from salience.core.serving.status import ServerStatus
-from salience.lmtp.app import make_app
+from salience.http_app import make_app
 from salience.lmtp.session import LmtpConfig
 from tests.conftest import free_port
 from tests.ui.conftest import COMPLETION, NOT_READ, Ui, probabilities, serve

@@ -1,5 +1,6 @@
-"""The aiohttp application: LMTP over WebSocket at `/`, the OpenAI API at `/v1/` (salience.openai),
-`GET /health`, `GET /metrics`, and the page at `/ui/`."""
+"""LMTP over WebSocket: the route at `/` (`add_routes`), one connection's session driven over its
+frames (`serve_session`, which the TCP listener shares), and the sockets closed at shutdown. The
+HTTP application that composes it with the other frontends is salience.http_app."""
 
 from __future__ import annotations
 
@@ -13,13 +14,12 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from salience import metrics, request_ids
 from salience.auth import Identity
 from salience.core.serving.sessions import SessionStore
-from salience.core.serving.status import Phase, ServerStatus
+from salience.core.serving.status import ServerStatus
 from salience.errors import InvalidArgument
 from salience.lmtp.session import OVERSIZED_FRAME, UNAUTHORIZED, LmtpConfig, LmtpSession
-from salience.openai import app as openai_app
-from salience.ui import UI_PATH, add_routes
+from salience.ui import UI_PATH
 
-__all__ = ["LMTP_CONFIG", "STATUS", "make_app", "make_metrics_app", "serve_session"]
+__all__ = ["AUTH_CLOSE_CODE", "LINGER_SECONDS", "LMTP_CONFIG", "SESSIONS", "STATUS", "add_routes", "serve_session"]
 
 STATUS = web.AppKey("status", ServerStatus)
 AUTH_CLOSE_CODE = 4401  # WebSocket close code for a missing or wrong token (4000-4999: application codes)
@@ -72,35 +72,6 @@ async def _close_when_peer_closes(transport: asyncio.Transport) -> None:
     while not transport.is_closing() and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.02)
     transport.close()
-
-
-async def health(request: web.Request) -> web.Response:
-    """200 once the engine is loaded and warmed up; 503 while loading, draining or stopping."""
-    status = request.app[STATUS]
-    body = {"status": status.phase.value, "model": status.model_name}
-    return web.json_response(body, status=200 if status.phase is Phase.READY else 503)
-
-
-async def metrics_endpoint(request: web.Request) -> web.Response:
-    """Prometheus text format, behind the bearer token when the server has one."""
-    tokens = request.app[LMTP_CONFIG].tokens
-    if tokens.identify(request.headers.get("Authorization"), request.query.get("token")) is None:
-        metrics.AUTH_FAILURES.labels("metrics").inc()
-        raise web.HTTPUnauthorized(
-            headers={"WWW-Authenticate": "Bearer"}, text="unauthorized: missing or wrong bearer token"
-        )
-    return await open_metrics(request)
-
-
-async def open_metrics(request: web.Request) -> web.Response:
-    return web.Response(body=metrics.exposition(), headers={"Content-Type": metrics.CONTENT_TYPE})
-
-
-def make_metrics_app() -> web.Application:
-    """`GET /metrics` alone, without auth: for --metrics-port, on a network only operators reach."""
-    app = web.Application()
-    app.router.add_get("/metrics", open_metrics)
-    return app
 
 
 async def serve_session(session: LmtpSession, lines: AsyncIterator[str | bytes], send, close) -> None:
@@ -186,19 +157,12 @@ async def _close_sockets(app: web.Application) -> None:
         await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
 
 
-def make_app(status: ServerStatus, config: LmtpConfig, sessions: SessionStore | None = None) -> web.Application:
-    """The app; `sessions` is shared with the other frontends (by default the app has its own).
-    An HTTP body (the OpenAI API's) may be as large as an LMTP message."""
-    app = web.Application(client_max_size=config.limits.max_message_bytes)
+def add_routes(app: web.Application, status: ServerStatus, config: LmtpConfig, sessions: SessionStore) -> None:
+    """LMTP's WebSocket at `/`, on `status`'s engine, with `sessions` shared with the other frontends."""
     app[STATUS] = status
     app[LMTP_CONFIG] = config
-    app[SESSIONS] = sessions if sessions is not None else SessionStore(status.serving_engine)
+    app[SESSIONS] = sessions
     app[SOCKETS] = weakref.WeakSet()
     app[CONNECTIONS] = weakref.WeakSet()
     app.router.add_get("/", lmtp_websocket)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics_endpoint)
-    openai_app.add_routes(app, status, config.tokens, app[SESSIONS])
-    add_routes(app)
     app.on_shutdown.append(_close_sockets)
-    return app

@@ -1,7 +1,7 @@
 """`salience repl`: type a question (or a prompt), watch the reply stream in.
 
 On a model with a chat template each line is the user's turn in a conversation the REPL keeps
-and sends whole as GENERATE `messages` (repl_chat.py); `/raw` makes each line a prompt the model
+and sends whole as GENERATE `messages` (chat.py); `/raw` makes each line a prompt the model
 continues. Parameters follow the line as `key=value` pairs, as in LMQL's own client
 (`Hello there max_tokens=5 temperature=1.2`); values are read as JSON where
 they parse, never evaluated. The server renders messages and tokenizes prompts (TOKENIZE),
@@ -28,13 +28,13 @@ import aiohttp
 
 from salience.core.models.home import salience_home
 from salience.core.probes.calibration import calibrated
-from salience.lmtp import repl_constraints
 from salience.lmtp.client import LmtpClient, LmtpStreamError
 from salience.lmtp.codec import readout_values
-from salience.lmtp.repl_chat import CHAT_COMMANDS, ChatMode, Reply, is_end_of_turn
-from salience.lmtp.repl_features import FeatureView, choose_features, feature_lines
-from salience.lmtp.repl_parsing import parse_line, parse_monitor, parse_steer
-from salience.lmtp.repl_readouts import ReadoutView, choose_readout, concept_facts, readout_summary, readout_table
+from salience.repl import constraints as repl_constraints
+from salience.repl.chat import CHAT_COMMANDS, ChatMode, Reply, is_end_of_turn
+from salience.repl.features import FeatureView, choose_features, feature_lines
+from salience.repl.parsing import parse_line, parse_monitor, parse_steer
+from salience.repl.readouts import ReadoutView, choose_readout, concept_facts, readout_summary, readout_table
 from salience.tls import ClientTls
 
 __all__ = ["run_repl"]
