@@ -36,7 +36,7 @@ from salience.openai.extension import Extension, parse_extension
 from salience.openai.fields import INT64, Reader, boolean, finite, integer, load, number, read_fields, show, string
 from salience.openai.tools import AUTO, NONE, Tool, ToolChoice, forced_call, parse_tool_choice, parse_tools
 
-__all__ = ["CHAT", "COMPLETION", "ApiRequest", "Sampling", "parse_chat", "parse_completion"]
+__all__ = ["CHAT", "COMPLETION", "ApiRequest", "Sampling", "parse_chat", "parse_completion", "schema_format"]
 
 CHAT, COMPLETION = "chat_completion", "completion"  # the endpoints, as metrics name their streams
 MAX_STOP = 4  # stop strings, as OpenAI allows
@@ -183,6 +183,12 @@ def _response_format(value: Any, name: str) -> Constraint | None:
         raise bad_request(f'{where} must be {{"name", "schema", "strict"?, "description"?}}', where)
     if extra := sorted(set(spec) - {"name", "schema", "strict", "description"}):
         raise bad_request(f"{where}.{extra[0]} is not a field of json_schema", f"{where}.{extra[0]}")
+    return schema_format(spec, where)
+
+
+def schema_format(spec: dict, where: str) -> Constraint:
+    """A json_schema format's `name`, `strict`, `description` and `schema` as the constraint: chat
+    nests them under `response_format.json_schema`, the Responses API puts them in `text.format`."""
     if not isinstance(spec.get("name"), str) or not SCHEMA_NAME.fullmatch(spec["name"]):
         raise bad_request(f"{where}.name must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{where}.name")
     for key, check in (("strict", boolean), ("description", string)):

@@ -29,10 +29,10 @@ from typing import Any
 from salience.core.engine.chat_messages import ChatMessage, ContentPart, ImagePart, TextPart, ToolCall
 from salience.core.engine.constraints import constraint
 from salience.core.engine.requests import Constraint
-from salience.openai.errors import bad_request, naming
+from salience.openai.errors import bad_request
 from salience.openai.extension import parse_extension
 from salience.openai.fields import INT64, Reader, boolean, integer, load, number, read_fields, string
-from salience.openai.requests import CHAT, SCHEMA_NAME, ApiRequest, Sampling
+from salience.openai.requests import CHAT, ApiRequest, Sampling, schema_format
 from salience.openai.tools import AUTO, NONE, Tool, ToolChoice, check_choice, forced_call, parse_function
 
 __all__ = ["RESPONSE", "ResponsesRequest", "check_outputs", "parse_responses"]
@@ -189,15 +189,7 @@ def _text(value: Any, name: str) -> Constraint | None:
         return None
     if kind == "json_object":
         return constraint("json_object", True, where)
-    if not isinstance(spec.get("name"), str) or not SCHEMA_NAME.fullmatch(spec["name"]):
-        raise bad_request(f"{where}.name must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{where}.name")
-    for key, check in (("strict", boolean), ("description", string)):
-        if spec.get(key) is not None:
-            check(spec[key], f"{where}.{key}")
-    if spec.get("schema") is None:
-        raise bad_request(f"{where}.schema is required: the JSON schema the output follows", f"{where}.schema")
-    with naming(f"{where}.schema"):
-        return constraint("json", spec["schema"], f"{where}.schema")
+    return schema_format(spec, where)
 
 
 def _tools(value: Any, name: str) -> tuple[Tool, ...]:
