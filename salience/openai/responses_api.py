@@ -33,7 +33,7 @@ from salience.openai.errors import bad_request
 from salience.openai.extension import parse_extension
 from salience.openai.fields import INT64, Reader, boolean, integer, load, number, read_fields, string
 from salience.openai.requests import CHAT, ApiRequest, Sampling, schema_format
-from salience.openai.tools import AUTO, NONE, Tool, ToolChoice, check_choice, forced_call, parse_function
+from salience.openai.tools import AUTO, NONE, Tool, ToolChoice, check_choice, forced_call, parse_tools
 
 __all__ = ["RESPONSE", "ResponsesRequest", "check_outputs", "parse_responses"]
 
@@ -192,21 +192,6 @@ def _text(value: Any, name: str) -> Constraint | None:
     return schema_format(spec, where)
 
 
-def _tools(value: Any, name: str) -> tuple[Tool, ...]:
-    """Function tools, spelled flat: `{"type": "function", "name", "description"?, "parameters"?, "strict"?}`."""
-    if not isinstance(value, list):
-        raise bad_request(f"{name} must be a list of tools", name)
-    tools = []
-    for i, tool in enumerate(value):
-        where = f"{name}[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise bad_request(f'{where}.type must be "function": this server calls functions only', f"{where}.type")
-        tools.append(parse_function(tool, where, allowed=("type",)))
-    if len({tool.name for tool in tools}) < len(tools):
-        raise bad_request(f"{name} names a function twice", name)
-    return tuple(tools)
-
-
 def _tool_choice(value: Any, tools: Sequence[Tool], name: str) -> ToolChoice:
     """ "none", "auto", "required", or `{"type": "function", "name"}` naming one of `tools`."""
     if value in ("none", "auto", "required"):
@@ -237,7 +222,7 @@ _READERS: dict[str, Reader] = {
     "previous_response_id": _previous,
     "text": _text,
     "salience": parse_extension,
-    "tools": _tools,
+    "tools": lambda value, name: parse_tools(value, name, flat=True),
     "tool_choice": lambda value, name: value,  # read with the tools it names
     "parallel_tool_calls": boolean,
 }

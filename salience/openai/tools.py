@@ -77,9 +77,10 @@ class ToolChoice:
 NONE, AUTO, REQUIRED = ToolChoice("none"), ToolChoice("auto"), ToolChoice("required")
 
 
-def parse_tools(value: Any, name: str = "tools") -> tuple[Tool, ...]:
+def parse_tools(value: Any, name: str = "tools", *, flat: bool = False) -> tuple[Tool, ...]:
     """Chat's `tools`: `[{"type": "function", "function": {"name", "description"?, "parameters"?,
-    "strict"?}}, ...]`, names unique."""
+    "strict"?}}, ...]`, names unique; `flat`: the Responses API's spelling, the function's fields
+    beside `type`."""
     if not isinstance(value, list):
         raise bad_request(f"{name} must be a list of tools", name)
     if len(value) > MAX_TOOLS:
@@ -89,6 +90,9 @@ def parse_tools(value: Any, name: str = "tools") -> tuple[Tool, ...]:
         where = f"{name}[{i}]"
         if not isinstance(item, dict) or item.get("type") != "function":
             raise bad_request(f'{where}.type must be "function": this server calls functions only', f"{where}.type")
+        if flat:
+            tools.append(parse_function(item, where, allowed=("type",)))
+            continue
         if extra := sorted(set(item) - {"type", "function"}):
             raise bad_request(f"{where}.{extra[0]} is not a field of a function tool", f"{where}.{extra[0]}")
         tools.append(parse_function(item.get("function"), f"{where}.function"))
