@@ -193,6 +193,19 @@ PLACE = {
 }
 
 
+async def describe_paris(api: openai.AsyncOpenAI, salience: dict, **extra) -> openai.types.chat.ChatCompletion:
+    """A greedy reply under PLACE's schema, with the `salience` extension given."""
+    return await api.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE}},
+        max_tokens=300,
+        temperature=0,
+        extra_body={"salience": salience},
+        **extra,
+    )
+
+
 def json_leaves(value, at: str = "$") -> list[tuple[str, object]]:
     """(JSONPath, value) of each scalar, in document order (the schema's keys are identifiers)."""
     if isinstance(value, dict):
@@ -221,19 +234,8 @@ def check_spans(texts: list[str], fields: list[dict]) -> None:
 
 
 async def test_a_json_reply_has_readouts_per_field_equal_to_its_tokens_readouts(api: openai.AsyncOpenAI) -> None:
-    ask = [{"role": "user", "content": "Describe Paris as JSON."}]
-    response_format = {"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE}}
-
     async def reply(format: str, **extra) -> openai.types.chat.ChatCompletion:
-        return await api.chat.completions.create(
-            model=NAME,
-            messages=ask,
-            response_format=response_format,
-            max_tokens=300,
-            temperature=0,
-            extra_body={"salience": {"readouts": {"format": format}}},
-            **extra,
-        )
+        return await describe_paris(api, {"readouts": {"format": format}}, **extra)
 
     texts, entries, end = [], [], {}
     async for chunk in await reply("raw", stream=True):
@@ -299,30 +301,13 @@ async def test_monitors_with_a_path_act_only_inside_that_field(api: openai.Async
     parse, each field's tokens. Then the same reply with a flag monitor on `$.districts[*]` flags
     exactly where that field starts to hold, and a stop monitor on `$.location.country`, whose
     threshold an earlier token already passes, ends the reply at the field's first token."""
-    ask = [{"role": "user", "content": "Describe Paris as JSON."}]
-    response_format = {"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE}}
 
     async def reply(**salience) -> openai.types.chat.ChatCompletion:
-        return await api.chat.completions.create(
-            model=NAME,
-            messages=ask,
-            response_format=response_format,
-            max_tokens=300,
-            temperature=0,
-            extra_body={"salience": {"readouts": {"format": "token"}, **salience}},
-        )
+        return await describe_paris(api, {"readouts": {"format": "token"}, **salience})
 
     full = await reply()
     texts, entries, end = [], [], {}
-    async for chunk in await api.chat.completions.create(
-        model=NAME,
-        messages=ask,
-        response_format=response_format,
-        max_tokens=300,
-        temperature=0,
-        stream=True,
-        extra_body={"salience": {"readouts": {"format": "token"}}},
-    ):
+    async for chunk in await describe_paris(api, {"readouts": {"format": "token"}}, stream=True):
         if chunk.choices and (extension := chunk.choices[0].model_extra.get("salience")):
             if "tokens" in extension:
                 texts.append(chunk.choices[0].delta.content or "")
