@@ -27,9 +27,9 @@ def new() -> str:
 def check(value: object, what: str = "request_id") -> str:
     """`value` if it is a usable request id, else InvalidArgument saying what is wrong."""
     if not isinstance(value, str) or not value:
-        raise InvalidArgument(f"{what} must be a non-empty string")
+        raise InvalidArgument(f"{what} must be a non-empty string", field=what)
     if len(value) > MAX_LENGTH:
-        raise InvalidArgument(f"{what} is {len(value)} characters long; at most {MAX_LENGTH} are allowed")
+        raise InvalidArgument(f"{what} is {len(value)} characters long; at most {MAX_LENGTH} are allowed", field=what)
     if not _ALLOWED.fullmatch(value):
-        raise InvalidArgument(f"{what} may only hold the characters A-Z a-z 0-9 . _ : -")
+        raise InvalidArgument(f"{what} may only hold the characters A-Z a-z 0-9 . _ : -", field=what)
     return value

@@ -5,10 +5,7 @@ is checked before anything reaches the engine; the error names the first one mis
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from salience.core.probes.monitors import Monitor
-from salience.core.probes.steering import Intervention
+from salience.core.engine.requests import Probes
 
 __all__ = ["OPEN", "OPERATIONS", "asked", "needs"]
 
@@ -73,24 +70,21 @@ def needs(operation: str) -> tuple[str, ...]:
     return () if scopes == OPEN else tuple(scopes)
 
 
-def asked(
-    *,
-    readout: bool = False,
-    monitors: Sequence[Monitor] = (),
-    steer: Sequence[Intervention] = (),
-    residual: bool = False,
-    features: bool = False,
-) -> tuple[str, ...]:
-    """The scopes a generation's or a score's fields ask for: concept readouts (shown, or read by
+def asked(probes: Probes) -> tuple[str, ...]:
+    """The scopes a generation's or a score's probes ask for: concept readouts (shown, or read by
     a concept monitor), steering, residual rows, and SAE features (read, steered along or
     monitored)."""
     out = []
-    if readout or any(m.feature is None for m in monitors):
+    if probes.readout_ranges or any(m.feature is None for m in probes.monitors):
         out.append("readouts")
-    if steer:
+    if probes.steer:
         out.append("steer")
-    if residual:
+    if probes.residual is not None:
         out.append("residual")
-    if features or any(i.feature is not None for i in steer) or any(m.feature is not None for m in monitors):
+    if (
+        probes.features is not None
+        or any(i.feature is not None for i in probes.steer)
+        or any(m.feature is not None for m in probes.monitors)
+    ):
         out.append("features")
     return tuple(out)

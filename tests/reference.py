@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from salience.core.engine.requests import SamplingOptions
+from salience.core.engine.requests import Probes, SamplingOptions
 
 
 def assert_logprobs_match(events, logprobs: torch.Tensor, tolerance: float = 1e-4) -> None:
@@ -107,7 +107,7 @@ async def check_concurrent_ranges(engine, reference, concepts, prompts: Sequence
     async def run(i: int):
         ranges = [(i, i + 5 + i), (len(prompts[i]) + 1, len(prompts[i]) + 3)]
         options = SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True)
-        generation = engine.generate(prompts[i], options, readout_ranges=ranges)
+        generation = engine.generate(prompts[i], options, probes=Probes(readout_ranges=ranges))
         return generation, [e async for e in generation]
 
     every_ids = []
@@ -125,7 +125,7 @@ async def check_concurrent_ranges(engine, reference, concepts, prompts: Sequence
 
 async def check_score_readouts(engine, reference, concepts, ids: list[int]) -> None:
     """A SCORE of ids[10:] after ids[:10] reads out every position like the reference."""
-    scored = await engine.score(ids[:10], ids[10:], readout_ranges=[(0, len(ids))])
+    scored = await engine.score(ids[:10], ids[10:], probes=Probes(readout_ranges=[(0, len(ids))]))
     want = reference_readouts(reference, concepts, ids)
     assert [token.position for token in scored] == list(range(10, len(ids)))
     for token in scored:

@@ -162,3 +162,39 @@ def test_frontends_import_no_other_frontend(graph: dict[str, set[str]]) -> None:
     ]
     assert not crossing, crossing
     assert "salience.openai.app" in graph["salience.http_app"]  # the check sees the composition's imports
+
+
+# What a request asks of the engine besides its prompt and sampling: requests.Probes holds them.
+REQUEST_OPTIONS = {"readout_ranges", "readout_view", "steer", "monitors", "residual", "features"}
+
+
+def _loose_options(tree: ast.AST) -> list[tuple[str, list[str]]]:
+    """Functions that take three or more request options one by one, by name, with the options
+    they take. (Outputs such as TokenEvent carry monitors' events and rows: not options.)"""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        arguments = node.args
+        names = [a.arg for a in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]]
+        taken = sorted(REQUEST_OPTIONS.intersection(names))
+        if len(taken) >= 3:
+            found.append((node.name, taken))
+    return found
+
+
+def test_core_takes_request_options_as_one_value() -> None:
+    # Issue 49: a new option is one field of Probes, not a parameter threaded through every call.
+    loose = [
+        f"{path.relative_to(PACKAGE.parent)}: {name} takes {', '.join(taken)}"
+        for path in sorted((PACKAGE / "core").rglob("*.py"))
+        for name, taken in _loose_options(ast.parse(path.read_text(), str(path)))
+    ]
+    assert not loose, loose
+
+
+def test_the_options_check_finds_loose_ones() -> None:
+    source = (
+        "def f(prompt, *, steer=(), monitors=(), residual=None): ...\nclass T:\n    steer: int\n    features: int\n"
+    )
+    assert _loose_options(ast.parse(source)) == [("f", ["monitors", "residual", "steer"])]

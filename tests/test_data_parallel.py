@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import SamplingOptions
+from salience.core.engine.requests import Probes, SamplingOptions
 from salience.core.probes.concepts import ConceptSet
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.turns import Turn
@@ -58,7 +58,7 @@ async def test_sessions_stay_on_their_rank_and_read_its_cache(
                     append=append,
                     sampling=options,
                     request_id=f"s{i}-t{turn}",
-                    readout_ranges=[(length, length + 4)],  # decoded positions only: the cache is read
+                    probes=Probes(readout_ranges=[(length, length + 4)]),  # decoded positions only: the cache is read
                 ),
             )
             tokens = [t async for t in started]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import FeatureRequest, FinishReason, ResidualRequest, SamplingOptions
+from salience.core.engine.requests import FeatureRequest, FinishReason, Probes, ResidualRequest, SamplingOptions
 from salience.core.features.sae import SparseAutoencoder, load_sae
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.monitors import Action, Monitor
@@ -67,7 +67,7 @@ def assert_features(got: dict[int, tuple], acts: torch.Tensor, k: int) -> None:
 
 
 async def generate(engine: Engine, prompt: list[int], features: FeatureRequest, **kwargs):
-    generation = engine.generate(prompt, GREEDY, features=features, **kwargs)
+    generation = engine.generate(prompt, GREEDY, probes=Probes(features=features, **kwargs))
     events = [e async for e in generation]
     return generation, events
 
@@ -120,7 +120,9 @@ async def test_score_carries_features(
     engine: Engine, tiny_reference: Reference, saes: dict[str, SparseAutoencoder]
 ) -> None:
     ids = PROMPTS[5]
-    scored = await engine.score(ids[:7], ids[7:], features=FeatureRequest(sae="jump", k=TOP, ranges=((0, 1000),)))
+    scored = await engine.score(
+        ids[:7], ids[7:], probes=Probes(features=FeatureRequest(sae="jump", k=TOP, ranges=((0, 1000),)))
+    )
     got = {token.position: token.features for token in scored}
     assert sorted(got) == list(range(7, len(ids)))
     assert_features(got, want_top(tiny_reference, saes["jump"], ids), TOP)
@@ -145,8 +147,8 @@ async def test_steering_along_a_feature_is_steering_along_its_decoder_row(
     )
     options = SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
     plain = [e async for e in engine.generate(prompt, options)]
-    by_feature = [e async for e in engine.generate(prompt, options, steer=[feature])]
-    by_vector = [e async for e in engine.generate(prompt, options, steer=[vector])]
+    by_feature = [e async for e in engine.generate(prompt, options, probes=Probes(steer=[feature]))]
+    by_vector = [e async for e in engine.generate(prompt, options, probes=Probes(steer=[vector]))]
     assert [(e.token_id, e.logprob) for e in by_feature] == [(e.token_id, e.logprob) for e in by_vector]
     assert [e.logprob for e in by_feature] != [e.logprob for e in plain]
     # The feature's own activation rises where it is steered along.
@@ -168,7 +170,7 @@ async def test_a_feature_monitor_stops_where_the_reference_activation_first_pass
     first = next(i for i in range(len(plain)) if acts[i, feature] > threshold)
     monitor = Monitor(concept="", feature=feature, sae="top", above=threshold, action=Action.STOP)
     shown = FeatureRequest(sae="top", k=2, ranges=((len(prompt) - 1, len(prompt) + 1),))
-    generation = engine.generate(prompt, options, monitors=[monitor], features=shown)
+    generation = engine.generate(prompt, options, probes=Probes(monitors=[monitor], features=shown))
     events = [e async for e in generation]
     assert len(events) == first + 1 and events[-1].finish_reason is FinishReason.MONITOR
     stop = events[-1].stopped_by
@@ -179,7 +181,7 @@ async def test_a_feature_monitor_stops_where_the_reference_activation_first_pass
     assert len(events[0].features) <= 2 and all(e.features is None for e in events[1:])
     # A flag reports where it starts to hold, and the generation runs on.
     flag = Monitor(concept="", feature=feature, sae="top", above=threshold, action=Action.FLAG)
-    flagged = [e async for e in engine.generate(prompt, options, monitors=[flag])]
+    flagged = [e async for e in engine.generate(prompt, options, probes=Probes(monitors=[flag]))]
     held = [bool(acts[i, feature] > threshold) for i in range(len(plain))]
     starts = [i for i, h in enumerate(held) if h and (i == 0 or not held[i - 1])]
     assert [i for i, e in enumerate(flagged) if e.monitors] == starts
@@ -197,7 +199,7 @@ async def test_bad_feature_requests_are_refused_before_the_engine(engine: Engine
     ]
     for features, words in cases:
         with pytest.raises(InvalidArgument, match=words):
-            engine.generate(prompt, GREEDY, features=features)
+            engine.generate(prompt, GREEDY, probes=Probes(features=features))
     bad_steer = [
         (Intervention(direction="", feature=("top", 512), layers=(), op=Op.ADD, value=1.0, generated=True), "outside"),
         (Intervention(direction="", feature=("x", 1), layers=(), op=Op.ADD, value=1.0, generated=True), "unknown SAE"),
@@ -208,7 +210,7 @@ async def test_bad_feature_requests_are_refused_before_the_engine(engine: Engine
     ]
     for steer, words in bad_steer:
         with pytest.raises(InvalidArgument, match=words):
-            engine.generate(prompt, GREEDY, steer=[steer])
+            engine.generate(prompt, GREEDY, probes=Probes(steer=[steer]))
     watch = Monitor(concept="", feature=3, sae="top", above=0.5, action=Action.FLAG)
     bad_monitors = [
         ([Monitor(concept="", feature=512, sae="top", above=0.5, action=Action.FLAG)], {}, "outside"),
@@ -218,7 +220,7 @@ async def test_bad_feature_requests_are_refused_before_the_engine(engine: Engine
     ]
     for monitors, extra, words in bad_monitors:
         with pytest.raises(InvalidArgument, match=words):
-            engine.generate(prompt, GREEDY, monitors=monitors, **extra)
+            engine.generate(prompt, GREEDY, probes=Probes(monitors=monitors, **extra))
     assert engine.num_unfinished_requests() == 0
 
 
@@ -311,8 +313,10 @@ async def test_tensor_parallel_two_ranks_carry_residual_rows_and_features(
     generation = parallel.generate(
         prompt,
         GREEDY,
-        residual=ResidualRequest(layers=(0, 3), ranges=((0, 1000),)),
-        features=FeatureRequest(sae="top", k=8, ranges=((0, 1000),)),
+        probes=Probes(
+            residual=ResidualRequest(layers=(0, 3), ranges=((0, 1000),)),
+            features=FeatureRequest(sae="top", k=8, ranges=((0, 1000),)),
+        ),
     )
     events = [e async for e in generation]
     ids = prompt + [e.token_id for e in events]

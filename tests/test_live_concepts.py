@@ -15,7 +15,7 @@ import pytest_asyncio
 import torch
 
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import SamplingOptions
+from salience.core.engine.requests import Probes, SamplingOptions
 from salience.core.probes.calibration import ReadoutView
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import Intervention, Op
@@ -120,7 +120,7 @@ async def test_a_stream_keeps_its_concepts_across_a_define_and_a_delete(
     eta = vectors(11)
     await define(status, "eta", eta)
     options = SamplingOptions(max_tokens=24, temperature=0.0, ignore_eos=True)
-    generation = engine.generate(PROMPT, options, readout_ranges=[(0, 2000)])
+    generation = engine.generate(PROMPT, options, probes=Probes(readout_ranges=[(0, 2000)]))
     events = []
     async for event in generation:
         events.append(event)
@@ -200,9 +200,9 @@ async def test_a_concept_fitted_from_examples_is_the_builders_fit_of_the_referen
         assert got["auroc"] == pytest.approx(ref["auroc"], abs=1e-6)
         assert got["scale"] == pytest.approx(ref["scale"], rel=1e-3)
     # Calibrated: it reads as a probability, through its calibration; the hand-made set's concepts read None.
-    raw = await engine.prefill(PROMPT, readout_ranges=[(1, 4)])
-    probabilities = await engine.prefill(PROMPT, readout_ranges=[(1, 4)], readout_view=ReadoutView.TOKEN)
-    running = await engine.prefill(PROMPT, readout_ranges=[(1, 4)], readout_view=ReadoutView.RUNNING)
+    raw = await engine.prefill(PROMPT, probes=Probes(readout_ranges=[(1, 4)]))
+    probabilities = await engine.prefill(PROMPT, probes=Probes(readout_ranges=[(1, 4)], readout_view=ReadoutView.TOKEN))
+    running = await engine.prefill(PROMPT, probes=Probes(readout_ranges=[(1, 4)], readout_view=ReadoutView.RUNNING))
     width = len(TINY_CONCEPTS) + 1
     for position, row in probabilities.readouts.items():
         for slot, fit in enumerate(info["layers"]):

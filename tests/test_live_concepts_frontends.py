@@ -15,7 +15,7 @@ import pytest_asyncio
 
 from salience.auth import Tokens
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import SamplingOptions
+from salience.core.engine.requests import Probes, SamplingOptions
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import Intervention, Op
 from salience.grpc_frontend.client import AsyncSalienceClient
@@ -56,7 +56,7 @@ def vector(seed: int) -> np.ndarray:
 
 async def direct(engine: Engine, steer=()) -> list:
     options = SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True)
-    return [e async for e in engine.generate(PROMPT, options, readout_ranges=[(31, 40)], steer=steer)]
+    return [e async for e in engine.generate(PROMPT, options, probes=Probes(readout_ranges=[(31, 40)], steer=steer))]
 
 
 async def test_lmtp_defines_reads_steers_and_deletes_a_concept(engine: Engine, served: Frontends) -> None:

@@ -21,7 +21,7 @@ import pytest_asyncio
 import torch
 
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import FinishReason, SamplingOptions
+from salience.core.engine.requests import FinishReason, Probes, SamplingOptions
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.monitors import Action, Monitor
 from salience.errors import InvalidArgument
@@ -189,7 +189,7 @@ async def test_a_monitor_fires_where_the_reference_crosses(
     fires = expected(p, above, action)
     assert fires, "the threshold must be crossed inside the generation"
     monitor = Monitor(concept=concept, layer=layer, above=above, action=action)
-    events = [e async for e in engine.generate(PROMPTS[2], GREEDY, monitors=[monitor])]
+    events = [e async for e in engine.generate(PROMPTS[2], GREEDY, probes=Probes(monitors=[monitor]))]
     fired = [i for i, e in enumerate(events) if e.monitors]
     assert fired == fires
     for i in fired:
@@ -222,7 +222,7 @@ async def test_recommended_layer_and_below(
     events = [
         e
         async for e in engine.generate(
-            PROMPTS[3], GREEDY, monitors=[Monitor(concept=concept, below=below, action=Action.STOP)]
+            PROMPTS[3], GREEDY, probes=Probes(monitors=[Monitor(concept=concept, below=below, action=Action.STOP)])
         )
     ]
     assert len(events) == holds.index(True) + 1
@@ -247,7 +247,7 @@ async def test_mixed_concurrent_streams(
         return [
             e
             async for e in engine.generate(
-                PROMPTS[i], GREEDY, monitors=monitors, readout_ranges=[(0, 3)] if i == 4 else ()
+                PROMPTS[i], GREEDY, probes=Probes(monitors=monitors, readout_ranges=[(0, 3)] if i == 4 else ())
             )
         ]
 
@@ -369,7 +369,9 @@ async def test_bad_monitors_get_their_error_and_nothing_else_changes(served: Fro
     finally:
         await client.close()
     with pytest.raises(InvalidArgument, match="unknown concept"):
-        engine.generate(PROMPTS[0], GREEDY, monitors=[Monitor(concept="zeta", above=0.5, action=Action.STOP)])
+        engine.generate(
+            PROMPTS[0], GREEDY, probes=Probes(monitors=[Monitor(concept="zeta", above=0.5, action=Action.STOP)])
+        )
     assert engine.num_unfinished_requests() == 0
 
 
@@ -379,9 +381,11 @@ async def test_an_uncalibrated_set_says_so(tiny_engine: Engine, read_engine: Eng
     engine = read_engine  # tiny_concepts: random vectors, never calibrated
     assert engine.readouts.manifest.concept_info == (None,) * len(TINY_CONCEPTS)
     with pytest.raises(InvalidArgument, match="no calibration for alpha, beta, gamma, delta, epsilon"):
-        engine.generate(PROMPTS[0], GREEDY, monitors=[Monitor(concept="alpha", above=0.5, action=Action.STOP)])
+        engine.generate(
+            PROMPTS[0], GREEDY, probes=Probes(monitors=[Monitor(concept="alpha", above=0.5, action=Action.STOP)])
+        )
     # Raw readouts are untouched.
-    events = [e async for e in engine.generate(PROMPTS[0], GREEDY, readout_ranges=[(20, 22)])]
+    events = [e async for e in engine.generate(PROMPTS[0], GREEDY, probes=Probes(readout_ranges=[(20, 22)]))]
     assert events[0].readout is not None and not math.isnan(events[0].readout[0])
 
 

@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import SamplingOptions
+from salience.core.engine.requests import Probes, SamplingOptions
 from salience.core.probes.concepts import ConceptSet
 from tests.conftest import TINY_LAYERS, start_engine
 from tests.reference import (
@@ -58,7 +58,7 @@ async def test_prompt_decode_and_logprobs_match_reference(
     engine: Engine, tiny_reference: Reference, tiny_concepts: ConceptSet
 ) -> None:
     prompt = PROMPTS[0]
-    generation = engine.generate(prompt, GREEDY, readout_ranges=[(0, 2000)], prompt_logprobs=5)
+    generation = engine.generate(prompt, GREEDY, probes=Probes(readout_ranges=[(0, 2000)]), prompt_logprobs=5)
     events = [e async for e in generation]
     ids = prompt + [e.token_id for e in events]
     assert ids[len(prompt) :] == tiny_reference.greedy(prompt, len(events))
@@ -79,7 +79,7 @@ async def test_prefix_cache_hit_still_gives_every_position(
     prompt = [0, *[(7 * j) % 1900 + 5 for j in range(600)]]  # several 128-token KV blocks
     options = SamplingOptions(max_tokens=2, temperature=0.0, ignore_eos=True)
     [e async for e in engine.generate(prompt, options)]
-    cached = engine.generate(prompt, options, readout_ranges=[(len(prompt), len(prompt) + 2)])
+    cached = engine.generate(prompt, options, probes=Probes(readout_ranges=[(len(prompt), len(prompt) + 2)]))
     events = [e async for e in cached]
     assert cached.cached_tokens >= 512  # decoded positions only: the cache is read
     ids = prompt + [e.token_id for e in events]
@@ -87,7 +87,7 @@ async def test_prefix_cache_hit_still_gives_every_position(
     assert [e.position for e in events if e.readout is not None] == [len(prompt), len(prompt) + 1]
     for event in events:
         assert_readout_close(event.readout, want[event.position])
-    generation = engine.generate(prompt, options, readout_ranges=[(0, 600)])
+    generation = engine.generate(prompt, options, probes=Probes(readout_ranges=[(0, 600)]))
     [e async for e in generation]
     assert sorted(generation.prompt_readouts) == list(range(600))
     for position in (0, 127, 128, 300, 599):
@@ -116,7 +116,9 @@ async def test_steering_on_both_stages(engine: Engine, tiny_reference: Reference
         steer("alpha", 3, "set", 3.0, ranges=((10, 40),)),
     ]
     prompt = PROMPTS[1]
-    generation = engine.generate(prompt, GREEDY, readout_ranges=[(0, 2000)], steer=interventions, prompt_logprobs=5)
+    generation = engine.generate(
+        prompt, GREEDY, probes=Probes(readout_ranges=[(0, 2000)], steer=interventions), prompt_logprobs=5
+    )
     events = [e async for e in generation]
     check_against_reference(tiny_reference, tiny_concepts, prompt, interventions, generation, events)
 
@@ -125,10 +127,12 @@ async def test_state_is_freed(engine: Engine) -> None:
     options = SamplingOptions(max_tokens=2, temperature=0.0, ignore_eos=True)
 
     async def finish(i: int) -> None:
-        [e async for e in engine.generate(PROMPTS[i % 8][:8], options, readout_ranges=[(0, 100)])]
+        [e async for e in engine.generate(PROMPTS[i % 8][:8], options, probes=Probes(readout_ranges=[(0, 100)]))]
 
     async def abandon(i: int) -> None:
-        generation = engine.generate(PROMPTS[i % 8][:8], SamplingOptions(max_tokens=500), readout_ranges=[(0, 900)])
+        generation = engine.generate(
+            PROMPTS[i % 8][:8], SamplingOptions(max_tokens=500), probes=Probes(readout_ranges=[(0, 900)])
+        )
         await anext(generation)
         await generation.aclose()
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import SamplingOptions
+from salience.core.engine.requests import Probes, SamplingOptions
 from salience.core.probes.concepts import ConceptSet
 from salience.errors import InvalidArgument, ModelError
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, start_engine
@@ -45,7 +45,9 @@ async def test_prompt_and_decoded_positions_match_reference(
 ) -> None:
     prompt = PROMPTS[0]
     generation = engine.generate(
-        prompt, SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True), readout_ranges=[(0, 2000)]
+        prompt,
+        SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True),
+        probes=Probes(readout_ranges=[(0, 2000)]),
     )
     events = [e async for e in generation]
     ids = prompt + [e.token_id for e in events]
@@ -81,7 +83,7 @@ async def test_readouts_come_with_the_steps_outputs_without_a_call_per_step(
     llm.collective_rpc = counted
     try:
         options = SamplingOptions(max_tokens=16, temperature=0.0, ignore_eos=True)
-        generations = [engine.generate(p[:20], options, readout_ranges=[(0, 2000)]) for p in PROMPTS]
+        generations = [engine.generate(p[:20], options, probes=Probes(readout_ranges=[(0, 2000)])) for p in PROMPTS]
         streams = await asyncio.gather(*(collect(g) for g in generations))
     finally:
         llm.collective_rpc = rpc
@@ -121,7 +123,7 @@ async def test_a_second_start_loads_the_compiled_forward_without_tracing(
         assert graph["aot"] == {"loaded": 1, "compiled": 0} and graph["taps"] == len(TINY_LAYERS)
         prompt = PROMPTS[1]
         options = SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True)
-        generation = second.generate(prompt, options, readout_ranges=[(0, 2000)])
+        generation = second.generate(prompt, options, probes=Probes(readout_ranges=[(0, 2000)]))
         events = [e async for e in generation]
         ids = prompt + [e.token_id for e in events]
         assert ids[len(prompt) :] == reference.greedy(prompt, 8)
@@ -146,7 +148,7 @@ async def test_the_last_token_is_read_out_however_the_generation_ends(
         (full, SamplingOptions(max_tokens=4, temperature=0.0, ignore_eos=True), "length", 4),
     ]
     for tokens, options, reason, count in cases:
-        generation = engine.generate(tokens, options, readout_ranges=[(len(tokens), len(tokens) + 10)])
+        generation = engine.generate(tokens, options, probes=Probes(readout_ranges=[(len(tokens), len(tokens) + 10)]))
         events = [e async for e in generation]
         assert len(events) == count and events[-1].finish_reason.value == reason
         ids = tokens + [e.token_id for e in events]
@@ -161,7 +163,9 @@ async def test_the_last_token_is_read_out_however_the_generation_ends(
 async def test_only_requested_positions_and_none_without_ranges(engine: Engine) -> None:
     prompt = PROMPTS[1]
     generation = engine.generate(
-        prompt, SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True), readout_ranges=[(3, 5), (33, 34)]
+        prompt,
+        SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True),
+        probes=Probes(readout_ranges=[(3, 5), (33, 34)]),
     )
     events = [e async for e in generation]
     assert sorted(generation.prompt_readouts) == [3, 4]
@@ -191,7 +195,9 @@ async def test_decode_batches_of_every_size(
     async def run(i: int):
         prompt = PROMPTS[i][: 10 + i]
         generation = engine.generate(
-            prompt, SamplingOptions(max_tokens=5, temperature=0.0, ignore_eos=True), readout_ranges=[(len(prompt), 99)]
+            prompt,
+            SamplingOptions(max_tokens=5, temperature=0.0, ignore_eos=True),
+            probes=Probes(readout_ranges=[(len(prompt), 99)]),
         )
         return prompt, [e async for e in generation]
 
@@ -212,7 +218,7 @@ async def test_prefix_cache_hit_still_gives_every_position(
     cached = engine.generate(prompt, options)
     [e async for e in cached]
     assert cached.cached_tokens >= 512  # a request without prompt readouts keeps the cache
-    generation = engine.generate(prompt, options, readout_ranges=[(0, 600)])
+    generation = engine.generate(prompt, options, probes=Probes(readout_ranges=[(0, 600)]))
     [e async for e in generation]
     want = reference_readouts(reference, concepts, prompt)
     assert sorted(generation.prompt_readouts) == list(range(600))
@@ -229,13 +235,15 @@ async def test_a_request_aborted_mid_step_leaks_nothing_into_the_next(
     options = SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True)
 
     async def abandoned(i: int) -> None:
-        generation = engine.generate(PROMPTS[i], SamplingOptions(max_tokens=400), readout_ranges=[(0, 900)])
+        generation = engine.generate(
+            PROMPTS[i], SamplingOptions(max_tokens=400), probes=Probes(readout_ranges=[(0, 900)])
+        )
         await anext(generation)
         await generation.aclose()
 
     async def successor(i: int) -> tuple[list[int], dict]:
         prompt = PROMPTS[(i + 4) % 8][:12]
-        generation = engine.generate(prompt, options, readout_ranges=[(0, 100)])
+        generation = engine.generate(prompt, options, probes=Probes(readout_ranges=[(0, 100)]))
         events = [e async for e in generation]
         return prompt + [e.token_id for e in events], {
             **generation.prompt_readouts,
@@ -257,16 +265,18 @@ async def test_state_is_freed_however_requests_end(engine: Engine) -> None:
     options = SamplingOptions(max_tokens=2, temperature=0.0, ignore_eos=True)
 
     async def finish(i: int) -> None:
-        [e async for e in engine.generate(PROMPTS[i % 8][:8], options, readout_ranges=[(0, 100)])]
+        [e async for e in engine.generate(PROMPTS[i % 8][:8], options, probes=Probes(readout_ranges=[(0, 100)]))]
 
     async def abandon(i: int) -> None:
-        generation = engine.generate(PROMPTS[i % 8][:8], SamplingOptions(max_tokens=500), readout_ranges=[(0, 900)])
+        generation = engine.generate(
+            PROMPTS[i % 8][:8], SamplingOptions(max_tokens=500), probes=Probes(readout_ranges=[(0, 900)])
+        )
         await anext(generation)
         await generation.aclose()
 
     async def fail(i: int) -> None:
         with pytest.raises(InvalidArgument):
-            await engine.score([0, 1], [engine.vocab_size], readout_ranges=[(0, 2)])
+            await engine.score([0, 1], [engine.vocab_size], probes=Probes(readout_ranges=[(0, 2)]))
 
     for start in range(0, 10_000, 200):
         await asyncio.gather(
@@ -282,14 +292,14 @@ async def test_state_is_freed_however_requests_end(engine: Engine) -> None:
 
 async def test_bad_ranges(engine: Engine) -> None:
     with pytest.raises(InvalidArgument, match="readout range 0"):
-        engine.generate([0, 1], SamplingOptions(), readout_ranges=[(5, 2)])
+        engine.generate([0, 1], SamplingOptions(), probes=Probes(readout_ranges=[(5, 2)]))
     with pytest.raises(InvalidArgument, match="readout range 1"):
-        engine.generate([0, 1], SamplingOptions(), readout_ranges=[(0, 1), (-1, 3)])
+        engine.generate([0, 1], SamplingOptions(), probes=Probes(readout_ranges=[(0, 1), (-1, 3)]))
 
 
 async def test_no_concept_set_means_no_readouts(tiny_engine: Engine) -> None:
     with pytest.raises(InvalidArgument, match="no concept set loaded"):
-        tiny_engine.generate([0, 1], SamplingOptions(), readout_ranges=[(0, 1)])
+        tiny_engine.generate([0, 1], SamplingOptions(), probes=Probes(readout_ranges=[(0, 1)]))
 
 
 def test_mismatched_concept_sets_are_refused(concepts: ConceptSet, default_model: Path, tiny_model: Path) -> None:
@@ -410,7 +420,9 @@ async def test_multiprocess_layout_and_chunked_prefill(
     try:
         prompt = [0, *[(13 * j) % 1900 + 7 for j in range(300)]]
         generation = chunked.generate(
-            prompt, SamplingOptions(max_tokens=5, temperature=0.0, ignore_eos=True), readout_ranges=[(0, 400)]
+            prompt,
+            SamplingOptions(max_tokens=5, temperature=0.0, ignore_eos=True),
+            probes=Probes(readout_ranges=[(0, 400)]),
         )
         events = [e async for e in generation]
         ids = prompt + [e.token_id for e in events]
@@ -433,7 +445,9 @@ async def test_tensor_parallel_two_ranks(
     parallel = tensor_parallel_engine
     prompt = PROMPTS[5]
     generation = parallel.generate(
-        prompt, SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True), readout_ranges=[(0, 100)]
+        prompt,
+        SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True),
+        probes=Probes(readout_ranges=[(0, 100)]),
     )
     events = [e async for e in generation]
     ids = prompt + [e.token_id for e in events]

@@ -11,7 +11,7 @@ import pytest_asyncio
 import torch
 
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import SamplingOptions
+from salience.core.engine.requests import Probes, SamplingOptions
 from salience.core.probes import fitting
 from salience.core.probes.calibration import ReadoutView
 from salience.core.probes.concepts import ConceptSet
@@ -41,7 +41,9 @@ async def test_readouts_match_reference_on_the_default_model(
 ) -> None:
     prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)
     generation = engine.generate(
-        prompt, SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True), readout_ranges=[(0, 100)]
+        prompt,
+        SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True),
+        probes=Probes(readout_ranges=[(0, 100)]),
     )
     events = [e async for e in generation]
     ids = prompt + [e.token_id for e in events]
@@ -72,7 +74,7 @@ async def test_eight_concurrent_requests_and_a_prefix_cache_hit(
 
     async def run(i: int):
         ranges = [(i % 3, 6 + i), (len(prompts[i]) + 1, len(prompts[i]) + 3)]
-        generation = engine.generate(prompts[i], options, readout_ranges=ranges)
+        generation = engine.generate(prompts[i], options, probes=Probes(readout_ranges=ranges))
         events = [e async for e in generation]
         return generation, events
 
@@ -88,7 +90,7 @@ async def test_eight_concurrent_requests_and_a_prefix_cache_hit(
     cached = engine.generate(long, options)
     [e async for e in cached]
     assert cached.cached_tokens >= 128
-    hit = engine.generate(long, options, readout_ranges=[(0, len(long))])
+    hit = engine.generate(long, options, probes=Probes(readout_ranges=[(0, len(long))]))
     [e async for e in hit]
     assert sorted(hit.prompt_readouts) == list(range(len(long)))
     assert_matches({p: hit.prompt_readouts[p] for p in (0, 127, 128, len(long) - 1)}, long, reference, concepts)
@@ -107,7 +109,9 @@ async def test_chunked_prefill_on_the_default_model(
         prompt = chunked.tokenizer.encode("Chunked prefill splits this prompt. " * 8, add_special_tokens=False)
         assert len(prompt) > 64
         generation = chunked.generate(
-            prompt, SamplingOptions(max_tokens=3, temperature=0.0, ignore_eos=True), readout_ranges=[(0, 200)]
+            prompt,
+            SamplingOptions(max_tokens=3, temperature=0.0, ignore_eos=True),
+            probes=Probes(readout_ranges=[(0, 200)]),
         )
         events = [e async for e in generation]
         ids = prompt + [e.token_id for e in events]
@@ -144,7 +148,7 @@ async def text_scores(engine: Engine, concepts: ConceptSet, text: str) -> dict[s
     The whole last row is checked against the manifest's running maps of the raw rows, as a client
     would apply them."""
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
-    served = await engine.prefill(ids, readout_ranges=[(0, len(ids))], readout_view=ReadoutView.RUNNING)
+    served = await engine.prefill(ids, probes=Probes(readout_ranges=[(0, len(ids))], readout_view=ReadoutView.RUNNING))
     raw = await engine.readout(ids, [(1, len(ids))])
     rows = torch.tensor([raw[p] for p in range(1, len(ids))], dtype=torch.float64)
     assert all(value is None for value in served.readouts[0])

@@ -13,7 +13,7 @@ import pytest
 
 from salience.core.engine.engine import Engine
 from salience.core.engine.generation import Generation
-from salience.core.engine.requests import FinishReason, ResidualRequest, SamplingOptions, TokenEvent
+from salience.core.engine.requests import FinishReason, Probes, ResidualRequest, SamplingOptions, TokenEvent
 from salience.core.engine.row_budget import RowBudget
 from salience.core.engine.rows import layer_names, residual_plan
 from salience.errors import InvalidArgument
@@ -50,7 +50,7 @@ async def collect(generation: Generation) -> list[TokenEvent]:
 
 
 async def generate(engine: Engine, prompt: list[int], residual: ResidualRequest | None, **kwargs):
-    generation = engine.generate(prompt, GREEDY, residual=residual, **kwargs)
+    generation = engine.generate(prompt, GREEDY, probes=Probes(residual=residual, **kwargs))
     events = [e async for e in generation]
     return generation, events
 
@@ -95,10 +95,10 @@ async def test_a_prefix_cache_hit_still_computes_the_rows(engine: Engine, tiny_r
     prompt = PROMPTS[4]
     await generate(engine, prompt, None)  # fills the prefix cache
     residual = ResidualRequest(layers=(2,), ranges=((0, len(prompt)),))
-    scores = await engine.prefill(prompt, residual=residual)
+    scores = await engine.prefill(prompt, probes=Probes(residual=residual))
     assert sorted(scores.residuals) == list(range(len(prompt)))
     assert_rows(scores.residuals, tiny_reference, prompt, (2,))
-    scored = await engine.score(prompt[:10], prompt[10:], residual=residual)
+    scored = await engine.score(prompt[:10], prompt[10:], probes=Probes(residual=residual))
     assert all(token.residual is not None for token in scored)
     assert_rows({t.position: t.residual for t in scored}, tiny_reference, prompt, (2,))
 
@@ -127,15 +127,15 @@ async def test_bad_residual_requests_are_refused_before_anything_runs(
     ]
     for residual, words in cases:
         with pytest.raises(InvalidArgument, match=words):
-            engine.generate(prompt, GREEDY, residual=residual)
+            engine.generate(prompt, GREEDY, probes=Probes(residual=residual))
     assert engine.settings.max_residual_rows == 16384  # beyond the tiny model's context: lowered here
     monkeypatch.setattr(engine.settings, "max_residual_rows", 100)
     many = ResidualRequest(layers=(0, 2, 3), ranges=((0, 1000),))
     with pytest.raises(InvalidArgument, match=r"asks for 35 positions x 3 layers; at most 100 rows per request"):
-        engine.generate(prompt, SamplingOptions(max_tokens=10), residual=many)
+        engine.generate(prompt, SamplingOptions(max_tokens=10), probes=Probes(residual=many))
     monkeypatch.setattr(engine, "row_budget", RowBudget(90, 4 * 128))
     with pytest.raises(InvalidArgument, match=r"32 positions x 3 layers; this server holds at most 90 residual rows"):
-        await engine.prefill(prompt + prompt[:7], residual=many)  # 96 rows: within the request limit
+        await engine.prefill(prompt + prompt[:7], probes=Probes(residual=many))  # 96 rows: within the request limit
     assert engine.num_unfinished_requests() == 0
 
 
@@ -151,9 +151,9 @@ async def test_requests_beyond_the_residual_budget_wait_their_turn(
     monkeypatch.setattr(engine, "row_budget", budget)
     residual = ResidualRequest(layers=(0, 3), ranges=((0, 1000),))
     prompts = PROMPTS[:4]
-    passes = [asyncio.create_task(engine.prefill(prompt, residual=residual)) for prompt in prompts]
+    passes = [asyncio.create_task(engine.prefill(prompt, probes=Probes(residual=residual))) for prompt in prompts]
     await asyncio.sleep(0)  # each pass reserves its rows, in order
-    queued = engine.generate(PROMPTS[4], GREEDY, residual=ResidualRequest(layers=(2,), ranges=((0, 1),)))
+    queued = engine.generate(PROMPTS[4], GREEDY, probes=Probes(residual=ResidualRequest(layers=(2,), ranges=((0, 1),))))
     consumer = asyncio.create_task(collect(queued))
     await asyncio.sleep(0)
     assert budget.held == 100 and budget.waiting == 3

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import FinishReason, SamplingOptions
+from salience.core.engine.requests import FinishReason, Probes, SamplingOptions
 from salience.core.probes.concepts import ConceptSet
 from salience.core.serving.sessions import SessionLimits, SessionStore
 from salience.core.serving.turns import SessionToken, Turn, TurnDone
@@ -82,7 +82,11 @@ async def test_validation_happens_before_anything_changes(engine: Engine) -> Non
         (Turn(offset=31, append=[engine.vocab_size]), InvalidArgument, "append_tokens\\[0\\]"),
         (Turn(offset=31, sampling=greedy(1000)), ContextOverflow, "31 tokens plus max_tokens \\(1000\\)"),
         (Turn(offset=31, logprob_ranges=[(5, 3)]), InvalidArgument, "logprobs_ranges\\[0\\]"),
-        (Turn(offset=31, readout_ranges=[(0, 40)], sampling=greedy(4)), InvalidArgument, "readout_ranges\\[0\\]"),
+        (
+            Turn(offset=31, probes=Probes(readout_ranges=[(0, 40)]), sampling=greedy(4)),
+            InvalidArgument,
+            "readout_ranges\\[0\\]",
+        ),
         (Turn(offset=31, logprob_ranges=[(0, 5)], logprob_top_k=999), InvalidArgument, "top logprobs"),
         (Turn(offset=0, truncating=True, sampling=greedy(2)), InvalidArgument, "session is empty"),
     ]
@@ -100,7 +104,13 @@ async def test_prefill_only_scores_match_the_engine(engine: Engine, tiny_concept
     tokens, done = await run(
         store,
         sid,
-        Turn(offset=0, append=PROMPT, logprob_ranges=[(0, 3), (20, 31)], logprob_top_k=3, readout_ranges=[(2, 5)]),
+        Turn(
+            offset=0,
+            append=PROMPT,
+            logprob_ranges=[(0, 3), (20, 31)],
+            logprob_top_k=3,
+            probes=Probes(readout_ranges=[(2, 5)]),
+        ),
     )
     assert [t.position for t in tokens] == [0, 1, 2, 3, 4, *range(20, 31)]
     assert all(t.is_prefill and t.token_id == PROMPT[t.position] for t in tokens)
@@ -131,7 +141,12 @@ async def test_prefill_positions_then_decoded_tokens_with_logprobs_and_readouts(
         store,
         sid,
         Turn(
-            offset=0, append=PROMPT, logprob_ranges=ranges, logprob_top_k=2, readout_ranges=ranges, sampling=greedy(5)
+            offset=0,
+            append=PROMPT,
+            logprob_ranges=ranges,
+            logprob_top_k=2,
+            probes=Probes(readout_ranges=ranges),
+            sampling=greedy(5),
         ),
     )
     assert [(t.position, t.is_prefill) for t in tokens] == [(p, p < 31) for p in range(28, 36)]
@@ -276,7 +291,13 @@ async def test_a_scoring_turn_reads_the_prefix_cache_and_scores_its_new_tokens_e
 
     def scoring(append: list[int], logprobs: list[tuple[int, int]], readout=()) -> Turn:
         at = len(store.tokens(sid))
-        return Turn(offset=at, append=append, logprob_ranges=logprobs, logprob_top_k=2, readout_ranges=list(readout))
+        return Turn(
+            offset=at,
+            append=append,
+            logprob_ranges=logprobs,
+            logprob_top_k=2,
+            probes=Probes(readout_ranges=list(readout)),
+        )
 
     # Nothing asked of the new tokens: nothing to compute.
     _, done = await run(store, sid, Turn(offset=len(store.tokens(sid)), append=[21, 22]))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import SamplingOptions
+from salience.core.engine.requests import Probes, SamplingOptions
 from salience.core.models.folders import model_fingerprint
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import MAX_INTERVENTIONS, Intervention, Op
@@ -40,7 +40,9 @@ def steer(direction: str, layers, op: str, value: float = 0.0, **positions) -> I
 
 
 async def run(engine: Engine, prompt: list[int], interventions, options=GREEDY):
-    generation = engine.generate(prompt, options, readout_ranges=[(0, 2000)], steer=interventions, prompt_logprobs=5)
+    generation = engine.generate(
+        prompt, options, probes=Probes(readout_ranges=[(0, 2000)], steer=interventions), prompt_logprobs=5
+    )
     events = [e async for e in generation]
     return generation, events
 
@@ -126,9 +128,9 @@ async def test_score_is_steered_like_the_generation(
     interventions = [steer("gamma", 2, "add", 5.0, generated=True), steer("beta", 0, "ablate", ranges=((2, 6),))]
     prompt = PROMPTS[3]
     options = SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True)
-    events = [e async for e in engine.generate(prompt, options, steer=interventions)]
+    events = [e async for e in engine.generate(prompt, options, probes=Probes(steer=interventions))]
     continuation = [e.token_id for e in events]
-    scored = await engine.score(prompt, continuation, readout_ranges=[(0, 100)], steer=interventions)
+    scored = await engine.score(prompt, continuation, probes=Probes(readout_ranges=[(0, 100)], steer=interventions))
     assert [s.logprob for s in scored] == pytest.approx([e.logprob for e in events], abs=1e-5)
     ids = prompt + continuation
     with steered(tiny_reference.model, [tiny_concepts], interventions, len(prompt)):
@@ -177,7 +179,7 @@ async def test_prefix_cache_never_crosses_interventions(
     for n, order in enumerate(((on_prompt, ()), ((), on_prompt))):
         prompt = [0, *[(7 * j + 101 * n) % 1900 + 5 for j in range(600)]]  # several 128-token KV blocks
         for interventions in (*order, order[0]):
-            generation = engine.generate(prompt, options, steer=interventions)
+            generation = engine.generate(prompt, options, probes=Probes(steer=interventions))
             events = [e async for e in generation]
             ids = prompt + [e.token_id for e in events]
             with steered(tiny_reference.model, [tiny_concepts], interventions, len(prompt)):
@@ -193,7 +195,10 @@ async def test_the_last_tokens_readout_pass_is_steered_and_reads_the_cache(
     interventions = [steer("alpha", 3, "add", 5.0, generated=True)]
     prompt = [0, *[(11 * j) % 1900 + 5 for j in range(300)]]
     options = SamplingOptions(max_tokens=4, temperature=0.0, ignore_eos=True)
-    events = [e async for e in engine.generate(prompt, options, readout_ranges=[(300, 400)], steer=interventions)]
+    events = [
+        e
+        async for e in engine.generate(prompt, options, probes=Probes(readout_ranges=[(300, 400)], steer=interventions))
+    ]
     ids = prompt + [e.token_id for e in events]
     with steered(tiny_reference.model, [tiny_concepts], interventions, len(prompt)):
         want = reference_readouts(tiny_reference, tiny_concepts, ids)
@@ -206,10 +211,17 @@ async def test_steering_state_is_freed(engine: Engine) -> None:
     interventions = [steer("alpha", 0, "add", 1.0, generated=True)]
 
     async def finish(i: int) -> None:
-        [e async for e in engine.generate(PROMPTS[i % 8][:8], SamplingOptions(max_tokens=2), steer=interventions)]
+        [
+            e
+            async for e in engine.generate(
+                PROMPTS[i % 8][:8], SamplingOptions(max_tokens=2), probes=Probes(steer=interventions)
+            )
+        ]
 
     async def abandon(i: int) -> None:
-        generation = engine.generate(PROMPTS[i % 8][:8], SamplingOptions(max_tokens=500), steer=interventions)
+        generation = engine.generate(
+            PROMPTS[i % 8][:8], SamplingOptions(max_tokens=500), probes=Probes(steer=interventions)
+        )
         await anext(generation)
         await generation.aclose()
 
@@ -240,15 +252,15 @@ BAD = [
 @pytest.mark.parametrize(("interventions", "message"), BAD)
 async def test_bad_interventions_never_reach_the_engine(engine: Engine, interventions, message: str) -> None:
     with pytest.raises(InvalidArgument, match=message):
-        engine.generate(PROMPTS[0], GREEDY, steer=interventions)
+        engine.generate(PROMPTS[0], GREEDY, probes=Probes(steer=interventions))
     with pytest.raises(InvalidArgument, match=message):
-        await engine.score(PROMPTS[0][:5], PROMPTS[0][5:], steer=interventions)
+        await engine.score(PROMPTS[0][:5], PROMPTS[0][5:], probes=Probes(steer=interventions))
     assert engine.num_unfinished_requests() == 0
 
 
 async def test_a_server_without_directions_refuses_steering(tiny_engine: Engine) -> None:
     with pytest.raises(InvalidArgument, match="nothing to steer along"):
-        tiny_engine.generate([0, 1], GREEDY, steer=[steer("alpha", 2, "add", 1.0, generated=True)])
+        tiny_engine.generate([0, 1], GREEDY, probes=Probes(steer=[steer("alpha", 2, "add", 1.0, generated=True)]))
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +301,7 @@ async def test_a_steering_set_and_a_server_without_steering(
             tiny_reference, tiny_concepts, PROMPTS[4], interventions, generation, events, steering_set
         )
         with pytest.raises(InvalidArgument, match=r"'up' has no vector at layer 0 \(it has \[1, 2\]\)"):
-            both.generate(PROMPTS[0], GREEDY, steer=[steer("up", 0, "add", 1.0, generated=True)])
+            both.generate(PROMPTS[0], GREEDY, probes=Probes(steer=[steer("up", 0, "add", 1.0, generated=True)]))
     finally:
         both.shutdown()
     off = await start_engine(
@@ -298,7 +310,7 @@ async def test_a_steering_set_and_a_server_without_steering(
     try:
         assert off.steering is None
         with pytest.raises(InvalidArgument, match="nothing to steer along"):
-            off.generate(PROMPTS[0], GREEDY, steer=[steer("alpha", 2, "add", 1.0, generated=True)])
+            off.generate(PROMPTS[0], GREEDY, probes=Probes(steer=[steer("alpha", 2, "add", 1.0, generated=True)]))
         for prompt in PROMPTS[:3]:
             without, events_without = await run(off, prompt, ())
             with_, events_with = await run(engine, prompt, ())

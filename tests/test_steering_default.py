@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import SamplingOptions
+from salience.core.engine.requests import Probes, SamplingOptions
 from salience.core.probes.concepts import ConceptSet
 from tests.reference import (
     Reference,
@@ -42,7 +42,7 @@ def reference(default_model: Path) -> Reference:
 async def run(engine: Engine, text: str, interventions, n: int = 12):
     prompt = engine.tokenizer.encode(text, add_special_tokens=False)
     options = SamplingOptions(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3)
-    generation = engine.generate(prompt, options, readout_ranges=[(0, 1000)], steer=interventions)
+    generation = engine.generate(prompt, options, probes=Probes(readout_ranges=[(0, 1000)], steer=interventions))
     events = [e async for e in generation]
     readouts = {**generation.prompt_readouts, **{e.position: e.readout for e in events}}
     return prompt, events, readouts

@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import SamplingOptions
+from salience.core.engine.requests import Probes, SamplingOptions
 from salience.core.probes.steering import Intervention, Op
 from salience.grpc_frontend.client import AsyncSalienceClient
 from salience.lmtp.client import LmtpClient, LmtpStreamError
@@ -51,7 +51,7 @@ def close(got, want) -> None:
 
 async def direct(engine: Engine, prompt, n: int, steer=(CORE,)):
     options = SamplingOptions(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
-    generation = engine.generate(prompt, options, readout_ranges=[(0, 1000)], steer=steer)
+    generation = engine.generate(prompt, options, probes=Probes(readout_ranges=[(0, 1000)], steer=steer))
     events = [e async for e in generation]
     return generation, events
 

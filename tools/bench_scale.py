@@ -78,7 +78,7 @@ def even_heads_twin(model: Path) -> Path:
 async def measure(name: str, layout: dict, args: argparse.Namespace, samples: Samples) -> None:
     """Start seconds and generated tokens/s of each batch, for one layout, into `samples`."""
     from salience.core.engine.engine import Engine
-    from salience.core.engine.requests import SamplingOptions
+    from salience.core.engine.requests import Probes, SamplingOptions
     from salience.core.engine.settings import EngineSettings
     from salience.core.models.default_model import ensure_default_model
     from salience.core.probes.concepts import ConceptSet
@@ -105,7 +105,9 @@ async def measure(name: str, layout: dict, args: argparse.Namespace, samples: Sa
 
         async def stream(i: int, batch: int) -> int:
             prompt = [1, *((7 * j + 31 * i + 997 * batch) % 40000 + 100 for j in range(args.prompt - 1))]
-            generation = engine.generate(prompt, options, readout_ranges=[(len(prompt), len(prompt) + args.tokens)])
+            generation = engine.generate(
+                prompt, options, probes=Probes(readout_ranges=[(len(prompt), len(prompt) + args.tokens)])
+            )
             events = [e async for e in generation]
             assert all(e.readout is not None for e in events), f"{name}: a token without its readout"
             return len(events)

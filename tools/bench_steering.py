@@ -48,13 +48,15 @@ def span(vocab: int) -> int:
 
 async def run(engine, batch: list[list[int]], tokens: int, steer, readouts: bool) -> tuple[float, int]:
     """Seconds for the batch and the tokens it produced."""
-    from salience.core.engine.requests import SamplingOptions
+    from salience.core.engine.requests import Probes, SamplingOptions
 
     options = SamplingOptions(max_tokens=tokens, temperature=0.0, ignore_eos=True)
 
     async def one(prompt: list[int]) -> int:
         ranges = [(len(prompt), len(prompt) + tokens)] if readouts else ()
-        return len([e async for e in engine.generate(prompt, options, readout_ranges=ranges, steer=steer)])
+        return len(
+            [e async for e in engine.generate(prompt, options, probes=Probes(readout_ranges=ranges, steer=steer))]
+        )
 
     started = time.perf_counter()
     counts = await asyncio.gather(*map(one, batch))

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from salience.core.engine.requests import ResidualRequest
+from salience.core.engine.requests import Probes, ResidualRequest
 from salience.core.probes.concepts import capture_concepts
 
 __all__ = ["EngineSource", "GrpcSource", "Source"]
@@ -69,7 +69,7 @@ class EngineSource:
             if len(ids) <= start:
                 return no_rows(len(layers), self.hidden_size)
             residual = ResidualRequest(layers=tuple(layers), ranges=((start, len(ids)),))
-            scores = await self.engine.prefill(ids, residual=residual)
+            scores = await self.engine.prefill(ids, probes=Probes(residual=residual))
             positions = sorted(scores.residuals)
             return np.array(positions, np.int64), np.stack([scores.residuals[p] for p in positions])
 

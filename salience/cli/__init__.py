@@ -72,8 +72,13 @@ def _end_children() -> None:
     end_children()
 
 
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The `salience` command line's arguments (a tool that runs a command in its own process)."""
+    return _parser().parse_args(argv)
+
+
 def _run(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    args = parse(argv)
     configure_environment()
     from salience.logs import setup_logging
 

@@ -6,13 +6,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from salience.errors import InvalidArgument
 
-__all__ = ["run_serve"]
+if TYPE_CHECKING:
+    from salience.core.engine.settings import EngineSettings
+    from salience.server import ServeOptions
+
+__all__ = ["configure", "run_serve"]
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from salience.server import serve
+
+    asyncio.run(serve(*configure(args)))
+    return 0
+
+
+def configure(args: argparse.Namespace) -> tuple[EngineSettings, ServeOptions]:
+    """What `salience serve ARGS` runs: its engine's settings and its frontends' options, every
+    flag checked (a benchmark runs the same server in its own process: tools/bench_stages.py)."""
     from salience.core.engine.chat import load_chat_template
     from salience.core.engine.fork_server import start_early
     from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
@@ -41,7 +55,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from salience.core.engine.settings import EngineSettings
     from salience.core.engine.tool_parsers import check_parser
     from salience.core.serving.sessions import SessionLimits
-    from salience.server import ServeOptions, serve
+    from salience.server import ServeOptions
 
     if args.model is None:
         folder = inspect_model_folder(ensure_default_model())
@@ -99,8 +113,7 @@ def run_serve(args: argparse.Namespace) -> int:
             ttl=args.session_ttl, max_sessions=args.max_sessions, max_tokens=args.max_session_tokens
         ),
     )
-    asyncio.run(serve(settings, options))
-    return 0
+    return settings, options
 
 
 def _server_tls(args: argparse.Namespace):

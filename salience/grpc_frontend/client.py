@@ -14,6 +14,7 @@ call first re-reads the length with DumpSession.
 
 `AsyncSalienceClient` is the same over grpc.aio, with `stream()` to consume tokens as they come,
 and `chat()` to add messages to a session's conversation and run the assistant's turn.
+Errors come as grpc.RpcError; `field_of(error)` names the request field at fault, if one is.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
+from google.rpc import error_details_pb2, status_pb2
 
 from salience.core.probes.steering import Intervention, Op
 from salience.core.probes.steering_json import parse_interventions
@@ -31,7 +33,29 @@ from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
 from salience.tls import ClientTls
 
-__all__ = ["AsyncSalienceClient", "AsyncSession", "ChatResult", "GenerateResult", "SalienceClient", "Session"]
+__all__ = [
+    "AsyncSalienceClient",
+    "AsyncSession",
+    "ChatResult",
+    "GenerateResult",
+    "SalienceClient",
+    "Session",
+    "field_of",
+]
+
+
+def field_of(error: grpc.RpcError) -> str | None:
+    """The request field an error is about (`interventions[0].value`), from the BadRequest field
+    violation in its `grpc-status-details-bin` trailer; None for an error about no one field."""
+    trailers = error.trailing_metadata() if isinstance(error, grpc.Call | grpc.aio.AioRpcError) else None
+    raw = next((value for key, value in trailers or () if key == "grpc-status-details-bin"), None)
+    if raw is None:
+        return None
+    for detail in status_pb2.Status.FromString(raw).details:
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad) and bad.field_violations:
+            return bad.field_violations[0].field
+    return None
 
 
 def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:

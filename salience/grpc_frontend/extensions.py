@@ -10,19 +10,19 @@ import grpc
 
 from salience.core.engine.constraints import KINDS, parse_constraint
 from salience.core.engine.images import Vision
-from salience.core.engine.requests import Constraint, FeatureRequest, ResidualRequest
+from salience.core.engine.requests import Constraint, FeatureRequest, Probes, ResidualRequest
 from salience.core.probes.calibration import ReadoutView, calibrated
 from salience.core.probes.monitors import Action, Monitor, MonitorEvent, parse_monitors
-from salience.core.probes.steering import MAX_INTERVENTIONS, MAX_MAGNITUDE, Intervention, Op
+from salience.core.probes.steering import Intervention, Op
 from salience.core.serving import live_concepts
 from salience.core.serving.conversations import ChatTurn
 from salience.core.serving.live_concepts import ConceptDefinition
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import ServerStatus
 from salience.core.serving.turns import SessionToken, Turn, TurnDone
-from salience.errors import InvalidArgument
+from salience.errors import InvalidArgument, under
 from salience.grpc_frontend.chat import chat_message, chat_messages, run_chat
-from salience.grpc_frontend.service import run_turn, seed_event, turn_from
+from salience.grpc_frontend.service import SEED_FIELDS, run_turn, seed_event, turn_from
 from salience.grpc_frontend.status_codes import translating, translating_stream
 from salience.logs import REQUEST_ID
 from salience.proto.salience.ext.v1 import extensions_pb2 as ext
@@ -59,6 +59,21 @@ _VIEWS = {
 }
 
 
+# Core's names for the fields of an ExtendedGenerateRequest (and a SteeredGenerateRequest), as
+# gRPC names them in an error's field: the seed request's own under `generate`.
+EXTENDED_FIELDS = {
+    **{name: f"generate.{name}" for name in pb.GenerateRequest.DESCRIPTOR.fields_by_name},
+    **{name: f"generate.{wire}" for name, wire in SEED_FIELDS.items()},
+    "steer": "interventions",
+    "readout_view": "readout_format",
+}
+# ... and of a ChatGenerateRequest: the turn's under `turn`, beside its messages.
+CHAT_FIELDS = {
+    **{name: f"turn.{name}" for name in ext.ExtendedGenerateRequest.DESCRIPTOR.fields_by_name},
+    **{name: f"turn.{wire}" for name, wire in EXTENDED_FIELDS.items()},
+}
+
+
 class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
     def __init__(self, status: ServerStatus, sessions: SessionStore) -> None:
         self._status = status
@@ -68,44 +83,47 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
     async def SteeredGenerate(
         self, request: ext.SteeredGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateEvent]:
-        turn = turn_from(request.generate, REQUEST_ID.get(), interventions(request.interventions))
-        async with contextlib.aclosing(
-            run_turn(self._status, self._sessions, request.generate.session_id, turn)
-        ) as items:
-            async for item in items:
-                yield seed_event(item)
+        with under(names=EXTENDED_FIELDS):
+            turn = turn_from(request.generate, REQUEST_ID.get(), Probes(steer=interventions(request.interventions)))
+            async with contextlib.aclosing(
+                run_turn(self._status, self._sessions, request.generate.session_id, turn)
+            ) as items:
+                async for item in items:
+                    yield seed_event(item)
 
     @translating_stream
     async def ExtendedGenerate(
         self, request: ext.ExtendedGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ext.ExtendedGenerateEvent]:
-        turn = extended_turn(request)
-        async with contextlib.aclosing(
-            run_turn(self._status, self._sessions, request.generate.session_id, turn)
-        ) as items:
-            async for item in items:
-                yield extended_event(item)
+        with under(names=EXTENDED_FIELDS):
+            turn = extended_turn(request)
+            async with contextlib.aclosing(
+                run_turn(self._status, self._sessions, request.generate.session_id, turn)
+            ) as items:
+                async for item in items:
+                    yield extended_event(item)
 
     @translating_stream
     async def ChatGenerate(
         self, request: ext.ChatGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ext.ChatGenerateEvent]:
-        messages, turn = chat_messages(request.messages), extended_turn(request.turn)
-        chat: ChatTurn | None = None
-        async with contextlib.aclosing(
-            run_chat(self._status, self._sessions, request.turn.generate.session_id, messages, turn)
-        ) as items:
-            async for item in items:
-                if isinstance(item, ChatTurn):
-                    chat = item
-                    appended = ext.ChatAppended(offset=chat.appended.offset, tokens=chat.appended.tokens)
-                    yield ext.ChatGenerateEvent(appended=appended)
-                    continue
-                event = ext.ChatGenerateEvent(event=extended_event(item))
-                if isinstance(item, TurnDone):
-                    assert chat is not None and chat.reply is not None  # announced first; replied as the run ended
-                    event.reply.CopyFrom(chat_message(chat.reply))
-                yield event
+        with under(names=CHAT_FIELDS):
+            messages, turn = chat_messages(request.messages), extended_turn(request.turn)
+            chat: ChatTurn | None = None
+            async with contextlib.aclosing(
+                run_chat(self._status, self._sessions, request.turn.generate.session_id, messages, turn)
+            ) as items:
+                async for item in items:
+                    if isinstance(item, ChatTurn):
+                        chat = item
+                        appended = ext.ChatAppended(offset=chat.appended.offset, tokens=chat.appended.tokens)
+                        yield ext.ChatGenerateEvent(appended=appended)
+                        continue
+                    event = ext.ChatGenerateEvent(event=extended_event(item))
+                    if isinstance(item, TurnDone):
+                        assert chat is not None and chat.reply is not None  # announced first; replied as the run ended
+                        event.reply.CopyFrom(chat_message(chat.reply))
+                    yield event
 
     @translating
     async def GetConceptManifest(self, request: ext.GetConceptManifestRequest, context: grpc.aio.ServicerContext):
@@ -163,17 +181,16 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
 
     @translating
     async def GetSteeringManifest(self, request: ext.GetSteeringManifestRequest, context: grpc.aio.ServicerContext):
-        engine = self._status.serving_engine()
-        steering = engine.steering
-        manifest = ext.SteeringManifest(max_interventions=MAX_INTERVENTIONS, max_magnitude=MAX_MAGNITUDE)
-        if steering is not None:
-            described = steering.manifest(engine.live.directions())
-            manifest.vector_columns = described["vector_columns"]
-            manifest.directions.extend(
+        described = self._status.serving_engine().steering_manifest()
+        return ext.SteeringManifest(
+            max_interventions=described["max_interventions"],
+            max_magnitude=described["max_magnitude"],
+            vector_columns=described["vector_columns"],
+            directions=[
                 ext.SteeringManifest.Direction(name=name, layers=layers)
                 for name, layers in described["directions"].items()
-            )
-        return manifest
+            ],
+        )
 
     @translating
     async def ImageInfo(self, request: ext.ImageInfoRequest, context: grpc.aio.ServicerContext):
@@ -212,10 +229,16 @@ def extended_turn(request: ext.ExtendedGenerateRequest) -> Turn:
         )
     view = _VIEWS.get(request.readout_format)
     if view is None:
-        raise InvalidArgument(f"readout_format {request.readout_format} is not a ReadoutFormat")
-    steer, watch = interventions(request.interventions), monitors(request.monitors)
+        raise InvalidArgument(f"readout_format {request.readout_format} is not a ReadoutFormat", field="readout_format")
+    probes = Probes(
+        readout_view=view,
+        steer=interventions(request.interventions),
+        monitors=monitors(request.monitors),
+        residual=residual,
+        features=features,
+    )
     constraint = structured_outputs(request.constraint) if request.HasField("constraint") else None
-    return turn_from(request.generate, REQUEST_ID.get(), steer, watch, view, residual, features, constraint)
+    return turn_from(request.generate, REQUEST_ID.get(), probes, constraint)
 
 
 def structured_outputs(message: ext.Constraint) -> Constraint:
@@ -297,15 +320,12 @@ def _monitor_event(event: MonitorEvent) -> ext.MonitorEvent:
 
 
 def interventions(messages) -> tuple[Intervention, ...]:
-    """Core interventions from their protobuf form; the engine checks names, layers and values."""
-    if len(messages) > MAX_INTERVENTIONS:
-        raise InvalidArgument(
-            f"steer has {len(messages)} interventions; at most {MAX_INTERVENTIONS} are allowed per request"
-        )
+    """Core interventions from their protobuf form; the engine checks their count, names, layers
+    and values."""
     out = []
     for n, m in enumerate(messages):
         if m.op not in _OPS:
-            raise InvalidArgument(f"steer[{n}]: op must be OP_ADD, OP_SET, OP_ABLATE or OP_CAP")
+            raise InvalidArgument(f"steer[{n}]: op must be OP_ADD, OP_SET, OP_ABLATE or OP_CAP", field=f"steer[{n}].op")
         out.append(
             Intervention(
                 direction=m.direction,

@@ -3,26 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import grpc
 
 from salience import metrics
 from salience.core.engine.requests import (
+    NO_PROBES,
     Constraint,
-    FeatureRequest,
     FinishReason,
     ImageBlock,
-    ResidualRequest,
+    Probes,
     SamplingOptions,
 )
-from salience.core.probes.calibration import ReadoutView
-from salience.core.probes.monitors import Monitor
-from salience.core.probes.steering import Intervention
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import Admitted, ServerStatus
 from salience.core.serving.turns import SessionToken, Turn, TurnDone, TurnRun
+from salience.errors import under
 from salience.grpc_frontend.auth import CLIENT
 from salience.grpc_frontend.status_codes import translating, translating_stream
 from salience.logs import REQUEST_ID
@@ -30,7 +29,7 @@ from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
 from salience.scopes import asked
 
-__all__ = ["SalienceService", "counted", "run_turn", "seed_event", "turn_from"]
+__all__ = ["SEED_FIELDS", "SalienceService", "counted", "run_turn", "seed_event", "turn_from"]
 
 _FINISH = {
     FinishReason.STOP: pb.GenerateDone.FINISH_REASON_EOS,
@@ -39,6 +38,10 @@ _FINISH = {
     # The seed has no value for a monitor's stop: ExtendedGenerateEvent.stopped_by names it.
     FinishReason.MONITOR: pb.GenerateDone.FINISH_REASON_UNSPECIFIED,
 }
+
+
+# Core's names for a GenerateRequest's fields that the seed proto spells otherwise (an error's field).
+SEED_FIELDS = {"logprobs": "logprob_top_k"}
 
 
 class SalienceService(salience_pb2_grpc.SalienceServicer):
@@ -80,10 +83,11 @@ class SalienceService(salience_pb2_grpc.SalienceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateEvent]:
-        turn = turn_from(request, REQUEST_ID.get())
-        async with contextlib.aclosing(run_turn(self._status, self._sessions, request.session_id, turn)) as items:
-            async for item in items:
-                yield seed_event(item)
+        with under(names=SEED_FIELDS):
+            turn = turn_from(request, REQUEST_ID.get())
+            async with contextlib.aclosing(run_turn(self._status, self._sessions, request.session_id, turn)) as items:
+                async for item in items:
+                    yield seed_event(item)
 
 
 async def run_turn(
@@ -107,15 +111,7 @@ def admit_turn(status: ServerStatus, turn: Turn) -> Admitted:
     """A session turn's admission: the scopes what it asks for needs (the method's own were
     checked by the interceptor), then its client's stream limit."""
     client = CLIENT.get()
-    client.require(
-        asked(
-            readout=bool(turn.readout_ranges),
-            monitors=turn.monitors,
-            steer=turn.steer,
-            residual=turn.residual is not None,
-            features=turn.features is not None,
-        )
-    )
+    client.require(asked(turn.probes))
     return status.admit("grpc", "session_generate", **client.admission())
 
 
@@ -142,22 +138,15 @@ def seed_event(item: SessionToken | TurnDone) -> pb.GenerateEvent:
 def turn_from(
     request: pb.GenerateRequest,
     request_id: str | None = None,
-    steer: Sequence[Intervention] = (),
-    monitors: Sequence[Monitor] = (),
-    readout_view: ReadoutView = ReadoutView.RAW,
-    residual: ResidualRequest | None = None,
-    features: FeatureRequest | None = None,
+    probes: Probes = NO_PROBES,
     constraint: Constraint | None = None,
 ) -> Turn:
-    """The core Turn a seed GenerateRequest asks for (and, from the extensions, its interventions,
-    monitors and constraint), as the call's client's."""
+    """The core Turn a seed GenerateRequest asks for (and, from the extensions, what else it reads
+    and steers, and its constraint), as the call's client's. The seed's readout ranges join the
+    extensions' probes."""
     return Turn(
         **CLIENT.get().engine_keywords(),
-        steer=steer,
-        monitors=monitors,
-        readout_view=readout_view,
-        residual=residual,
-        features=features,
+        probes=dataclasses.replace(probes, readout_ranges=tuple((r.start, r.end) for r in request.readout_ranges)),
         request_id=request_id,
         offset=request.offset,
         truncating=request.truncating,
@@ -167,7 +156,6 @@ def turn_from(
         ),
         logprob_ranges=[(r.start, r.end) for r in request.logprobs_ranges],
         logprob_top_k=request.logprob_top_k,
-        readout_ranges=[(r.start, r.end) for r in request.readout_ranges],
         sampling=SamplingOptions(
             max_tokens=request.max_tokens,
             temperature=request.temperature or 1.0,  # the seed: zero means the default, 1.0

@@ -2,7 +2,9 @@
 
 The wrappers also give every call its request id (the `x-request-id` metadata, else a
 new one): set as the call's logging context, sent back as initial metadata, and on an
-error at the end of the message (` (request_id=...)`) and as trailing metadata.
+error at the end of the message (` (request_id=...)`) and as trailing metadata. An error
+about one request field also carries the standard rich error (`grpc-status-details-bin`: a
+google.rpc.Status holding a BadRequest whose field violation names the field).
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 from salience import errors, metrics, request_ids
 from salience.grpc_frontend.auth import place_anonymous
 from salience.logs import REQUEST_ID
 
-__all__ = ["abort", "code_for", "translating", "translating_stream"]
+__all__ = ["DETAILS", "abort", "code_for", "details", "translating", "translating_stream"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,8 @@ _CODES: dict[type[errors.SalienceError], grpc.StatusCode] = {
     errors.EngineError: grpc.StatusCode.INTERNAL,
 }
 
+DETAILS = "grpc-status-details-bin"  # the trailer gRPC's rich error model travels in
+
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
@@ -48,26 +54,40 @@ def code_for(exc: errors.SalienceError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def details(code: grpc.StatusCode, message: str, field: str, description: str) -> bytes:
+    """The serialized google.rpc.Status of an error about `field`: `message` is the call's own
+    status message (grpcio-status checks they agree), the violation's description the error's."""
+    violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=description)
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+    return status_pb2.Status(code=code.value[0], message=message, details=[detail]).SerializeToString()
+
+
 async def abort(
     context: grpc.aio.ServicerContext,
     code: grpc.StatusCode,
     message: str,
     kind: str,
     retry_after: float | None = None,
+    field: str | None = None,
 ) -> None:
     """End the call with `code`, naming the request in the message and trailing metadata (with
-    `retry-after`, in whole seconds, when a limit says when to come back); raises."""
+    `retry-after`, in whole seconds, when a limit says when to come back, and a BadRequest
+    naming `field`, the request field at fault); raises."""
     request_id = REQUEST_ID.get() or request_ids.new()
     metrics.ERRORS.labels("grpc", kind).inc()
     log.info("request failed", extra={"request_id": request_id, "code": code.name, "kind": kind, "error": message})
     trailers = [(request_ids.HEADER, request_id)]
     if retry_after is not None:
         trailers.append(("retry-after", str(math.ceil(retry_after))))
-    await context.abort(code, f"{message} (request_id={request_id})", tuple(trailers))
+    sent = f"{message} (request_id={request_id})"
+    if field:
+        trailers.append((DETAILS, details(code, sent, field, message)))
+    await context.abort(code, sent, tuple(trailers))
 
 
 async def _refuse(context: grpc.aio.ServicerContext, exc: errors.SalienceError) -> None:
-    await abort(context, code_for(exc), str(exc), type(exc).__name__, exc.retry_after)
+    await abort(context, code_for(exc), str(exc), type(exc).__name__, exc.retry_after, exc.field)
 
 
 async def _begin(context: grpc.aio.ServicerContext) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from salience.errors import InvalidArgument
 from salience.lmtp.fields import ALTERNATIVES, INT_LIMIT, TYPES, valid_request_id
 from salience.lmtp.messages import ClientMessage, ModelInfo
 
@@ -43,17 +44,25 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 
 class LmtpError(Exception):
-    """A line the server cannot act on; `stream_id` is None if the line named none, and
-    `request_id` is the line's own if it holds a valid one."""
+    """A line the server cannot act on; `stream_id` is None if the line named none,
+    `request_id` is the line's own if it holds a valid one, and `field` the message's field at
+    fault (None: the line as a whole)."""
 
     def __init__(
-        self, message: str, *, stream_id: int | None = None, kind: str | None = None, request_id: str | None = None
+        self,
+        message: str,
+        *,
+        stream_id: int | None = None,
+        kind: str | None = None,
+        request_id: str | None = None,
+        field: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.stream_id = stream_id
         self.kind = kind
         self.request_id = request_id
+        self.field = field
 
 
 def parse_client_line(line: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> ClientMessage:
@@ -88,21 +97,24 @@ def parse_client_line(line: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> 
     where = {"stream_id": stream_id, "kind": kind, "request_id": request_id}
     unknown = sorted(set(data) - set(readers))
     if unknown:
-        raise LmtpError(f"{kind}: unknown field {unknown[0]!r}; known: {', '.join(readers)}", **where)
+        raise LmtpError(f"{kind}: unknown field {unknown[0]!r}; known: {', '.join(readers)}", field=unknown[0], **where)
     missing = sorted(name for name in required if data.get(name) is None)
     if missing:
-        raise LmtpError(f"{kind}: missing field {missing[0]!r}", **where)
+        raise LmtpError(f"{kind}: missing field {missing[0]!r}", field=missing[0], **where)
     if kind in ALTERNATIVES:
         first, other = ALTERNATIVES[kind]
         given = [name for name in (first, other) if data.get(name) is not None]
         if not given:
-            raise LmtpError(f"{kind}: missing field {first!r} (or {other!r})", **where)
+            raise LmtpError(f"{kind}: missing field {first!r} (or {other!r})", field=first, **where)
         if len(given) > 1:
             raise LmtpError(f"{kind}: give {first!r} or {other!r}, not both", **where)
-    try:
-        fields = {name: readers[name](value, name) for name, value in data.items() if value is not None}
-    except ValueError as exc:
-        raise LmtpError(f"{kind}: {exc}", **where) from None
+    fields = {}
+    for name, value in data.items():
+        if value is not None:
+            try:
+                fields[name] = readers[name](value, name)
+            except InvalidArgument as exc:
+                raise LmtpError(f"{kind}: {exc}", field=exc.field or name, **where) from None
     if cls is ModelInfo:
         fields.pop("data", None)  # LMQL's copy of the model name
     return cls(**fields)

@@ -1,7 +1,8 @@
 """LMTP's client messages field by field: each message type's readers and required fields.
 
 Every reader takes the JSON value and the field's name and returns the typed value, or raises
-ValueError with a message naming the field (codec.py puts the message type in front).
+InvalidArgument whose `field` is the one at fault (codec.py puts the message type in front of
+its message). The small readers are salience.readers', the OpenAI API's too.
 Validation here is about shape; what depends on the model is the core engine's check.
 """
 
@@ -9,14 +10,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-import math
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-import orjson
-
-from salience import request_ids
+from salience import readers, request_ids
 from salience.core.engine.chat_messages import ChatMessage, parse_messages
 from salience.core.engine.constraints import parse_constraint
 from salience.core.engine.requests import Constraint, FeatureRequest, ImageBlock, ResidualRequest
@@ -45,50 +43,12 @@ from salience.lmtp.messages import (
 
 __all__ = ["ALTERNATIVES", "INT_LIMIT", "READOUT_ENCODINGS", "READOUT_FORMATS", "TYPES", "valid_request_id"]
 
-INT_LIMIT = 2**63
+INT_LIMIT = readers.INT64
 
 
-# ---- field readers: each raises a message naming the field -------------------
+# ---- field readers: each raises InvalidArgument whose field is the one read ----------------
 
-
-def _int(value: Any, name: str, low: int | None = None, high: int | None = None) -> int:
-    if type(value) is not int:
-        raise ValueError(f"{name} must be an integer, got {_show(value)}")
-    if not -INT_LIMIT <= value < INT_LIMIT:
-        raise ValueError(f"{name} is out of range: {value}")
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
-    return value
-
-
-def _number(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {_show(value)}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
-def _bool(value: Any, name: str) -> bool:
-    if type(value) is not bool:
-        raise ValueError(f"{name} must be true or false, got {_show(value)}")
-    return value
-
-
-def _str(value: Any, name: str) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"{name} must be a string, got {_show(value)}")
-    return value
-
-
-def _request_id(value: Any, name: str) -> str:
-    try:
-        return request_ids.check(value, name)
-    except InvalidArgument as exc:
-        raise ValueError(str(exc)) from None
+_int, _number, _bool, _str, _show = readers.integer, readers.number, readers.boolean, readers.string, readers.show
 
 
 def valid_request_id(value: Any) -> str | None:
@@ -101,62 +61,64 @@ def valid_request_id(value: Any) -> str | None:
 
 def _tokens(value: Any, name: str) -> tuple[int, ...]:
     if not isinstance(value, list):
-        raise ValueError(f"{name} must be a list of token ids, got {_show(value)}")
+        raise InvalidArgument(f"{name} must be a list of token ids, got {_show(value)}", field=name)
     for i, token in enumerate(value):
         if type(token) is not int or token < 0 or token >= INT_LIMIT:
-            raise ValueError(f"{name}[{i}] must be a non-negative integer token id, got {_show(token)}")
+            raise InvalidArgument(
+                f"{name}[{i}] must be a non-negative integer token id, got {_show(token)}", field=f"{name}[{i}]"
+            )
     return tuple(value)
 
 
 def _messages(value: Any, name: str) -> tuple[ChatMessage, ...]:
     """OpenAI's chat messages, their shape checked; the model's chat template renders them (streams.py)."""
-    try:
-        return parse_messages(value, name)
-    except InvalidArgument as exc:
-        raise ValueError(str(exc)) from None
+    return parse_messages(value, name)
 
 
 def _bias(value: Any, name: str) -> Mapping[int, float]:
     if not isinstance(value, dict):
-        raise ValueError(f"{name} must be an object of token id -> bias, got {_show(value)}")
+        raise InvalidArgument(f"{name} must be an object of token id -> bias, got {_show(value)}", field=name)
     bias = {}
     for key, amount in value.items():
         if not (key.isascii() and key.isdigit()):
-            raise ValueError(f"{name} key {key!r} is not a non-negative token id")
+            raise InvalidArgument(f"{name} key {key!r} is not a non-negative token id", field=name)
         bias[int(key)] = _number(amount, f"{name}[{key}]")
     return MappingProxyType(bias)
 
 
 def _ranges(value: Any, name: str) -> tuple[tuple[int, int], ...]:
+    """The shape only: `0 <= start < end` is core's rule (readouts.check_ranges), for every wire."""
     if not isinstance(value, list):
-        raise ValueError(f"{name} must be a list of [start, end] position ranges, got {_show(value)}")
+        raise InvalidArgument(f"{name} must be a list of [start, end] position ranges, got {_show(value)}", field=name)
     ranges = []
     for i, pair in enumerate(value):
         if not (isinstance(pair, list) and len(pair) == 2 and all(type(x) is int for x in pair)):
-            raise ValueError(f"{name}[{i}] must be [start, end] with integer positions, got {_show(pair)}")
-        if not 0 <= pair[0] < pair[1] < INT_LIMIT:
-            raise ValueError(f"{name}[{i}] must satisfy 0 <= start < end, got {_show(pair)}")
+            raise InvalidArgument(
+                f"{name}[{i}] must be [start, end] with integer positions, got {_show(pair)}", field=f"{name}[{i}]"
+            )
         ranges.append((pair[0], pair[1]))
     return tuple(ranges)
 
 
 def _base64(value: Any, name: str) -> bytes:
     if not isinstance(value, str):
-        raise ValueError(f"{name} must be a base64 string, got {_show(value)}")
+        raise InvalidArgument(f"{name} must be a base64 string, got {_show(value)}", field=name)
     try:
         return base64.b64decode(value, validate=True)
     except binascii.Error:
-        raise ValueError(f"{name} is not valid base64") from None
+        raise InvalidArgument(f"{name} is not valid base64", field=name) from None
 
 
 def _images(value: Any, name: str) -> tuple[ImageBlock, ...]:
     if not isinstance(value, list):
-        raise ValueError(f"{name} must be a list of images, got {_show(value)}")
+        raise InvalidArgument(f"{name} must be a list of images, got {_show(value)}", field=name)
     images = []
     for i, item in enumerate(value):
         where = f"{name}[{i}]"
         if not isinstance(item, dict) or set(item) != {"data", "mime", "start", "end"}:
-            raise ValueError(f'{where} must be {{"data": base64, "mime", "start", "end"}}, got {_show(item)}')
+            raise InvalidArgument(
+                f'{where} must be {{"data": base64, "mime", "start", "end"}}, got {_show(item)}', field=where
+            )
         images.append(
             ImageBlock(
                 start=_int(item["start"], f"{where}.start", 0),
@@ -170,62 +132,50 @@ def _images(value: Any, name: str) -> tuple[ImageBlock, ...]:
 
 def _steer(value: Any, name: str) -> tuple[Intervention, ...]:
     """The shape of each intervention; names, layers and values are the engine's to check."""
-    try:
-        return parse_interventions(value)
-    except InvalidArgument as exc:
-        raise ValueError(str(exc)) from None
+    return parse_interventions(value)
 
 
 def _monitors(value: Any, name: str) -> tuple[Monitor, ...]:
     """The shape of each monitor; concepts and layers are the engine's to check."""
-    try:
-        return parse_monitors(value)
-    except InvalidArgument as exc:
-        raise ValueError(str(exc)) from None
+    return parse_monitors(value)
 
 
 def _constraint(value: Any, name: str) -> Constraint:
     """vLLM's structured_outputs object, read by core's reader (the OpenAI API's too); whether the
     backend compiles it is the engine's check."""
-    try:
-        return parse_constraint(value, name)
-    except InvalidArgument as exc:
-        raise ValueError(str(exc)) from None
+    return parse_constraint(value, name)
 
 
 def _one_of(choices: tuple[str, ...]) -> _Reader:
     def read(value: Any, name: str) -> str:
         if value not in choices:
-            raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {_show(value)}")
+            raise InvalidArgument(
+                f"{name} must be one of {', '.join(map(repr, choices))}, got {_show(value)}", field=name
+            )
         return value
 
     return read
 
 
-def _show(value: Any) -> str:
-    text = orjson.dumps(value).decode() if isinstance(value, (dict, list, str, int, float, bool, type(None))) else "?"
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def _residual(value: Any, name: str) -> ResidualRequest:
     """{"layers": [...], "ranges": [[start, end], ...]}; the engine checks them against the model."""
     if not isinstance(value, dict) or set(value) - {"layers", "ranges"} or "layers" not in value:
-        raise ValueError(f'{name} must be {{"layers": [...], "ranges": [[start, end], ...]}}')
+        raise InvalidArgument(f'{name} must be {{"layers": [...], "ranges": [[start, end], ...]}}', field=name)
     layers = value["layers"]
     if not isinstance(layers, list) or not all(type(x) is int for x in layers):
-        raise ValueError(f"{name}.layers must be a list of layer indices")
+        raise InvalidArgument(f"{name}.layers must be a list of layer indices", field=f"{name}.layers")
     return ResidualRequest(layers=tuple(layers), ranges=_ranges(value.get("ranges", []), f"{name}.ranges"))
 
 
 def _features(value: Any, name: str) -> FeatureRequest:
     """{"k": K, "ranges": [[start, end], ...], "sae"?: NAME}; the engine checks them against the SAEs."""
     if not isinstance(value, dict) or set(value) - {"sae", "k", "ranges"} or "k" not in value:
-        raise ValueError(f'{name} must be {{"k": K, "ranges": [[start, end], ...], "sae"?: NAME}}')
+        raise InvalidArgument(f'{name} must be {{"k": K, "ranges": [[start, end], ...], "sae"?: NAME}}', field=name)
     sae = value.get("sae")
     if sae is not None and not isinstance(sae, str):
-        raise ValueError(f"{name}.sae must name an SAE")
-    return FeatureRequest(
-        sae=sae, k=_int(value["k"], f"{name}.k", 1), ranges=_ranges(value.get("ranges", []), f"{name}.ranges")
+        raise InvalidArgument(f"{name}.sae must name an SAE", field=f"{name}.sae")
+    return FeatureRequest(  # k's range is the SAE's: the engine's check
+        sae=sae, k=_int(value["k"], f"{name}.k"), ranges=_ranges(value.get("ranges", []), f"{name}.ranges")
     )
 
 
@@ -253,7 +203,7 @@ _GENERATE: dict[str, _Reader] = {
     "ignore_eos": _bool,
     "text": _bool,
     "readout": _ranges,
-    "request_id": _request_id,
+    "request_id": request_ids.check,
     "steer": _steer,
     "readout_format": _one_of(READOUT_FORMATS),
     "readout_encoding": _one_of(READOUT_ENCODINGS),
@@ -271,7 +221,7 @@ _SCORE: dict[str, _Reader] = {
     "top_logprobs": lambda v, n: _int(v, n, 0),
     "text": _bool,
     "readout": _ranges,
-    "request_id": _request_id,
+    "request_id": request_ids.check,
     "steer": _steer,
     "readout_format": _GENERATE["readout_format"],
     "readout_encoding": _GENERATE["readout_encoding"],
@@ -314,31 +264,28 @@ _SESSION_GENERATE: dict[str, _Reader] = {
 
 def _texts(value: Any, name: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
-        raise ValueError(f"{name} must be a list of texts")
+        raise InvalidArgument(f"{name} must be a list of texts", field=name)
     return tuple(value)
 
 
 def _layer_list(value: Any, name: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(type(x) is int for x in value):
-        raise ValueError(f"{name} must be a list of layer indices")
+        raise InvalidArgument(f"{name} must be a list of layer indices", field=name)
     return tuple(value)
 
 
 def _vector(value: Any, name: str) -> bytes:
-    try:
-        return parse_vector(name, value)
-    except InvalidArgument as exc:
-        raise ValueError(str(exc)) from None
+    return parse_vector(name, value)
 
 
 def _vectors(value: Any, name: str) -> dict[int, bytes]:
     """{"<layer>": vector, ...}: JSON keys are strings."""
     if not isinstance(value, dict) or not value:
-        raise ValueError(f'{name} must be an object {{"<layer>": vector, ...}}')
+        raise InvalidArgument(f'{name} must be an object {{"<layer>": vector, ...}}', field=name)
     out = {}
     for key, vector in value.items():
-        if not (isinstance(key, str) and key.isdigit()):
-            raise ValueError(f"{name}: {key!r} is not a layer index")
+        if not (key.isascii() and key.isdigit()):
+            raise InvalidArgument(f"{name}: {key!r} is not a layer index", field=name)
         out[int(key)] = _vector(vector, f"{name}[{key}]")
     return out
 

@@ -13,11 +13,10 @@ import numpy as np
 from salience.auth import Client
 from salience.core.engine.detokenizer import TextStream
 from salience.core.engine.requests import Features, FinishReason, SamplingOptions, ScoredToken, TokenEvent
-from salience.core.probes.calibration import ReadoutView
 from salience.core.probes.monitors import MonitorEvent
 from salience.core.probes.readouts import float32_row
 from salience.core.serving.turns import SessionToken, Turn, TurnDone
-from salience.lmtp.messages import Generate, SessionGenerate
+from salience.lmtp.messages import Generate, SessionGenerate, probes_of
 
 __all__ = [
     "finish_reason",
@@ -66,7 +65,7 @@ def turn(request: SessionGenerate, request_id: str, client: Client) -> Turn:
         images=request.images,
         logprob_ranges=request.logprobs,
         logprob_top_k=request.top_logprobs,
-        readout_ranges=request.readout,
+        probes=probes_of(request),
         sampling=SamplingOptions(
             max_tokens=request.max_tokens,
             temperature=request.temperature,
@@ -78,11 +77,6 @@ def turn(request: SessionGenerate, request_id: str, client: Client) -> Turn:
             structured_outputs=request.structured_outputs,
         ),
         request_id=request_id,
-        steer=request.steer,
-        monitors=request.monitors,
-        readout_view=ReadoutView.named(request.readout_format),
-        residual=request.residual,
-        features=request.features,
     )
 
 

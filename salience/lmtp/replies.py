@@ -44,7 +44,7 @@ def model_info(status: ServerStatus) -> dict | str:
         "eos_token_id": engine.tokenizer.eos_token_id,
         "chat_template": engine.chat.has_template,  # whether GENERATE/SCORE take `messages` (the REPL chats)
         "readout_manifest": dataclasses.asdict(engine.readouts.manifest) if engine.readouts else None,
-        "steering": engine.steering.manifest(engine.live.directions()) if engine.steering else None,
+        "steering": engine.steering_manifest() if engine.steering else None,
         "saes": [sae.info for sae in engine.saes],
     }
 

@@ -48,7 +48,7 @@ from salience import metrics, request_ids
 from salience.auth import Client, Identity
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import Admitted, Phase, ServerStatus
-from salience.errors import PermissionDenied, SalienceError
+from salience.errors import PermissionDenied, SalienceError, renamed
 from salience.lmtp import replies, streams
 from salience.lmtp.codec import LmtpError, parse_client_line
 from salience.lmtp.config import ConnectionLimits, LmtpConfig
@@ -71,6 +71,7 @@ from salience.lmtp.messages import (
     SessionGenerate,
     Status,
     Tokenize,
+    probes_of,
 )
 from salience.lmtp.outbox import Outbox
 from salience.lmtp.streams import Stream
@@ -90,14 +91,23 @@ def _scopes(message: ClientMessage) -> tuple[str, ...]:
     own = needs(f"LMTP {_NAMES[type(message)]}")
     if not isinstance(message, Generate | Score | SessionGenerate):
         return own
-    fields = asked(
-        readout=bool(message.readout),
-        monitors=getattr(message, "monitors", ()),
-        steer=message.steer,
-        residual=message.residual is not None,
-        features=message.features is not None,
-    )
-    return own + fields
+    return own + asked(probes_of(message))
+
+
+# Core's names of a message's fields where LMTP spells them otherwise.
+# Core's names that LMTP spells otherwise, for an error's field (`readout_ranges[1]` is `readout[1]`).
+_WIRE_NAMES = {
+    "readout_ranges": "readout",
+    "readout_view": "readout_format",
+    "logprobs_ranges": "logprobs",
+    "logprobs": "top_logprobs",
+    "continuation": "scored",
+    "append_tokens": "append",
+}
+
+
+def _wire_field(field: str | None) -> str | None:
+    return renamed(field, _WIRE_NAMES)
 
 
 # What a missing or wrong token gets: the close message of a connection refused at its start, and the
@@ -155,7 +165,7 @@ class LmtpSession:
         try:
             message = parse_client_line(line, self._limits.max_message_bytes)
         except LmtpError as exc:
-            self._reject(exc.kind, exc.stream_id, exc.message, exc.request_id)
+            self._reject(exc.kind, exc.stream_id, exc.message, exc.request_id, exc.field)
             return
         if isinstance(message, Cancel):  # needs no scope, and only ends what the connection started
             self._cancel(message.stream_id)
@@ -234,12 +244,19 @@ class LmtpSession:
             self.revoked = True
             self.close()
 
-    def _reject(self, kind: str | None, stream_id: int | None, message: str, request_id: str | None = None) -> None:
+    def _reject(
+        self,
+        kind: str | None,
+        stream_id: int | None,
+        message: str,
+        request_id: str | None = None,
+        field: str | None = None,
+    ) -> None:
         # Stream errors go where LMQL's client looks for them, or it waits forever.
         if kind in ("GENERATE", "SCORE", "SESSION_GENERATE") and stream_id is not None:
-            self._error(stream_id, message, request_id=request_id)
+            self._error(stream_id, message, request_id=request_id, field=field)
         else:
-            self._msg(self._failed(stream_id, message, "LmtpError", request_id))
+            self._msg(self._failed(stream_id, message, "LmtpError", request_id, field=field))
 
     # ---- streams -------------------------------------------------------------------
 
@@ -256,7 +273,8 @@ class LmtpSession:
             admitted = self._status.admit(self._frontend, _KINDS[type(request)], **client.admission())
         except SalienceError as exc:
             kind = type(exc).__name__
-            self._error(stream_id, str(exc), kind=kind, request_id=request_id, retry_after=exc.retry_after)
+            field = _wire_field(exc.field)
+            self._error(stream_id, str(exc), kind=kind, request_id=request_id, retry_after=exc.retry_after, field=field)
             return
         stream = Stream(stream_id, request_id, client)
         emit, engine = functools.partial(self._token, stream), admitted.engine
@@ -296,7 +314,7 @@ class LmtpSession:
             reason = stream.finish or "cancelled"
         except SalienceError as exc:
             reason = "error"
-            self._end_with_error(stream, str(exc), kind=type(exc).__name__)
+            self._end_with_error(stream, str(exc), kind=type(exc).__name__, field=_wire_field(exc.field))
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -317,7 +335,8 @@ class LmtpSession:
         try:
             payload = {"stream_id": stream_id, **await reply}
         except SalienceError as exc:
-            payload = self._failed(stream_id, str(exc), type(exc).__name__, retry_after=exc.retry_after)
+            kind, field = type(exc).__name__, _wire_field(exc.field)
+            payload = self._failed(stream_id, str(exc), kind, retry_after=exc.retry_after, field=field)
         self._msg(payload)
 
     async def _watch_status(self, stream_id: int) -> None:
@@ -350,9 +369,9 @@ class LmtpSession:
         if terminal and stream.finish != "cancelled":
             self._answer_late_cancel(stream)
 
-    def _end_with_error(self, stream: Stream, message: str, *, kind: str) -> None:
+    def _end_with_error(self, stream: Stream, message: str, *, kind: str, field: str | None = None) -> None:
         self._release(stream)
-        self._error(stream.id, message, kind=kind, request_id=stream.request_id)
+        self._error(stream.id, message, kind=kind, request_id=stream.request_id, field=field)
         self._answer_late_cancel(stream)
 
     def _answer_late_cancel(self, stream: Stream) -> None:
@@ -370,9 +389,10 @@ class LmtpSession:
         kind: str = "LmtpError",
         request_id: str | None = None,
         retry_after: float | None = None,
+        field: str | None = None,
     ) -> None:
         """End a stream with an error (`kind`: the SalienceError class, or what else went wrong)."""
-        self._put("TOKEN", self._failed(stream_id, message, kind, request_id, retry_after), force=True)
+        self._put("TOKEN", self._failed(stream_id, message, kind, request_id, retry_after, field), force=True)
 
     def _failed(
         self,
@@ -381,9 +401,11 @@ class LmtpSession:
         kind: str,
         request_id: str | None = None,
         retry_after: float | None = None,
+        field: str | None = None,
     ) -> dict:
-        """An error payload naming its request (the running stream's, if the id names one), with
-        `retry_after` seconds past a client's limit; counted and logged."""
+        """An error payload naming its request (the running stream's, if the id names one), the
+        message's field at fault (`field`, beside `error`), and `retry_after` seconds past a
+        client's limit; counted and logged."""
         running = self._streams.get(stream_id)
         request_id = request_id or (running and running.request_id) or self._new_request_id(stream_id)
         if kind == _UNAUTHORIZED_KIND:  # counted apart, as a wrong token at the start is
@@ -392,7 +414,10 @@ class LmtpSession:
             metrics.ERRORS.labels(self._frontend, kind).inc()
         extra = {"request_id": request_id, "stream_id": stream_id, "kind": kind, "error": message}
         log.info("request failed", extra=extra)
-        payload = {"stream_id": stream_id, "error": message, "request_id": request_id}
+        payload = {"stream_id": stream_id, "error": message}
+        if field is not None:
+            payload["field"] = field
+        payload["request_id"] = request_id
         if retry_after is not None:
             payload["retry_after"] = retry_after
         return payload

@@ -14,12 +14,11 @@ from salience.core.engine.detokenizer import TextStream
 from salience.core.engine.engine import Engine
 from salience.core.engine.generation import Generation
 from salience.core.engine.prompts import Prompt
-from salience.core.probes.calibration import ReadoutView
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.turns import TurnRun
 from salience.errors import InvalidArgument
 from salience.lmtp import payloads
-from salience.lmtp.messages import Generate, Score, SessionGenerate
+from salience.lmtp.messages import Generate, Score, SessionGenerate, probes_of
 
 __all__ = ["Emit", "Stream", "generate", "score", "session_generate"]
 
@@ -69,14 +68,9 @@ async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit
         prompt,
         payloads.sampling_options(request),
         **stream.client.engine_keywords(),
+        probes=probes_of(request),
         images=read.images,
         request_id=stream.request_id,
-        readout_ranges=request.readout,
-        steer=request.steer,
-        monitors=request.monitors,
-        readout_view=ReadoutView.named(request.readout_format),
-        residual=request.residual,
-        features=request.features,
     )
     if request.messages is not None:
         emit(payloads.prompt_ids_payload(stream_id, prompt))
@@ -112,43 +106,35 @@ async def score(stream: Stream, engine: Engine, request: Score, emit: Emit) -> N
     read = await prompt_of(engine, request)
     if read.images:
         raise InvalidArgument("messages hold an image, and SCORE reads none: GENERATE reads images in messages")
-    prompt, continuation = engine.checks.scoring(read.tokens, request.scored)
-    if request.messages is not None:
-        emit(payloads.prompt_ids_payload(request.stream_id, prompt))
-    # `generated` positions are the scored ones, as if the model had generated them.
-    steer = engine.resolve_steer(request.steer, len(prompt)).interventions
-    scored = []
     # A SCORE is one short pass, not aborted once running: cancelled before it, it is never
     # submitted; cancelled during it, its results are dropped. Either way it ends "cancelled".
     cancelled = {"stream_id": request.stream_id, "finish_reason": "cancelled"}
     if stream.cancelled:
         emit(cancelled)
         return
-    if (
-        continuation or request.readout or request.residual or request.features
-    ):  # one pass: the prompt's readouts and the continuation's scores
-        ids = prompt + continuation
-        scores = await engine.prefill(
-            ids,
-            **stream.client.engine_keywords(),
-            top_logprobs=request.top_logprobs,
-            logprobs_from=len(prompt),
-            readout_ranges=request.readout,
-            request_id=stream.request_id,
-            steer=steer,
-            readout_view=ReadoutView.named(request.readout_format),
-            residual=request.residual,
-            features=request.features,
-        )
-        if stream.cancelled:
-            emit(cancelled)
-            return
+    # One pass: the prompt's readouts and the continuation's scores.
+    scores = await engine.score_pass(
+        read.tokens,
+        request.scored,
+        **stream.client.engine_keywords(),
+        top_logprobs=request.top_logprobs,
+        probes=probes_of(request),
+        request_id=stream.request_id,
+    )
+    if stream.cancelled:
+        emit(cancelled)
+        return
+    prompt = read.tokens
+    if request.messages is not None:
+        emit(payloads.prompt_ids_payload(request.stream_id, prompt))
+    scored = []
+    if scores is not None:
         readouts = {p: r for p, r in scores.readouts.items() if p < len(prompt)}
         rows = {field: {p: r for p, r in taken.items() if p < len(prompt)} for field, taken in scores.rows.items()}
         emit_all(
             emit, payloads.prompt_payloads(request.stream_id, tuple(prompt), readouts, rows, request.readout_encoding)
         )
-        scored = [scores.at(p) for p in range(len(prompt), len(ids))]
+        scored = [scores.at(p) for p in range(len(prompt), len(scores.tokens))]
     text = TextStream(engine.tokenizer, prompt) if request.text else None
     scored_payloads = [
         payloads.token_payload(

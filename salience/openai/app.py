@@ -266,12 +266,7 @@ _CLIENT = web.RequestKey("openai_client", Client)
 
 def _asked(api: ApiRequest) -> tuple[str, ...]:
     """The scopes the request's `salience` extension asks for."""
-    if api.salience is None:
-        return ()
-    ext = api.salience
-    return asked(
-        readout=ext.readouts is not None, monitors=ext.monitors, steer=ext.steer, features=ext.features is not None
-    )
+    return () if api.salience is None else asked(api.salience.probes())
 
 
 async def _handle(

@@ -10,7 +10,6 @@ status the official `openai` client turns into its exception class (400 BadReque
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -72,11 +71,6 @@ def from_salience(exc: errors.SalienceError, param: str | None = None) -> ApiErr
     return ApiError(status, str(exc), kind, param, code, type(exc).__name__, exc.retry_after)
 
 
-# A message that starts with a field's path names that field: core writes `messages[2].role must
-# be ...`, `steer[0]: ...`, `top_p must be ...`.
-_PATH = re.compile(r"[a-z_]+(?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*")
-
-
 @contextlib.contextmanager
 def naming(
     param: str | None = None,
@@ -85,18 +79,20 @@ def naming(
     status: int | None = None,
     code: str | None = None,
 ) -> Iterator[None]:
-    """Raise a SalienceError from inside as an ApiError about `param`. A message that begins with a
-    field's path names the param more closely: `fields` maps the path's first name to the prefix
-    its param takes (by default `param` itself, unprefixed: `messages[2].role` under `messages`).
-    `status` and `code` override the mapping's (a model that is not served: 404 `model_not_found`)."""
+    """Raise a SalienceError from inside as an ApiError about `param`. An error whose `field` the
+    request has at a known place names the param more closely: `fields` maps the field's first
+    name to the prefix its param is joined under (by default `param`'s own name, unprefixed:
+    `messages[2].role` under `messages`); any other field is not the request's own spelling, and
+    the param stays `param`. `status` and `code` override the mapping's (a model that is not
+    served: 404 `model_not_found`)."""
     known = fields if fields is not None else ({param: ""} if param else {})
     try:
         yield
     except errors.SalienceError as exc:
         error = from_salience(exc, param)
-        found = _PATH.match(str(exc))
-        if found and (prefix := known.get(re.split(r"[\[.]", found.group())[0])) is not None:
-            error.param = prefix + found.group()
+        field = exc.field
+        if field and (prefix := known.get(errors.first_name(field))) is not None:
+            error.param = errors.join(prefix, field)
         if status is not None:
             error.status = status
         if code is not None:

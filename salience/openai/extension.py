@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from salience.core.engine.requests import FeatureRequest
+from salience.core.engine.requests import FeatureRequest, Probes
 from salience.core.probes.calibration import ReadoutView
 from salience.core.probes.monitors import Monitor, parse_monitors
 from salience.core.probes.steering import Intervention
@@ -67,20 +67,21 @@ class Extension:
         """Whether a request at `temperature` asks the engine for raw logprobs."""
         return self.logprobs == "raw" if self.logprobs is not None else temperature > 0
 
-    def engine_arguments(self, prompt_len: int, max_tokens: int) -> dict[str, Any]:
-        """Engine.generate's keyword arguments for a prompt of `prompt_len` tokens."""
+    def probes(self, prompt_len: int = 0, max_tokens: int = 0) -> Probes:
+        """What the extension asks of the engine for a prompt of `prompt_len` tokens (by default
+        where nothing falls, for what it asks regardless: its scopes)."""
         readouts, features = self.readouts, self.features
-        return {
-            "readout_ranges": (_span(readouts.over, prompt_len, max_tokens),) if readouts else (),
-            "readout_view": ReadoutView.named(readouts.format if readouts else "raw"),
-            "features": FeatureRequest(
+        return Probes(
+            readout_ranges=(_span(readouts.over, prompt_len, max_tokens),) if readouts else (),
+            readout_view=ReadoutView.named(readouts.format if readouts else "raw"),
+            features=FeatureRequest(
                 sae=features.sae, k=features.k, ranges=(_span(features.over, prompt_len, max_tokens),)
             )
             if features
             else None,
-            "monitors": self.monitors,
-            "steer": self.steer,
-        }
+            monitors=self.monitors,
+            steer=self.steer,
+        )
 
     @property
     def per_token(self) -> bool:
@@ -108,10 +109,10 @@ def parse_extension(value: Any, name: str = "salience") -> Extension:
     if value.get("features") is not None:
         parts["features"] = _features(value["features"], f"{name}.features")
     if value.get("monitors") is not None:
-        with naming(f"{name}.monitors"):
+        with naming(f"{name}.monitors", fields={}):  # the list is the param, not a monitor's field
             parts["monitors"] = parse_monitors(value["monitors"])
     if value.get("steer") is not None:
-        with naming(f"{name}.steer", fields={"steer": f"{name}."}):
+        with naming(f"{name}.steer", fields={"steer": name}):
             parts["steer"] = parse_interventions(value["steer"])
     if value.get("logprobs") is not None:
         parts["logprobs"] = _choice(value, "logprobs", LOGPROBS, "raw", name)

@@ -1,5 +1,6 @@
 """The JSON field readers of OpenAI request bodies (chat, completions and Responses): a value and
-its field's name in, a typed value out, or a 400 naming the field as OpenAI's `param`.
+its field's name in, a typed value out, or a 400 naming the field as OpenAI's `param`. The
+readers are salience.readers' (LMTP's too), their InvalidArgument's field made the param.
 
 `read_fields` applies OpenAI's rule for a whole body once for every endpoint: known fields read,
 null ones left at their default, harmless ones ignored, and any other field a 400: unknown, or
@@ -14,57 +15,36 @@ from typing import Any
 
 import orjson
 
-from salience.openai.errors import bad_request
+from salience import readers
+from salience.openai.errors import bad_request, naming
+from salience.readers import INT64, show
 
 __all__ = ["INT64", "Reader", "boolean", "finite", "integer", "load", "number", "read_fields", "show", "string"]
 
-INT64 = 2**63
 Reader = Callable[[Any, str], Any]
 
 
-def show(value: Any) -> str:
-    """A value as an error quotes it, cut short."""
-    text = orjson.dumps(value).decode() if isinstance(value, (dict, list, str, int, float, bool)) else "?"
-    return text if len(text) <= 40 else text[:37] + "..."
+def _api(read: Reader) -> Reader:
+    """One of salience.readers, its error the 400 whose param is its field."""
+
+    def api_read(value: Any, name: str) -> Any:
+        with naming(name):
+            return read(value, name)
+
+    return api_read
 
 
 def number(low: float, high: float) -> Reader:
-    def read(value: Any, name: str) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise bad_request(f"{name} must be a number, got {show(value)}", name)
-        if not low <= value <= high:
-            raise bad_request(f"{name} must be in [{low:g}, {high:g}], got {value}", name)
-        return float(value)
-
-    return read
+    return _api(lambda value, name: readers.number(value, name, low, high))
 
 
 def integer(low: int, high: int) -> Reader:
-    def read(value: Any, name: str) -> int:
-        if type(value) is not int:
-            raise bad_request(f"{name} must be an integer, got {show(value)}", name)
-        if not low <= value <= high:
-            raise bad_request(f"{name} must be in [{low}, {high}], got {value}", name)
-        return value
-
-    return read
+    return _api(lambda value, name: readers.integer(value, name, low, high, interval=True))
 
 
-def boolean(value: Any, name: str) -> bool:
-    if type(value) is not bool:
-        raise bad_request(f"{name} must be true or false, got {show(value)}", name)
-    return value
-
-
-def string(value: Any, name: str) -> str:
-    if not isinstance(value, str):
-        raise bad_request(f"{name} must be a string, got {show(value)}", name)
-    return value
-
-
-def finite(value: Any, name: str) -> float:
-    """A number whose range the core checks (vLLM's extras have vLLM's ranges)."""
-    return number(-math.inf, math.inf)(value, name)
+boolean = _api(readers.boolean)
+string = _api(readers.string)
+finite = number(-math.inf, math.inf)  # a number whose range the core checks (vLLM's extras have vLLM's ranges)
 
 
 def load(body: bytes) -> Any:

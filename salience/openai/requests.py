@@ -162,7 +162,7 @@ def _token_id_list(value: Any, name: str) -> tuple[int, ...]:
 
 
 def _structured_outputs(value: Any, name: str) -> Constraint:
-    with naming(name, fields={name: ""}):  # core's one reader, LMTP's too
+    with naming(name):  # core's one reader, LMTP's too
         return parse_constraint(value, name)
 
 

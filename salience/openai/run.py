@@ -19,7 +19,8 @@ from salience.auth import Client
 from salience.core.engine.engine import Engine
 from salience.core.engine.generation import Generation
 from salience.core.engine.prompts import Prompt
-from salience.core.engine.requests import SamplingOptions
+from salience.core.engine.requests import NO_PROBES, SamplingOptions
+from salience.errors import under
 from salience.openai.choices import Choice, Step
 from salience.openai.errors import naming
 from salience.openai.extension import Extension
@@ -31,8 +32,8 @@ from salience.openai.tool_calls import Calls, require_parser
 
 __all__ = ["Run", "prompts"]
 
-# Request fields whose name starts the core's messages about them (`top_p must be ...`,
-# `features.k must be ...`), and the prefix of their param.
+# The request fields core names by their OpenAI names (an error's `field`: `top_p`,
+# `features.k`), and the prefix their param takes.
 _FIELDS = {
     **{
         name: ""
@@ -42,6 +43,9 @@ _FIELDS = {
             "seed",
             "logit_bias",
             "prompt",
+            "messages",
+            "logprobs",
+            "top_logprobs",
             "top_k",
             "min_p",
             "repetition_penalty",
@@ -49,11 +53,14 @@ _FIELDS = {
             "stop_token_ids",
             "structured_outputs",
             "response_format",
+            "text",
             "tools",
         )
     },
-    **{name: "salience." for name in ("steer", "features", "monitors")},
+    **{name: "salience" for name in ("steer", "features", "monitors")},
 }
+# Core's names that chat calls otherwise: the prompt is the rendering of its messages.
+_CHAT_NAMES = {"prompt": "messages", "logprobs": "top_logprobs"}
 
 
 async def prompts(engine: Engine, request: ApiRequest) -> list[Prompt]:
@@ -104,8 +111,6 @@ class Run:
 
     def _submit(self, engine: Engine, request_id: str, client: Client) -> None:
         request, sampling, ext = self._request, self._request.sampling, self._request.salience
-        with naming("top_logprobs" if request.kind == CHAT else "logprobs"):
-            engine.checks.top_k(request.top_logprobs)
         calling = request.tool_choice.mode != "none"  # the reply may call tools (tool_calls.py)
         if calling:
             require_parser(request.tool_choice, engine.chat.tool_parser)
@@ -116,9 +121,7 @@ class Run:
         raw_logprobs = request.logprobs and (ext or Extension()).raw_logprobs(sampling.temperature)
         for p, (prompt, images) in enumerate((p.tokens, p.images) for p in self._prompts):
             max_tokens = sampling.max_tokens or max(engine.max_model_len - len(prompt), 1)
-            with naming("messages" if request.kind == CHAT else "prompt"):
-                engine.checks.room(len(prompt), max_tokens, "max_tokens")
-            extra = ext.engine_arguments(len(prompt), max_tokens) if ext is not None else {}
+            probes = ext.probes(len(prompt), max_tokens) if ext is not None else NO_PROBES
             for j in range(sampling.n):
                 index = p * sampling.n + j
                 options = SamplingOptions(
@@ -139,14 +142,17 @@ class Run:
                     structured_outputs=sampling.structured_outputs,
                     raw_logprobs=raw_logprobs,
                 )
-                with naming("salience" if ext is not None else None, fields=_FIELDS):
+                with (
+                    naming("salience" if ext is not None else None, fields=_FIELDS),
+                    under(names=_CHAT_NAMES if request.kind == CHAT else None),
+                ):
                     generation = engine.generate(
                         prompt,
                         options,
                         request_id=request_id if single else f"{request_id}-{index}",
+                        probes=probes,
                         images=images,
                         **client.engine_keywords(),
-                        **extra,
                     )
                 self._generations.append(generation)
                 readings = (

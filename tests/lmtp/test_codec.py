@@ -499,3 +499,28 @@ def test_f32_readouts_carry_what_float32_holds(values: list[float | None]) -> No
         expected = np.array([np.nan if v is None else v for v in values], dtype=np.float32)
     got = np.array(readout_values(readout_field(tuple(values), "f32")), dtype=np.float32)
     np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ('GENERATE {"stream_id": 3, "prompt": [1], "temperature": "hot"}', "temperature"),
+        ('GENERATE {"stream_id": 3, "prompt": [1, -2]}', "prompt[1]"),
+        ('GENERATE {"stream_id": 3, "prompt": [1], "logit_bias": {"5": "lots"}}', "logit_bias[5]"),
+        ('GENERATE {"stream_id": 3, "prompt": [1], "temprature": 1}', "temprature"),
+        ('GENERATE {"stream_id": 3}', "prompt"),
+        ('SCORE {"stream_id": 3, "prompt": [1]}', "scored"),
+        ('GENERATE {"stream_id": 3, "messages": [{"role": "bot", "content": "b"}]}', "messages[0].role"),
+        ('GENERATE {"stream_id": 3, "prompt": [1], "steer": [{"layers": [1]}]}', "steer[0]"),
+        ('GENERATE {"stream_id": 3, "prompt": [1], "readout": [[1]]}', "readout[0]"),
+        ('GENERATE {"stream_id": 3, "prompt": [1], "features": {"k": 2, "sae": 5}}', "features.sae"),
+        ('GENERATE {"stream_id": 3, "prompt": [1], "structured_outputs": {"choice": []}}', "structured_outputs.choice"),
+        ('GENERATE {"stream_id": 3, "prompt": [1], "request_id": ""}', "request_id"),
+        ('SESSION_GENERATE {"stream_id": 3, "session_id": "s", "offset": -1}', "offset"),
+        ("GENERATE {", None),  # the line as a whole
+    ],
+)
+def test_an_error_names_its_field(line: str, field: str | None) -> None:
+    with pytest.raises(LmtpError) as info:
+        parse_client_line(line)
+    assert info.value.field == field, info.value.message

@@ -378,9 +378,9 @@ def test_the_extension_reads_its_parts_with_the_cores_parsers() -> None:
 def test_spans_become_the_engines_position_ranges(
     extension: Extension, readout_ranges: tuple, feature_ranges: tuple | None, per_token: bool
 ) -> None:
-    arguments = extension.engine_arguments(10, 5)
-    assert arguments["readout_ranges"] == readout_ranges
-    assert (arguments["features"] and arguments["features"].ranges) == feature_ranges
+    probes = extension.probes(10, 5)
+    assert probes.readout_ranges == readout_ranges
+    assert (probes.features and probes.features.ranges) == feature_ranges
     assert extension.per_token == per_token
 
 
@@ -406,19 +406,21 @@ def test_salience_errors_map_to_the_statuses_the_openai_client_knows(
     assert (mapped.status, mapped.type, mapped.code, mapped.kind) == (status, kind, code, type(error).__name__)
 
 
-def test_naming_finds_the_param_a_core_message_begins_with() -> None:
-    def raised(message: str, **kwargs) -> ApiError:
+def test_naming_finds_the_param_of_the_errors_field() -> None:
+    def raised(message: str, field: str | None = None, **kwargs) -> ApiError:
         with pytest.raises(ApiError) as caught, naming(**kwargs):
-            raise errors.InvalidArgument(message)
+            raise errors.InvalidArgument(message, field=field)
         return caught.value
 
-    assert raised("messages[2].role must be one of", param="messages").param == "messages[2].role"
+    assert raised("messages[2].role must be one of", "messages[2].role", param="messages").param == "messages[2].role"
     assert raised("the template refused", param="messages").param == "messages"
-    assert raised("steer[1]: unknown field", param="salience.steer", fields={"steer": "salience."}).param == (
-        "salience.steer[1]"
+    assert raised(
+        "steer[1]: unknown field", "steer[1]", param="salience.steer", fields={"steer": "salience"}
+    ).param == ("salience.steer[1]")
+    assert raised("top_p must be in (0, 1]", "top_p", param="salience", fields={"top_p": ""}).param == "top_p"
+    assert raised("monitor 0: unknown concept", "monitors[0]", param="salience", fields={"top_p": ""}).param == (
+        "salience"
     )
-    assert raised("top_p must be in (0, 1]", param="salience", fields={"top_p": ""}).param == "top_p"
-    assert raised("monitor 0: unknown concept", param="salience", fields={"top_p": ""}).param == "salience"
     assert raised("the server is draining").param is None
     missing = raised("model 'x' is not served here", param="model", status=404, code="model_not_found")
     assert (missing.status, missing.param, missing.code) == (404, "model", "model_not_found")

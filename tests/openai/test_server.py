@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from salience.auth import Tokens
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import SamplingOptions
+from salience.core.engine.requests import Probes, SamplingOptions
 from salience.core.probes.calibration import ReadoutView
 from salience.lmtp.session import LmtpConfig
 from salience.openai.tokens import token_text
@@ -169,7 +169,7 @@ async def test_readouts_ride_with_each_token_as_the_core_gives_them_to_lmtp(
     extra = reply.choices[0].model_extra["salience"]
     options = SamplingOptions(max_tokens=6, temperature=0.0)
     generation = default_engine.generate(
-        prompt, options, readout_ranges=[(len(prompt), 10**6)], readout_view=ReadoutView.RUNNING
+        prompt, options, probes=Probes(readout_ranges=[(len(prompt), 10**6)], readout_view=ReadoutView.RUNNING)
     )
     events = [e async for e in generation]
     assert [t["position"] for t in extra["tokens"]] == [e.position for e in events]

@@ -208,7 +208,7 @@ class ChatRenderer:
                     if self._vision is None
                     else "the chat template reads content as one string, with no place for an image"
                 )
-                raise InvalidArgument(f"{where}[{i}] is an image, and {why}")
+                raise InvalidArgument(f"{where}[{i}] is an image, and {why}", field=f"{where}[{i}]")
         if self._text_as_string:
             return "\n".join(part.text for part in content if isinstance(part, TextPart))
         # An image is `{"type": "image"}` to the template, as vLLM's server and transformers' processors give it.
@@ -222,11 +222,11 @@ def _data_url(url: str, where: str) -> tuple[bytes, str]:
     header, comma, body = url.removeprefix("data:").partition(",")
     mime, *options = header.split(";")
     if not comma or "base64" not in options:
-        raise InvalidArgument(f"{where} must be a base64 data: URL (data:image/png;base64,...)")
+        raise InvalidArgument(f"{where} must be a base64 data: URL (data:image/png;base64,...)", field=where)
     try:
         return base64.b64decode(body, validate=True), mime
     except binascii.Error:
-        raise InvalidArgument(f"{where}: the base64 after the comma does not decode") from None
+        raise InvalidArgument(f"{where}: the base64 after the comma does not decode", field=where) from None
 
 
 def _expand(vision: Vision, ids: tuple[int, ...], facts: Sequence[ImageFacts]) -> Prompt:

@@ -67,9 +67,9 @@ class ChatMessage:
 def parse_messages(value: Any, name: str = "messages") -> tuple[ChatMessage, ...]:
     """`value` (JSON) as messages, or InvalidArgument naming the first bad field."""
     if not isinstance(value, list):
-        raise InvalidArgument(f"{name} must be a list of messages")
+        raise InvalidArgument(f"{name} must be a list of messages", field=name)
     if not value:
-        raise InvalidArgument(f"{name} must hold at least one message")
+        raise InvalidArgument(f"{name} must hold at least one message", field=name)
     return tuple(_message(item, f"{name}[{i}]") for i, item in enumerate(value))
 
 
@@ -83,26 +83,36 @@ def check_tool_replies(messages: Sequence[ChatMessage], name: str = "messages") 
         if message.role != "tool":
             continue
         if message.tool_call_id is None:
-            raise InvalidArgument(f"{name}[{i}].tool_call_id is required: a tool message answers a tool call")
+            raise InvalidArgument(
+                f"{name}[{i}].tool_call_id is required: a tool message answers a tool call",
+                field=f"{name}[{i}].tool_call_id",
+            )
         if message.tool_call_id not in calls:
             raise InvalidArgument(
                 f"{name}[{i}].tool_call_id {_show(message.tool_call_id)} answers no tool call "
-                "of an earlier assistant message"
+                "of an earlier assistant message",
+                field=f"{name}[{i}].tool_call_id",
             )
 
 
 def _message(value: Any, where: str) -> ChatMessage:
     if not isinstance(value, dict):
-        raise InvalidArgument(f'{where} must be an object {{"role": ..., "content": ...}}')
+        raise InvalidArgument(f'{where} must be an object {{"role": ..., "content": ...}}', field=where)
     unknown = sorted(set(value) - set(_MESSAGE_FIELDS))
     if unknown:
-        raise InvalidArgument(f"{where}: unknown field {unknown[0]!r}; known: {', '.join(_MESSAGE_FIELDS)}")
+        raise InvalidArgument(
+            f"{where}: unknown field {unknown[0]!r}; known: {', '.join(_MESSAGE_FIELDS)}", field=where
+        )
     role = value.get("role")
     if role not in ROLES:
-        raise InvalidArgument(f"{where}.role must be one of {', '.join(ROLES)}, got {_show(role)}")
+        raise InvalidArgument(
+            f"{where}.role must be one of {', '.join(ROLES)}, got {_show(role)}", field=f"{where}.role"
+        )
     calls = _tool_calls(value.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else ()
     if role != "assistant" and value.get("tool_calls") is not None:
-        raise InvalidArgument(f"{where}.tool_calls is only allowed on an assistant message")
+        raise InvalidArgument(
+            f"{where}.tool_calls is only allowed on an assistant message", field=f"{where}.tool_calls"
+        )
     content = value.get("content")
     return ChatMessage(
         role=role,
@@ -119,7 +129,7 @@ def _tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
-        raise InvalidArgument(f"{where} must be a list of tool calls")
+        raise InvalidArgument(f"{where} must be a list of tool calls", field=where)
     calls = []
     for i, call in enumerate(value):
         at = f"{where}[{i}]"
@@ -130,13 +140,17 @@ def _tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
             or call.get("type", "function") != "function"
             or set(function) - {"name", "arguments"}
         ):
-            raise InvalidArgument(f'{at} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
+            raise InvalidArgument(
+                f'{at} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', field=at
+            )
         for key, text in (("id", call.get("id")), ("function.name", function.get("name"))):
             if not isinstance(text, str) or not text:
-                raise InvalidArgument(f"{at}.{key} must be a non-empty string")
+                raise InvalidArgument(f"{at}.{key} must be a non-empty string", field=f"{at}.{key}")
         arguments = function.get("arguments", "{}")
         if not isinstance(arguments, str):
-            raise InvalidArgument(f"{at}.function.arguments must be a string (the arguments' JSON text)")
+            raise InvalidArgument(
+                f"{at}.function.arguments must be a string (the arguments' JSON text)", field=f"{at}.function.arguments"
+            )
         calls.append(ToolCall(id=call["id"], name=function["name"], arguments=arguments))
     return tuple(calls)
 
@@ -145,7 +159,7 @@ def _content(value: Any, where: str) -> str | tuple[ContentPart, ...]:
     if isinstance(value, str):
         return value
     if not isinstance(value, list) or not value:
-        raise InvalidArgument(f"{where} must be a string or a non-empty list of parts")
+        raise InvalidArgument(f"{where} must be a string or a non-empty list of parts", field=where)
     return tuple(_part(part, f"{where}[{i}]") for i, part in enumerate(value))
 
 
@@ -153,27 +167,30 @@ def _part(value: Any, where: str) -> ContentPart:
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "text":
         if set(value) != {"type", "text"} or not isinstance(value["text"], str):
-            raise InvalidArgument(f'{where} must be {{"type": "text", "text": "..."}}')
+            raise InvalidArgument(f'{where} must be {{"type": "text", "text": "..."}}', field=where)
         return TextPart(text=value["text"])
     if kind == "image_url":
         image = value.get("image_url")
         if set(value) != {"type", "image_url"} or not isinstance(image, dict) or not isinstance(image.get("url"), str):
-            raise InvalidArgument(f'{where} must be {{"type": "image_url", "image_url": {{"url": "data:..."}}}}')
+            raise InvalidArgument(
+                f'{where} must be {{"type": "image_url", "image_url": {{"url": "data:..."}}}}', field=where
+            )
         url = image["url"]
         if url.startswith(("http://", "https://")):
             raise InvalidArgument(
                 f"{where}.image_url.url is an http(s) URL, and the server fetches nothing: "
-                "send the image inline, as a data: URL"
+                "send the image inline, as a data: URL",
+                field=f"{where}.image_url.url",
             )
         if not url.startswith("data:"):
-            raise InvalidArgument(f"{where}.image_url.url must be a data: URL")
+            raise InvalidArgument(f"{where}.image_url.url must be a data: URL", field=f"{where}.image_url.url")
         return ImagePart(url=url)
-    raise InvalidArgument(f"{where} must be a text part or an image_url part, got type {_show(kind)}")
+    raise InvalidArgument(f"{where} must be a text part or an image_url part, got type {_show(kind)}", field=where)
 
 
 def _optional_str(value: Any, where: str) -> str | None:
     if value is not None and not isinstance(value, str):
-        raise InvalidArgument(f"{where} must be a string")
+        raise InvalidArgument(f"{where} must be a string", field=where)
     return value
 
 

@@ -36,24 +36,29 @@ class RequestChecks:
         if all(type(t) is int for t in ids) and (not ids or (min(ids) >= 0 and max(ids) < self.vocab_size)):
             return ids
         index, bad = next((i, t) for i, t in enumerate(ids) if type(t) is not int or not 0 <= t < self.vocab_size)
-        raise InvalidArgument(f"{what}[{index}] = {bad!r} is not a token id of this model (0..{self.vocab_size - 1})")
+        raise InvalidArgument(
+            f"{what}[{index}] = {bad!r} is not a token id of this model (0..{self.vocab_size - 1})",
+            field=f"{what}[{index}]",
+        )
 
     def scoring(self, prompt: Sequence[int], continuation: Sequence[int]) -> tuple[list[int], list[int]]:
         prompt = self.tokens("prompt", prompt)
         continuation = self.tokens("continuation", continuation)
         if not prompt:
-            raise InvalidArgument("prompt is empty: the first token has no context to be scored in")
+            raise InvalidArgument("prompt is empty: the first token has no context to be scored in", field="prompt")
         return prompt, continuation
 
-    def room(self, used: int, more: int, what: str) -> None:
+    def room(self, used: int, more: int, what: str, field: str | None = None) -> None:
+        """`used` tokens and `more` (`what`) within the context; `field`: the one at fault."""
         if used + more > self.max_model_len:
             raise ContextOverflow(
-                f"{used} tokens plus {what} ({more}) exceed the model's context of {self.max_model_len} tokens"
+                f"{used} tokens plus {what} ({more}) exceed the model's context of {self.max_model_len} tokens",
+                field=field,
             )
 
-    def top_k(self, k: int) -> None:
+    def top_k(self, k: int, field: str = "logprobs") -> None:
         if not isinstance(k, int) or k < 0 or k > self.max_logprobs:
-            raise InvalidArgument(f"top logprobs must be an integer in 0..{self.max_logprobs}, got {k!r}")
+            raise InvalidArgument(f"top logprobs must be an integer in 0..{self.max_logprobs}, got {k!r}", field=field)
 
     async def constraint(self, c: Constraint | None) -> None:
         """Validate a request's constraint in a worker thread (constraints.py), before `generate`:
@@ -71,33 +76,47 @@ class RequestChecks:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(o, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise InvalidArgument(f"{name} must be a finite number, got {value!r}")
+                raise InvalidArgument(f"{name} must be a finite number, got {value!r}", field=name)
         if o.temperature < 0:
-            raise InvalidArgument(f"temperature must be >= 0, got {o.temperature}")
+            raise InvalidArgument(f"temperature must be >= 0, got {o.temperature}", field="temperature")
         if not 0 < o.top_p <= 1:
-            raise InvalidArgument(f"top_p must be in (0, 1], got {o.top_p}")
+            raise InvalidArgument(f"top_p must be in (0, 1], got {o.top_p}", field="top_p")
         if not isinstance(o.top_k, int) or o.top_k < 0:
-            raise InvalidArgument(f"top_k must be a non-negative integer (0 = off), got {o.top_k!r}")
+            raise InvalidArgument(f"top_k must be a non-negative integer (0 = off), got {o.top_k!r}", field="top_k")
         if type(o.min_tokens) is not int or o.min_tokens < 0:
-            raise InvalidArgument(f"min_tokens must be a non-negative integer, got {o.min_tokens!r}")
+            raise InvalidArgument(
+                f"min_tokens must be a non-negative integer, got {o.min_tokens!r}", field="min_tokens"
+            )
         if o.seed is not None and (type(o.seed) is not int or not -(2**63) <= o.seed < 2**63):
-            raise InvalidArgument(f"seed must be a 64-bit integer, got {o.seed!r}")
+            raise InvalidArgument(f"seed must be a 64-bit integer, got {o.seed!r}", field="seed")
         if type(o.priority) is not int or not -(2**31) <= o.priority < 2**31:
-            raise InvalidArgument(f"priority must be a 32-bit integer, got {o.priority!r}")
+            raise InvalidArgument(f"priority must be a 32-bit integer, got {o.priority!r}", field="priority")
         stop = self.tokens("stop_token_ids", o.stop_token_ids)
-        bias_ids = self.tokens("logit_bias", list(o.logit_bias))
+        bias_ids = list(o.logit_bias)
         for token, bias in o.logit_bias.items():
+            if type(token) is not int or not 0 <= token < self.vocab_size:  # keyed by token id: named by it
+                raise InvalidArgument(
+                    f"logit_bias[{token!r}]: {token!r} is not a token id of this model (0..{self.vocab_size - 1})",
+                    field=f"logit_bias[{token}]",
+                )
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
-                raise InvalidArgument(f"logit_bias[{token}] must be a finite number, got {bias!r}")
+                raise InvalidArgument(
+                    f"logit_bias[{token}] must be a finite number, got {bias!r}", field=f"logit_bias[{token}]"
+                )
         allowed = None
         if o.allowed_token_ids is not None:
             allowed = self.tokens("allowed_token_ids", o.allowed_token_ids)
             if not allowed:
-                raise InvalidArgument("allowed_token_ids is empty: no token could be sampled")
+                raise InvalidArgument(
+                    "allowed_token_ids is empty: no token could be sampled", field="allowed_token_ids"
+                )
         structured = None
         if o.structured_outputs is not None:
             if self.constraints is None:
-                raise InvalidArgument(f"{o.structured_outputs.source}: this engine has no structured outputs")
+                raise InvalidArgument(
+                    f"{o.structured_outputs.source}: this engine has no structured outputs",
+                    field=o.structured_outputs.source,
+                )
             structured = self.constraints.params(o.structured_outputs)
         # top_k == 1 is greedy whatever the temperature; running it as greedy keeps
         # the reported logprobs informative (see engine.py's docstring).

@@ -56,18 +56,20 @@ _NEUTRAL = {
 def parse_constraint(value: Any, name: str = "structured_outputs") -> Constraint:
     """vLLM's `structured_outputs` object as a Constraint; null members count as absent."""
     if not isinstance(value, dict):
-        raise InvalidArgument(f"{name} must be an object holding one of {', '.join(KINDS)}")
+        raise InvalidArgument(f"{name} must be an object holding one of {', '.join(KINDS)}", field=name)
     for key, option in value.items():
         if key in KINDS:
             continue
         if key not in _NEUTRAL:
-            raise InvalidArgument(f"{name}.{key} is not a constraint; {name} holds one of {', '.join(KINDS)}")
+            raise InvalidArgument(
+                f"{name}.{key} is not a constraint; {name} holds one of {', '.join(KINDS)}", field=f"{name}.{key}"
+            )
         if option is not None and option != _NEUTRAL[key]:
-            raise InvalidArgument(f"{name}.{key} is not supported by this server")
+            raise InvalidArgument(f"{name}.{key} is not supported by this server", field=f"{name}.{key}")
     given = [kind for kind in KINDS if value.get(kind) is not None]
     if len(given) != 1:
         found = f"got {' and '.join(given)}" if given else "got none"
-        raise InvalidArgument(f"{name} must hold exactly one of {', '.join(KINDS)}; {found}")
+        raise InvalidArgument(f"{name} must hold exactly one of {', '.join(KINDS)}; {found}", field=name)
     kind = given[0]
     return constraint(kind, value[kind], f"{name}.{kind}")
 
@@ -79,21 +81,21 @@ def constraint(kind: ConstraintKind, value: Any, name: str) -> Constraint:
         spec: str | tuple[str, ...] | None = _schema(value, name)
     elif kind == "json_object":
         if value is not True:
-            raise InvalidArgument(f"{name} must be true (leave it out for no constraint)")
+            raise InvalidArgument(f"{name} must be true (leave it out for no constraint)", field=name)
         spec = None
     elif kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
-            raise InvalidArgument(f"{name} must be a non-empty list of strings")
+            raise InvalidArgument(f"{name} must be a non-empty list of strings", field=name)
         spec = tuple(value)
     elif kind in ("regex", "grammar"):
         if not isinstance(value, str) or (kind == "grammar" and not value.strip()):
-            raise InvalidArgument(f"{name} must be a {'non-empty ' if kind == 'grammar' else ''}string")
+            raise InvalidArgument(f"{name} must be a {'non-empty ' if kind == 'grammar' else ''}string", field=name)
         spec = value
     else:
-        raise InvalidArgument(f"{name}: unknown constraint kind {kind!r}")
+        raise InvalidArgument(f"{name}: unknown constraint kind {kind!r}", field=name)
     size = sum(map(len, spec)) if isinstance(spec, tuple) else len(spec or "")
     if size > MAX_SPEC_CHARS:
-        raise InvalidArgument(f"{name} is {size} characters long; at most {MAX_SPEC_CHARS} are allowed")
+        raise InvalidArgument(f"{name} is {size} characters long; at most {MAX_SPEC_CHARS} are allowed", field=name)
     return Constraint(kind=kind, spec=spec, source=name)
 
 
@@ -104,9 +106,9 @@ def _schema(value: Any, name: str) -> str:
         try:
             value = json.loads(value)
         except ValueError as exc:
-            raise InvalidArgument(f"{name} is not valid JSON: {exc}") from None
+            raise InvalidArgument(f"{name} is not valid JSON: {exc}", field=name) from None
     if not isinstance(value, dict):
-        raise InvalidArgument(f"{name} must be a JSON schema (an object)")
+        raise InvalidArgument(f"{name} must be a JSON schema (an object)", field=name)
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -136,7 +138,7 @@ class ConstraintBackend:
             verdict = self._verify(c)
         self._keep(key, verdict)
         if isinstance(verdict, str):
-            raise InvalidArgument(f"{c.source}: {verdict}")
+            raise InvalidArgument(f"{c.source}: {verdict}", field=c.source)
         return copy.deepcopy(verdict)  # vLLM's own validation writes into the request's copy
 
     def _keep(self, key: tuple, verdict: StructuredOutputsParams | str) -> None:

@@ -39,7 +39,7 @@ from salience.core.engine.live import Hold, LiveConcepts
 from salience.core.engine.newcomer_scheduler import NEWCOMER
 from salience.core.engine.passes import Passes
 from salience.core.engine.prompts import PlacedImage, submission
-from salience.core.engine.requests import FeatureRequest, ResidualRequest, SamplingOptions
+from salience.core.engine.requests import NO_PROBES, Probes, SamplingOptions
 from salience.core.engine.row_budget import RowBudget
 from salience.core.engine.rows import RowPlan, feature_plan, watched_features
 from salience.core.engine.settings import EngineSettings
@@ -51,8 +51,9 @@ from salience.core.probes.monitors import Monitor, MonitorState
 from salience.core.probes.readout_worker import TAG
 from salience.core.probes.readouts import READ_TO_END, ReadoutHub, check_ranges, each_engine
 from salience.core.probes.steering import Directions, Intervention, ResolvedSteer
+from salience.core.probes.steering import manifest as steering_manifest
 from salience.core.probes.steering_worker import TAG as STEER_TAG
-from salience.errors import InvalidArgument
+from salience.errors import InvalidArgument, under
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -143,17 +144,12 @@ class Engine(Passes):
         prompt: Sequence[int],
         options: SamplingOptions,
         *,
+        probes: Probes = NO_PROBES,
         request_id: str | None = None,
-        readout_ranges: Sequence[tuple[int, int]] = (),
         prompt_logprobs: int | None = None,
         logprobs_from: int = 1,
         images: Sequence[PlacedImage] = (),
-        steer: Sequence[Intervention] = (),
         dp_rank: int | None = None,
-        monitors: Sequence[Monitor] = (),
-        readout_view: ReadoutView = ReadoutView.RAW,
-        residual: ResidualRequest | None = None,
-        features: FeatureRequest | None = None,
         client: str = ANONYMOUS,
         weight: float = 1.0,
     ) -> Generation:
@@ -162,18 +158,17 @@ class Engine(Passes):
         With `prompt_logprobs` (top-k, 0 for the token's own only) the prompt
         positions from `logprobs_from` on are scored too, in the same pass:
         `Generation.prompt_scores()` has them once the first event is out. `images` sit in the prompt's vision
-        blocks (expanded, as the client wrote them; see images.py). `steer`
-        intervenes on the residual stream (steering.py); its `generated`
-        positions are those after the prompt.
+        blocks (expanded, as the client wrote them; see images.py). `probes` say what to read
+        and steer (requests.Probes); the steering's `generated` positions are those after the
+        prompt.
 
         `dp_rank` pins the request to one data-parallel engine (a session's); by default it goes
         to the least loaded one (`Generation.dp_rank` says which).
 
-        `monitors` watch calibrated concept probabilities on every generated token
-        (monitors.py); they read those tokens' readouts whether or not `readout_ranges`
-        shows them. `readout_view` says what a shown readout value is (calibration.ReadoutView). `residual`
-        asks for raw residual rows: each covered event carries them (TokenEvent.residual), the
-        prompt's in `Generation.prompt_rows`; `features` likewise for an SAE's top features.
+        The probes' monitors watch calibrated concept probabilities on every generated token
+        (monitors.py); they read those tokens' readouts whether or not the readout ranges show
+        them. Residual rows come on each covered event (TokenEvent.residual), the prompt's in
+        `Generation.prompt_rows`; features likewise.
 
         The request reads the concepts served when it starts (live.ConceptView), whatever is
         defined or deleted while it runs; `Generation.concepts` names them.
@@ -188,29 +183,34 @@ class Engine(Passes):
         check_client(client, weight)
         prompt = self.checks.tokens("prompt", prompt)
         if not prompt:
-            raise InvalidArgument("prompt is empty: at least one token is needed to generate from")
+            raise InvalidArgument("prompt is empty: at least one token is needed to generate from", field="prompt")
         if not isinstance(options.max_tokens, int) or options.max_tokens < 1:
-            raise InvalidArgument(f"max_tokens must be a positive integer, got {options.max_tokens!r}")
-        self.checks.room(len(prompt), options.max_tokens, "max_tokens")
+            raise InvalidArgument(
+                f"max_tokens must be a positive integer, got {options.max_tokens!r}", field="max_tokens"
+            )
+        self.checks.room(len(prompt), options.max_tokens, "max_tokens", field="prompt")
         params = self.checks.sampling_params(options)
         if prompt_logprobs is not None:
             self.checks.top_k(prompt_logprobs)
             params.prompt_logprobs = prompt_logprobs
         scored_from = logprobs_from if prompt_logprobs is not None else None  # None: no prompt logprob wanted
-        hold = self._hold(steer, len(prompt))
+        monitors, features = probes.monitors, probes.features
+        hold = self._hold(probes.steer, len(prompt))
         try:
             text = self._reply_text(monitors, options, prompt)
-            calibration = self.calibration(hold.view) if any(m.feature is None for m in monitors) else None
+            with under("monitors"):
+                calibration = self.calibration(hold.view) if any(m.feature is None for m in monitors) else None
             watch = MonitorState(monitors, calibration, self.saes, text)
-            present = self.presenter(hold.view, readout_view)
-            shown = check_ranges(readout_ranges)
+            present = self.presenter(hold.view, probes.readout_view)
+            with under("readout_ranges"):
+                shown = check_ranges(probes.readout_ranges)
             read = [*shown, [len(prompt), READ_TO_END]] if watch.concepts else shown
             shown_features = None
             if watch.sae is not None:
                 if features is not None:
                     feature_plan(features, self.saes)  # the client's own ask, checked
                 features, shown_features = watched_features(features, watch.sae, len(prompt))
-            plans = self.row_plans(residual, features, len(prompt) + options.max_tokens)
+            plans = self.row_plans(probes.residual, features, len(prompt) + options.max_tokens)
             request_id, ranges, submitted = self._prepare(
                 params, request_id, read, prompt, images, hold, dp_rank, plans, scored_from
             )
@@ -222,15 +222,9 @@ class Engine(Passes):
         rank = self.inflight.rank_of(request_id)
         # The last token's pass runs where the generation ran (its prefix is cached there), under
         # the generation's concepts and steering.
+        last = Probes(readout_ranges=ranges, residual=probes.residual, features=features)
         read_last = functools.partial(
-            self._read_one,
-            images=images,
-            hold=hold,
-            request_id=f"{request_id}-last",
-            dp_rank=rank,
-            readout=bool(ranges),
-            residual=residual,
-            features=features,
+            self._read_one, probes=last, images=images, hold=hold, request_id=f"{request_id}-last", dp_rank=rank
         )
         generation = Generation(
             self._llm,
@@ -278,7 +272,8 @@ class Engine(Passes):
         if constraint is None or constraint.kind not in ("json", "json_object"):
             raise InvalidArgument(
                 f"monitors[{scoped}].path watches a field of a JSON reply: ask for one "
-                "(response_format json_schema or json_object; structured_outputs json or json_object)"
+                "(response_format json_schema or json_object; structured_outputs json or json_object)",
+                field=f"monitors[{scoped}].path",
             )
         return TextStream(self.tokenizer, prompt, skip_special_tokens=True).push
 
@@ -350,6 +345,12 @@ class Engine(Passes):
             )
         return self.steering.resolve(steer, prompt_len, self.live.directions())
 
+    def steering_manifest(self) -> dict:
+        """What clients are told of steering now: the directions (live ones included) and the limits."""
+        if self.steering is None:
+            return steering_manifest({}, 0)
+        return self.steering.manifest(self.live.directions())
+
     def cache_serves_none_of(self, first: int, length: int) -> bool:
         """Whether vLLM's prefix cache cannot serve position `first` of a `length`-token prompt, so
         that a pass may read the cache and still compute every position from `first` on.
@@ -368,8 +369,11 @@ class Engine(Passes):
         if not ranges:
             return []
         if self.readouts is None or view is None:
-            raise InvalidArgument("readouts were asked for, but the server has no concept set loaded")
-        checked = check_ranges(ranges)
+            raise InvalidArgument(
+                "readouts were asked for, but the server has no concept set loaded", field="readout_ranges"
+            )
+        with under("readout_ranges"):
+            checked = check_ranges(ranges)
         params.extra_args = {**(params.extra_args or {}), TAG: [key, checked, list(view.columns)]}
         return checked
 

@@ -50,9 +50,9 @@ PROMPT_WEIGHT = 0.5  # a computed prompt token costs half a generated one, VTC's
 def check_client(client: str, weight: float) -> None:
     """A client's name and share weight as a request states them, or InvalidArgument."""
     if not isinstance(client, str) or not client:
-        raise InvalidArgument(f"client must be a non-empty string, got {client!r}")
+        raise InvalidArgument(f"client must be a non-empty string, got {client!r}", field="client")
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight <= 0:
-        raise InvalidArgument(f"weight must be a positive number, got {weight!r}")
+        raise InvalidArgument(f"weight must be a positive number, got {weight!r}", field="weight")
 
 
 @dataclass(eq=False)

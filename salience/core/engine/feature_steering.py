@@ -9,7 +9,7 @@ import numpy as np
 
 from salience.core.features.served import ServedSAE, pick_sae
 from salience.core.probes.steering import Intervention
-from salience.errors import InvalidArgument
+from salience.errors import InvalidArgument, under
 
 __all__ = ["resolve_features"]
 
@@ -25,12 +25,13 @@ def resolve_features(steer: Sequence[Intervention], saes: Sequence[ServedSAE]) -
             continue
         where = f"steer[{n}]"
         if intervention.direction or intervention.vector is not None:
-            raise InvalidArgument(f"{where}: give one of direction, vector and feature")
+            raise InvalidArgument(f"{where}: give one of direction, vector and feature", field=where)
         name, feature = intervention.feature
-        served = pick_sae(saes, name, where)
+        with under(where):
+            served = pick_sae(saes, name, where)
         if not 0 <= feature < served.sae.d_sae:
             raise InvalidArgument(
-                f"{where}: feature {feature} is outside SAE {served.name!r} (0..{served.sae.d_sae - 1})"
+                f"{where}: feature {feature} is outside SAE {served.name!r} (0..{served.sae.d_sae - 1})", field=where
             )
         row = served.sae.W_dec[feature].numpy().astype(np.float32, copy=False)
         out.append(

@@ -83,25 +83,25 @@ class Vision:
 
         expected = _FORMATS.get(mime.lower().strip())
         if expected is None:
-            raise InvalidArgument(f"{what}: mime {mime!r} is not one of {', '.join(sorted(set(_FORMATS)))}")
+            raise InvalidArgument(f"{what}: mime {mime!r} is not one of {', '.join(sorted(set(_FORMATS)))}", field=what)
         if not data:
-            raise InvalidArgument(f"{what}: the image has no bytes")
+            raise InvalidArgument(f"{what}: the image has no bytes", field=what)
         if len(data) > MAX_IMAGE_BYTES:
-            raise InvalidArgument(f"{what}: {len(data)} bytes exceed the limit of {MAX_IMAGE_BYTES}")
+            raise InvalidArgument(f"{what}: {len(data)} bytes exceed the limit of {MAX_IMAGE_BYTES}", field=what)
         try:
             opened = Image.open(io.BytesIO(data))
         except (UnidentifiedImageError, OSError) as exc:
-            raise InvalidArgument(f"{what}: the bytes do not decode as an image ({exc})") from None
+            raise InvalidArgument(f"{what}: the bytes do not decode as an image ({exc})", field=what) from None
         if opened.format != expected:
-            raise InvalidArgument(f"{what}: declared {mime} but the bytes are {opened.format or 'unknown'}")
+            raise InvalidArgument(f"{what}: declared {mime} but the bytes are {opened.format or 'unknown'}", field=what)
         width, height = opened.size
         if width * height > MAX_IMAGE_PIXELS:
-            raise InvalidArgument(f"{what}: {width}x{height} pixels exceed the limit of {MAX_IMAGE_PIXELS}")
+            raise InvalidArgument(f"{what}: {width}x{height} pixels exceed the limit of {MAX_IMAGE_PIXELS}", field=what)
         try:
             opened.seek(0)  # an animation's first frame
             image = opened.convert("RGB")
         except (OSError, ValueError) as exc:
-            raise InvalidArgument(f"{what}: the image is truncated or corrupt ({exc})") from None
+            raise InvalidArgument(f"{what}: the image is truncated or corrupt ({exc})", field=what) from None
         grid = self.processor(images=[image], return_tensors="np")["image_grid_thw"][0]
         merge = getattr(self.processor, "merge_size", 2)
         thw = (int(grid[0]), int(grid[1]), int(grid[2]))

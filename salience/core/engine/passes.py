@@ -14,15 +14,13 @@ from salience.core.engine.fair_share import ANONYMOUS, check_client
 from salience.core.engine.output_streams import guarded
 from salience.core.engine.prompt_scores import PromptScores
 from salience.core.engine.prompts import check_expansion
-from salience.core.engine.requests import FeatureRequest, ResidualRequest, ScoredToken, covers
+from salience.core.engine.requests import NO_PROBES, FeatureRequest, Probes, ResidualRequest, ScoredToken, covers
 from salience.core.engine.rows import RowPlan, feature_plan, residual_plan
-from salience.core.probes.calibration import ReadoutView
-from salience.errors import InvalidArgument
+from salience.errors import InvalidArgument, under
 
 if TYPE_CHECKING:
     from salience.core.engine.live import Hold
     from salience.core.engine.prompts import PlacedImage
-    from salience.core.probes.steering import Intervention
 
 __all__ = ["Passes"]
 
@@ -34,44 +32,63 @@ class Passes:
         continuation: Sequence[int],
         *,
         top_logprobs: int = 0,
-        readout_ranges: Sequence[tuple[int, int]] = (),
+        probes: Probes = NO_PROBES,
         request_id: str | None = None,
-        steer: Sequence[Intervention] = (),
         dp_rank: int | None = None,
-        readout_view: ReadoutView = ReadoutView.RAW,
-        residual: ResidualRequest | None = None,
-        features: FeatureRequest | None = None,
         client: str = ANONYMOUS,
         weight: float = 1.0,
     ) -> list[ScoredToken]:
         """Logprob of each continuation token given the prompt and the tokens before it,
-        with its readout where `readout_ranges` cover its position. `steer`'s `generated`
-        positions are the continuation's, as if the model had generated it. `client`, `weight`:
-        as for prefill."""
-        prompt, continuation = self.checks.scoring(prompt, continuation)
-        if not continuation:
-            return []
-        ids = prompt + continuation
-        steering = self.resolve_steer(steer, len(prompt))
-        scores = await self.prefill(
-            ids,
+        with what `probes` read where they cover its position (score_pass)."""
+        scores = await self.score_pass(
+            prompt,
+            continuation,
             top_logprobs=top_logprobs,
-            logprobs_from=len(prompt),
-            readout_ranges=readout_ranges,
+            probes=probes,
             request_id=request_id,
-            steer=steering.interventions,
             dp_rank=dp_rank,
-            readout_view=readout_view,
-            residual=residual,
-            features=features,
             client=client,
             weight=weight,
         )
-        return [scores.at(position) for position in range(len(prompt), len(scores.tokens))]
+        if scores is None:
+            return []
+        return [scores.at(position) for position in range(scores.scored_from, len(scores.tokens))]
+
+    async def score_pass(
+        self,
+        prompt: Sequence[int],
+        continuation: Sequence[int],
+        *,
+        top_logprobs: int = 0,
+        probes: Probes = NO_PROBES,
+        request_id: str | None = None,
+        dp_rank: int | None = None,
+        client: str = ANONYMOUS,
+        weight: float = 1.0,
+    ) -> PromptScores | None:
+        """One pass over prompt + continuation: the continuation's logprobs (from
+        `PromptScores.scored_from`, the prompt's length, on) and what `probes` read on both, or
+        None when there is nothing to compute (no continuation, nothing read). The steering's
+        `generated` positions are the continuation's, as if the model had generated it.
+        `client`, `weight`: as for prefill."""
+        prompt, continuation = self.checks.scoring(prompt, continuation)
+        if not continuation and not (probes.readout_ranges or probes.residual or probes.features):
+            return None
+        steering = self.resolve_steer(probes.steer, len(prompt))
+        return await self.prefill(
+            prompt + continuation,
+            top_logprobs=top_logprobs,
+            logprobs_from=len(prompt),
+            probes=dataclasses.replace(probes, steer=steering.interventions),
+            request_id=request_id,
+            dp_rank=dp_rank,
+            client=client,
+            weight=weight,
+        )
 
     async def readout(self, tokens: Sequence[int], ranges: Sequence[tuple[int, int]]) -> dict[int, tuple[float, ...]]:
         """Readouts of `tokens` at the positions `ranges` cover, computing nothing else."""
-        return (await self.prefill(tokens, readout_ranges=ranges)).readouts
+        return (await self.prefill(tokens, probes=Probes(readout_ranges=ranges))).readouts
 
     async def prefill(
         self,
@@ -79,23 +96,19 @@ class Passes:
         *,
         top_logprobs: int | None = None,
         logprobs_from: int = 1,
-        readout_ranges: Sequence[tuple[int, int]] = (),
+        probes: Probes = NO_PROBES,
         images: Sequence[PlacedImage] = (),
         request_id: str | None = None,
-        steer: Sequence[Intervention] = (),
         dp_rank: int | None = None,
-        readout_view: ReadoutView = ReadoutView.RAW,
-        residual: ResidualRequest | None = None,
-        features: FeatureRequest | None = None,
         hold: Hold | None = None,
         client: str = ANONYMOUS,
         weight: float = 1.0,
     ) -> PromptScores:
         """Run `tokens` through the model once: the logprob of every position from `logprobs_from`
-        on (with `top_logprobs` alternatives; None computes none) and the readouts `readout_ranges` cover
-        (shown in `readout_view`), under `steer` (all of `tokens` are its prompt positions).
-        `residual`: raw residual rows too, [its layers, hidden] float32 arrays by position;
-        `features`: an SAE's top features by position.
+        on (with `top_logprobs` alternatives; None computes none) and what `probes` read: readouts
+        where their ranges cover (shown in their view), residual rows ([its layers, hidden] float32
+        arrays by position) and an SAE's top features, under their steering (all of `tokens` are
+        its prompt positions); they monitor nothing, as nothing is generated.
         `request_id` is vLLM's id for the pass (default: a new uuid4 hex). `hold`: run under a
         running request's concepts and steering (its last token's pass) instead of its own.
         `client`, `weight`: whose pass it is, as for Engine.generate; a last token's pass runs
@@ -103,7 +116,7 @@ class Passes:
         check_client(client, weight)
         ids = self.checks.tokens("tokens", tokens)
         if not ids:
-            raise InvalidArgument("tokens is empty: nothing to run through the model")
+            raise InvalidArgument("tokens is empty: nothing to run through the model", field="tokens")
         if top_logprobs is not None:
             self.checks.top_k(top_logprobs)
         # vLLM always decodes at least one token after the prompt.
@@ -118,14 +131,15 @@ class Passes:
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        plans = self.row_plans(residual, features, len(ids))
+        plans = self.row_plans(probes.residual, probes.features, len(ids))
         own = hold is None
-        hold = self._hold(steer, len(ids)) if hold is None else hold
+        hold = self._hold(probes.steer, len(ids)) if hold is None else hold
         try:
-            present = self.presenter(hold.view, readout_view)
+            with under("readout_view"):
+                present = self.presenter(hold.view, probes.readout_view)
             scored_from = None if top_logprobs is None else logprobs_from
             key, checked, submitted = self._prepare(
-                params, request_id, readout_ranges, ids, images, hold, dp_rank, plans, scored_from
+                params, request_id, probes.readout_ranges, ids, images, hold, dp_rank, plans, scored_from
             )
         except BaseException:
             if own:
@@ -178,31 +192,20 @@ class Passes:
         self,
         tokens: list[int],
         position: int,
+        *,
+        probes: Probes,
         images: Sequence[PlacedImage],
         hold: Hold,
         request_id: str,
         dp_rank: int | None = None,
-        readout: bool = True,
-        residual: ResidualRequest | None = None,
-        features: FeatureRequest | None = None,
     ) -> PromptScores | None:
-        """The last token's pass: its readout, residual rows and features (as the generation asked
-        for them), or None without room."""
+        """The last token's pass: what its generation's `probes` read, at `position`, or None
+        without room."""
         if len(tokens) >= self.max_model_len:  # no room for the pass's one decode step
             return None
-        ranges = ((position, position + 1),)
-        residual = dataclasses.replace(residual, ranges=ranges) if residual is not None else None
-        features = dataclasses.replace(features, ranges=ranges) if features is not None else None
         # The generation's interventions in absolute form: the same positions steered, the same cache salt.
         return await self.prefill(
-            tokens,
-            readout_ranges=ranges if readout else (),
-            residual=residual,
-            features=features,
-            images=images,
-            hold=hold,
-            request_id=request_id,
-            dp_rank=dp_rank,
+            tokens, probes=probes.at(position), images=images, hold=hold, request_id=request_id, dp_rank=dp_rank
         )
 
     def row_plans(self, residual: ResidualRequest | None, features: FeatureRequest | None, end: int) -> list[RowPlan]:

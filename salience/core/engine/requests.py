@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from salience.core.probes.monitors import Action, MonitorEvent
+from salience.core.probes.calibration import ReadoutView
+from salience.core.probes.monitors import Action, Monitor, MonitorEvent
+from salience.core.probes.steering import Intervention
 
 Features = tuple[tuple[int, float], ...]  # (feature id, activation), largest activation first
 
 __all__ = [
+    "NO_PROBES",
     "Constraint",
     "ConstraintKind",
     "FeatureRequest",
     "Features",
     "FinishReason",
     "ImageBlock",
+    "Probes",
     "ResidualRequest",
     "SamplingOptions",
     "ScoredToken",
@@ -114,6 +119,59 @@ class FeatureRequest:
     sae: str | None
     k: int
     ranges: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Probes:
+    """What a request reads from the model and does to it, besides its prompt and sampling: one
+    value every frontend builds and every engine call (generate, score, prefill, a session's turn)
+    takes, so a new option is one field here, not one parameter in each of them.
+
+    `readout_ranges` ([start, end), absolute positions) are where concept readouts are shown, in
+    `readout_view`; `steer` intervenes on the residual stream (steering.py); `monitors` watch every
+    generated token (monitors.py); `residual` and `features` ask for raw residual rows and an SAE's
+    top features. Checked against what the engine serves when the request starts."""
+
+    readout_ranges: tuple[tuple[int, int], ...] = ()
+    readout_view: ReadoutView = ReadoutView.RAW
+    steer: tuple[Intervention, ...] = ()
+    monitors: tuple[Monitor, ...] = ()
+    residual: ResidualRequest | None = None
+    features: FeatureRequest | None = None
+
+    def __post_init__(self) -> None:
+        # Callers hand lists; a frozen value holds tuples (hashable, and never changed under it).
+        for name in ("readout_ranges", "steer", "monitors"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple):
+                object.__setattr__(self, name, tuple(value))
+
+    def at(self, position: int) -> Probes:
+        """What a generation's last-token pass reads: the same readouts, rows and features, at
+        `position` only (its steering comes from the generation's hold, its monitors ran already)."""
+        ranges = ((position, position + 1),)
+        return Probes(
+            readout_ranges=ranges if self.readout_ranges else (),
+            readout_view=ReadoutView.RAW,
+            residual=self.residual and dataclasses.replace(self.residual, ranges=ranges),
+            features=self.features and dataclasses.replace(self.features, ranges=ranges),
+        )
+
+    def clipped(self, end: int) -> Probes:
+        """The same probes with every range ending at `end` at the latest."""
+
+        def clip(ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+            return tuple((start, min(stop, end)) for start, stop in ranges)
+
+        return dataclasses.replace(
+            self,
+            readout_ranges=clip(self.readout_ranges),
+            residual=self.residual and dataclasses.replace(self.residual, ranges=clip(self.residual.ranges)),
+            features=self.features and dataclasses.replace(self.features, ranges=clip(self.features.ranges)),
+        )
+
+
+NO_PROBES = Probes()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -68,7 +68,8 @@ class RowBudget:
             raise InvalidArgument(
                 f"residual asks for {asked}; this server holds at most {self.rows} residual rows at once "
                 f"({self.rows * self.row_bytes / 2**20:.0f} MiB, --residual-memory): ask in several requests, "
-                "or for fewer layers"
+                "or for fewer layers",
+                field="residual",
             )
 
     def reserve(self, rows: int) -> Ticket:

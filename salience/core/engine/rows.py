@@ -20,7 +20,7 @@ from salience.core.features.served import ServedSAE, pick_sae
 from salience.core.probes.readout_worker import FEATURE_TAG, RESIDUAL_TAG
 from salience.core.probes.readouts import READ_TO_END, check_ranges
 from salience.core.probes.steering import merge_ranges
-from salience.errors import InvalidArgument
+from salience.errors import InvalidArgument, under
 
 if TYPE_CHECKING:
     from salience.core.probes.readouts import ReadoutHub
@@ -72,18 +72,20 @@ def residual_plan(residual: ResidualRequest, end: int, *, read: Sequence[int], h
     (`limit`), with `end` the first position the request cannot reach."""
     layers = residual.layers
     if not layers or len(set(layers)) != len(layers):
-        raise InvalidArgument("residual.layers must name one or more distinct layers")
+        raise InvalidArgument("residual.layers must name one or more distinct layers", field="residual.layers")
     unknown = [layer for layer in layers if layer not in read]
     if unknown:
         raise InvalidArgument(
-            f"residual layer {unknown[0]!r} is not read; residual rows come from the read layers {layer_names(read)}"
+            f"residual layer {unknown[0]!r} is not read; residual rows come from the read layers {layer_names(read)}",
+            field="residual.layers",
         )
     ranges = _ranges("residual", residual.ranges)
     positions = sum(max(0, min(e, end) - s) for s, e in merge_ranges([(s, e) for s, e in ranges]))
     if positions * len(layers) > limit:
         raise InvalidArgument(
             f"residual asks for {positions} positions x {len(layers)} layers; at most {limit} "
-            "rows per request (--max-residual-rows): ask in several requests, or for fewer layers"
+            "rows per request (--max-residual-rows): ask in several requests, or for fewer layers",
+            field="residual",
         )
     slots = [list(read).index(layer) for layer in layers]
     return RowPlan("residual", RESIDUAL_TAG, ranges, [slots], len(layers), hidden, held=positions * len(layers))
@@ -91,10 +93,13 @@ def residual_plan(residual: ResidualRequest, end: int, *, read: Sequence[int], h
 
 def feature_plan(features: FeatureRequest, saes: Sequence[ServedSAE]) -> RowPlan:
     """An SAE's top features checked against the served SAEs."""
-    sae = pick_sae(saes, features.sae, "features")
+    with under("features.sae"):
+        sae = pick_sae(saes, features.sae, "features")
     k = features.k
     if type(k) is not int or not 1 <= k <= sae.top:
-        raise InvalidArgument(f"features.k must be an integer in 1..{sae.top} for SAE {sae.name!r}, got {k!r}")
+        raise InvalidArgument(
+            f"features.k must be an integer in 1..{sae.top} for SAE {sae.name!r}, got {k!r}", field="features.k"
+        )
     ranges = _ranges("features", features.ranges)
     return RowPlan("features", FEATURE_TAG, ranges, [sae.slot, k], 1, 2 * k, present_features)
 
@@ -107,11 +112,14 @@ def watched_features(
     ranges: Generation trims to them)."""
     if features is not None and (features.sae or sae.name) != sae.name:
         raise InvalidArgument(
-            f"features and feature monitors name different SAEs; one request reads one ({sae.name!r})"
+            f"features and feature monitors name different SAEs; one request reads one ({sae.name!r})", field="features"
         )
     asked = features.ranges if features is not None else ()
     watched = FeatureRequest(sae=sae.name, k=sae.top, ranges=(*asked, (prompt_len, READ_TO_END)))
-    return watched, ((features.k, check_ranges(asked)) if features is not None else (0, []))
+    if features is None:
+        return watched, (0, [])
+    with under("features.ranges"):
+        return watched, (features.k, check_ranges(asked))
 
 
 def present_features(block: np.ndarray) -> tuple[tuple[int, float], ...]:
@@ -123,7 +131,8 @@ def present_features(block: np.ndarray) -> tuple[tuple[int, float], ...]:
 
 
 def _ranges(name: str, ranges: Sequence[tuple[int, int]]) -> list[list[int]]:
-    checked = check_ranges(ranges)
+    with under(f"{name}.ranges"):
+        checked = check_ranges(ranges)
     if not checked:
-        raise InvalidArgument(f"{name}.ranges names no positions")
+        raise InvalidArgument(f"{name}.ranges names no positions", field=f"{name}.ranges")
     return checked

@@ -38,7 +38,8 @@ class ServedSAE:
 
 
 def pick_sae(saes: Sequence[ServedSAE], name: str | None, where: str) -> ServedSAE:
-    """The SAE `name` names (None or "": the only one served)."""
+    """The SAE `name` names (None or "": the only one served). Its errors say `where` in their
+    message but name no field: the caller knows the field (`under`)."""
     if not saes:
         raise InvalidArgument(f"{where}: this server serves no sparse autoencoder (--sae)")
     if not name:

@@ -152,9 +152,11 @@ class ConceptTable:
         column is free. `commit` or `abandon` ends the claim."""
         check_name(name)
         if name in self.loaded.concepts:
-            raise InvalidArgument(f"{name!r} is a concept of the loaded set; choose another name")
+            raise InvalidArgument(f"{name!r} is a concept of the loaded set; choose another name", field="name")
         if name in self._live or name in self._pending:
-            raise InvalidArgument(f"a live concept named {name!r} exists already (DELETE_CONCEPT it first)")
+            raise InvalidArgument(
+                f"a live concept named {name!r} exists already (DELETE_CONCEPT it first)", field="name"
+            )
         if self._free_column(len(self._pending)) is None:
             raise ResourceExhausted(
                 f"no free concept column: this server has {self.spare} spare columns (--spare-concepts), "
@@ -184,8 +186,10 @@ class ConceptTable:
         concept = self._live.get(name)
         if concept is None:
             if name in self.loaded.concepts:
-                raise InvalidArgument(f"{name!r} belongs to the loaded concept set; only live concepts can be deleted")
-            raise InvalidArgument(f"no live concept named {name!r}")
+                raise InvalidArgument(
+                    f"{name!r} belongs to the loaded concept set; only live concepts can be deleted", field="name"
+                )
+            raise InvalidArgument(f"no live concept named {name!r}", field="name")
         del self._live[name]
         self._retiring[concept.column] = self._version
         self._version += 1
@@ -223,7 +227,8 @@ class ConceptTable:
 def check_name(name: object) -> None:
     if not isinstance(name, str) or not name or len(name) > MAX_NAME or not name.isprintable() or name != name.strip():
         raise InvalidArgument(
-            f"a concept name is 1..{MAX_NAME} printable characters without surrounding spaces, got {name!r}"
+            f"a concept name is 1..{MAX_NAME} printable characters without surrounding spaces, got {name!r}",
+            field="name",
         )
 
 
@@ -234,17 +239,19 @@ def check_vectors(vectors: Mapping[int, torch.Tensor], layers: tuple[int, ...], 
     if missing or extra:
         raise InvalidArgument(
             f"a concept's vectors are given for every read layer ({layers[0]}..{layers[-1]}, {len(layers)} of them): "
-            + (f"missing {missing}" if missing else f"layers {extra} are not read")
+            + (f"missing {missing}" if missing else f"layers {extra} are not read"),
+            field="vectors",
         )
     for layer, vector in vectors.items():
         if tuple(vector.shape) != (hidden,):
             raise InvalidArgument(
-                f"the vector at layer {layer} has {vector.numel()} values; the model's hidden size is {hidden}"
+                f"the vector at layer {layer} has {vector.numel()} values; the model's hidden size is {hidden}",
+                field="vectors",
             )
         if not torch.isfinite(vector).all():
-            raise InvalidArgument(f"the vector at layer {layer} holds NaN or inf")
+            raise InvalidArgument(f"the vector at layer {layer} holds NaN or inf", field="vectors")
         if not vector.abs().max() > 0:
-            raise InvalidArgument(f"the vector at layer {layer} is zero: it has no direction")
+            raise InvalidArgument(f"the vector at layer {layer} is zero: it has no direction", field="vectors")
 
 
 class VectorColumns:

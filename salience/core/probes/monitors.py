@@ -23,7 +23,7 @@ from typing import Any
 from salience.core.features.served import ServedSAE, pick_sae
 from salience.core.probes.calibration import Calibration
 from salience.core.probes.json_fields import Cursor, pattern
-from salience.errors import InvalidArgument
+from salience.errors import InvalidArgument, under
 
 __all__ = ["MAX_MONITORS", "Action", "Monitor", "MonitorEvent", "MonitorState", "parse_monitors"]
 
@@ -94,21 +94,24 @@ def parse_monitors(items: Any) -> tuple[Monitor, ...]:
     """Monitors from their JSON form (LMTP's `monitors`), every field checked; InvalidArgument names it.
     Whether the concept and layer exist is the engine's check (MonitorState.start)."""
     if not isinstance(items, list):
-        raise InvalidArgument("monitors must be a list of {concept, above|below, action[, layer]} objects")
+        raise InvalidArgument(
+            "monitors must be a list of {concept, above|below, action[, layer]} objects", field="monitors"
+        )
     if len(items) > MAX_MONITORS:
-        raise InvalidArgument(f"{len(items)} monitors asked for; at most {MAX_MONITORS} per request")
+        raise InvalidArgument(f"{len(items)} monitors asked for; at most {MAX_MONITORS} per request", field="monitors")
     monitors = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
-            raise InvalidArgument(f"monitor {i} must be an object")
+            raise InvalidArgument(f"monitor {i} must be an object", field=f"monitors[{i}]")
         unknown = set(item) - {"concept", "layer", "above", "below", "action", "feature", "sae", "path"}
         if unknown:
-            raise InvalidArgument(f"monitor {i}: unknown field(s) {', '.join(sorted(unknown))}")
+            raise InvalidArgument(f"monitor {i}: unknown field(s) {', '.join(sorted(unknown))}", field=f"monitors[{i}]")
         try:
             action = Action(item.get("action"))
         except ValueError:
             raise InvalidArgument(
-                f"monitor {i}: 'action' must be 'flag' or 'stop', got {item.get('action')!r}"
+                f"monitor {i}: 'action' must be 'flag' or 'stop', got {item.get('action')!r}",
+                field=f"monitors[{i}].action",
             ) from None
         where = _path(i, item.get("path"))
         if "feature" in item or "sae" in item:
@@ -116,10 +119,14 @@ def parse_monitors(items: Any) -> tuple[Monitor, ...]:
             continue
         concept = item.get("concept")
         if not isinstance(concept, str) or not concept:
-            raise InvalidArgument(f"monitor {i}: 'concept' must name a concept (or give a feature)")
+            raise InvalidArgument(
+                f"monitor {i}: 'concept' must name a concept (or give a feature)", field=f"monitors[{i}].concept"
+            )
         layer = item.get("layer")
         if layer is not None and (type(layer) is not int or layer < 0):
-            raise InvalidArgument(f"monitor {i}: 'layer' must be a layer index, got {layer!r}")
+            raise InvalidArgument(
+                f"monitor {i}: 'layer' must be a layer index, got {layer!r}", field=f"monitors[{i}].layer"
+            )
         monitors.append(
             Monitor(
                 concept=concept,
@@ -140,18 +147,23 @@ def _path(i: int, value: Any) -> str | None:
             raise ValueError(f"a JSONPath is a string, got {value!r}")
         pattern(value)
     except ValueError as exc:
-        raise InvalidArgument(f"monitor {i}: 'path': {exc}") from None
+        raise InvalidArgument(f"monitor {i}: 'path': {exc}", field=f"monitors[{i}].path") from None
     return value
 
 
 def _feature_monitor(i: int, item: dict, action: Action, path: str | None) -> Monitor:
     feature, sae = item.get("feature"), item.get("sae")
     if "concept" in item or "layer" in item:
-        raise InvalidArgument(f"monitor {i}: a feature monitor watches its SAE's layer: give no concept or layer")
+        raise InvalidArgument(
+            f"monitor {i}: a feature monitor watches its SAE's layer: give no concept or layer", field=f"monitors[{i}]"
+        )
     if type(feature) is not int or feature < 0:
-        raise InvalidArgument(f"monitor {i}: 'feature' must be a feature id (an integer >= 0), got {feature!r}")
+        raise InvalidArgument(
+            f"monitor {i}: 'feature' must be a feature id (an integer >= 0), got {feature!r}",
+            field=f"monitors[{i}].feature",
+        )
     if sae is not None and not isinstance(sae, str):
-        raise InvalidArgument(f"monitor {i}: 'sae' must name an SAE, got {sae!r}")
+        raise InvalidArgument(f"monitor {i}: 'sae' must name an SAE, got {sae!r}", field=f"monitors[{i}].sae")
     return Monitor(
         concept="",
         feature=feature,
@@ -164,15 +176,20 @@ def _feature_monitor(i: int, item: dict, action: Action, path: str | None) -> Mo
 
 def _threshold(i: int, above: Any, below: Any, activation: bool = False) -> dict[str, float]:
     if (above is None) == (below is None):
-        raise InvalidArgument(f"monitor {i}: give exactly one of 'above' and 'below'")
+        raise InvalidArgument(f"monitor {i}: give exactly one of 'above' and 'below'", field=f"monitors[{i}]")
     name, value = ("above", above) if above is not None else ("below", below)
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidArgument(f"monitor {i}: '{name}' must be a number, got {value!r}")
+        raise InvalidArgument(f"monitor {i}: '{name}' must be a number, got {value!r}", field=f"monitors[{i}].{name}")
     if activation:
         if not math.isfinite(value) or value < 0:
-            raise InvalidArgument(f"monitor {i}: '{name}' must be an activation >= 0, got {value!r}")
+            raise InvalidArgument(
+                f"monitor {i}: '{name}' must be an activation >= 0, got {value!r}", field=f"monitors[{i}].{name}"
+            )
     elif not 0 < value < 1:
-        raise InvalidArgument(f"monitor {i}: '{name}' must be a probability strictly between 0 and 1, got {value!r}")
+        raise InvalidArgument(
+            f"monitor {i}: '{name}' must be a probability strictly between 0 and 1, got {value!r}",
+            field=f"monitors[{i}].{name}",
+        )
     return {name: float(value)}
 
 
@@ -195,7 +212,9 @@ class MonitorState:
     ) -> None:
         concepts = [m for m in monitors if m.feature is None]
         if concepts and calibration is None:
-            raise InvalidArgument("monitors need concept readouts, and this server has no concept set loaded")
+            raise InvalidArgument(
+                "monitors need concept readouts, and this server has no concept set loaded", field="monitors"
+            )
         self._watch: list[tuple[Monitor, int, int]] = []  # monitor, its layer, its concept's index in a row
         self.sae: ServedSAE | None = None  # the SAE feature monitors watch (one per request)
         for i, monitor in enumerate(monitors):
@@ -205,18 +224,21 @@ class MonitorState:
             assert calibration is not None
             if monitor.concept not in calibration.concepts:
                 raise InvalidArgument(
-                    f"monitor {i}: unknown concept {monitor.concept!r}; known: {', '.join(calibration.concepts)}"
+                    f"monitor {i}: unknown concept {monitor.concept!r}; known: {', '.join(calibration.concepts)}",
+                    field=f"monitors[{i}].concept",
                 )
             if monitor.concept not in calibration.recommended:
                 raise InvalidArgument(
                     f"monitor {i}: concept {monitor.concept!r} has no calibration (it was given as raw vectors): "
-                    "it cannot be monitored as a probability"
+                    "it cannot be monitored as a probability",
+                    field=f"monitors[{i}].concept",
                 )
             layer = calibration.recommended[monitor.concept] if monitor.layer is None else monitor.layer
             if layer not in calibration.layers:
                 raise InvalidArgument(
                     f"monitor {i}: layer {layer} is not read; read layers are {calibration.layers[0]}.."
-                    f"{calibration.layers[-1]} ({len(calibration.layers)} of them)"
+                    f"{calibration.layers[-1]} ({len(calibration.layers)} of them)",
+                    field=f"monitors[{i}].layer",
                 )
             self._watch.append((monitor, layer, calibration.index(monitor.concept, layer)))
         self._calibration = calibration
@@ -228,11 +250,17 @@ class MonitorState:
             raise ValueError("a monitor with a path needs each token's text")
 
     def _feature(self, i: int, monitor: Monitor, saes: Sequence[ServedSAE]) -> tuple[int, int]:
-        served = pick_sae(saes, monitor.sae, f"monitor {i}")
+        with under(f"monitors[{i}]"):
+            served = pick_sae(saes, monitor.sae, f"monitor {i}")
         if self.sae is not None and served is not self.sae:
-            raise InvalidArgument(f"monitor {i}: one request's feature monitors watch one SAE, here {self.sae.name!r}")
+            raise InvalidArgument(
+                f"monitor {i}: one request's feature monitors watch one SAE, here {self.sae.name!r}",
+                field=f"monitors[{i}]",
+            )
         if not 0 <= monitor.feature < served.sae.d_sae:  # type: ignore[operator]
-            raise InvalidArgument(f"monitor {i}: feature {monitor.feature} is outside SAE {served.name!r}")
+            raise InvalidArgument(
+                f"monitor {i}: feature {monitor.feature} is outside SAE {served.name!r}", field=f"monitors[{i}].feature"
+            )
         self.sae = served
         return served.layer, -1
 

@@ -64,14 +64,17 @@ def float32_row(n: int) -> struct.Struct:
 
 
 def check_ranges(ranges: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """The ranges as lists; an error's field is the range's index (`[2]`), under the caller's field."""
     checked = []
     for i, pair in enumerate(ranges):
         try:
             start, end = pair
         except (TypeError, ValueError):
-            raise InvalidArgument(f"readout range {i} must be [start, end]") from None
+            raise InvalidArgument(f"readout range {i} must be [start, end]", field=f"[{i}]") from None
         if type(start) is not int or type(end) is not int or not 0 <= start < end <= READ_TO_END:
-            raise InvalidArgument(f"readout range {i} must satisfy 0 <= start < end, got [{start!r}, {end!r}]")
+            raise InvalidArgument(
+                f"readout range {i} must satisfy 0 <= start < end, got [{start!r}, {end!r}]", field=f"[{i}]"
+            )
         checked.append([start, end])
     return checked
 

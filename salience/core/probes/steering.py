@@ -61,6 +61,8 @@ __all__ = [
     "Intervention",
     "Op",
     "ResolvedSteer",
+    "check_count",
+    "manifest",
     "merge_ranges",
     "unit",
 ]
@@ -190,13 +192,7 @@ class Directions:
         directions = {name: sorted(self.defined_at[name]) for name in self.names}
         for name in sorted(live or ()):
             directions[name] = list(self.layers)
-        return {
-            "directions": directions,
-            "max_interventions": MAX_INTERVENTIONS,
-            "max_magnitude": MAX_MAGNITUDE,
-            "vector_columns": len(self.vector_columns),
-            "ops": [op.value for op in Op],
-        }
+        return manifest(directions, len(self.vector_columns))
 
     def column(self, name: str) -> int:
         return self._column[name]
@@ -226,15 +222,12 @@ class Directions:
         request sees) and make their positions absolute: `prompt` is [0, prompt_len), `generated`
         is [prompt_len, end). A request vector's column is -1 until VectorColumns.claim."""
         if not isinstance(interventions, Sequence) or isinstance(interventions, (str, bytes)):
-            raise InvalidArgument("steer must be a list of interventions")
-        if len(interventions) > MAX_INTERVENTIONS:
-            raise InvalidArgument(
-                f"steer has {len(interventions)} interventions; at most {MAX_INTERVENTIONS} are allowed per request"
-            )
+            raise InvalidArgument("steer must be a list of interventions", field="steer")
+        check_count(len(interventions))
         resolved, columns = [], []
         for n, intervention in enumerate(interventions):
             if not isinstance(intervention, Intervention):
-                raise InvalidArgument(f"steer[{n}] is not an intervention")
+                raise InvalidArgument(f"steer[{n}] is not an intervention", field=f"steer[{n}]")
             column, identity = self._check(n, intervention, live or {})
             ranges = list(intervention.ranges)
             if intervention.prompt:
@@ -263,21 +256,21 @@ class Directions:
         """The direction's column, identity (for the cache salt) and the layers it is defined at."""
         if i.vector is not None:
             if i.direction:
-                raise InvalidArgument(f"{where}: give a direction or a vector, not both")
+                raise InvalidArgument(f"{where}: give a direction or a vector, not both", field=where)
             if not self.vector_columns:
-                raise InvalidArgument(f"{where}: this server takes no request vectors (--steer-vectors 0)")
+                raise InvalidArgument(f"{where}: this server takes no request vectors (--steer-vectors 0)", field=where)
             if not isinstance(i.vector, bytes) or len(i.vector) != 4 * self.hidden_size:
                 size = len(i.vector) // 4 if isinstance(i.vector, bytes) else "?"
                 raise InvalidArgument(
-                    f"{where}: vector has {size} values; the model's hidden size is {self.hidden_size}"
+                    f"{where}: vector has {size} values; the model's hidden size is {self.hidden_size}", field=where
                 )
             import numpy as np
 
             values = np.frombuffer(i.vector, dtype=np.float32)
             if not np.isfinite(values).all():
-                raise InvalidArgument(f"{where}: vector holds NaN or inf")
+                raise InvalidArgument(f"{where}: vector holds NaN or inf", field=where)
             if not np.abs(values).max() > 0:
-                raise InvalidArgument(f"{where}: vector is zero: it has no direction")
+                raise InvalidArgument(f"{where}: vector is zero: it has no direction", field=where)
             return -1, "vector:" + hashlib.sha256(i.vector).hexdigest(), frozenset(self.layers)
         if i.direction in self._column:
             return self._column[i.direction], i.direction, self.defined_at[i.direction]
@@ -285,63 +278,66 @@ class Directions:
             readout_column, identity = live[i.direction]
             return self.live_column(readout_column), identity, frozenset(self.layers)
         known = [*self.names, *sorted(live)]
-        raise InvalidArgument(f"{where}: unknown direction {i.direction!r}; this server has {known}")
+        raise InvalidArgument(f"{where}: unknown direction {i.direction!r}; this server has {known}", field=where)
 
     def _check(self, n: int, i: Intervention, live: Mapping[str, LiveDirection]) -> tuple[int, str]:
         where = f"steer[{n}]"
         if not isinstance(i.op, Op):
-            raise InvalidArgument(f"{where}: op must be one of {[op.value for op in Op]}, got {i.op!r}")
+            raise InvalidArgument(f"{where}: op must be one of {[op.value for op in Op]}, got {i.op!r}", field=where)
         column, identity, defined_at = self._direction(where, i, live)
         if not i.layers:
-            raise InvalidArgument(f"{where}: names no layer")
+            raise InvalidArgument(f"{where}: names no layer", field=where)
         for layer in i.layers:
             if type(layer) is not int or not 0 <= layer < self.num_layers:
                 raise InvalidArgument(
-                    f"{where}: layer {layer!r} is not a layer of this model (0..{self.num_layers - 1})"
+                    f"{where}: layer {layer!r} is not a layer of this model (0..{self.num_layers - 1})", field=where
                 )
             if layer not in defined_at:
                 raise InvalidArgument(
                     f"{where}: direction {i.direction or 'vector'!r} has no vector at layer {layer} "
-                    f"(it has {sorted(defined_at)})"
+                    f"(it has {sorted(defined_at)})",
+                    field=where,
                 )
         value = i.value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise InvalidArgument(f"{where}: value must be a finite number, got {value!r}")
+            raise InvalidArgument(f"{where}: value must be a finite number, got {value!r}", field=where)
         if abs(value) > MAX_MAGNITUDE:
-            raise InvalidArgument(f"{where}: |value| must be at most {MAX_MAGNITUDE:g}, got {value!r}")
+            raise InvalidArgument(f"{where}: |value| must be at most {MAX_MAGNITUDE:g}, got {value!r}", field=where)
         if i.op in (Op.ABLATE, Op.CAP) and value != 0:
-            raise InvalidArgument(f"{where}: {i.op.value} takes no value (use lo and hi for a cap)")
+            raise InvalidArgument(f"{where}: {i.op.value} takes no value (use lo and hi for a cap)", field=where)
         _check_bounds(where, i)
         if not (i.prompt or i.ranges or i.generated):
-            raise InvalidArgument(f"{where}: names no positions (prompt, ranges or generated)")
+            raise InvalidArgument(f"{where}: names no positions (prompt, ranges or generated)", field=where)
         if len(i.ranges) > MAX_RANGES:
-            raise InvalidArgument(f"{where}: {len(i.ranges)} ranges; at most {MAX_RANGES} are allowed")
+            raise InvalidArgument(f"{where}: {len(i.ranges)} ranges; at most {MAX_RANGES} are allowed", field=where)
         for r, pair in enumerate(i.ranges):
             try:
                 start, end = pair
             except (TypeError, ValueError):
-                raise InvalidArgument(f"{where}: range {r} must be [start, end]") from None
+                raise InvalidArgument(f"{where}: range {r} must be [start, end]", field=where) from None
             if type(start) is not int or type(end) is not int or not 0 <= start < end <= END:
-                raise InvalidArgument(f"{where}: range {r} must satisfy 0 <= start < end, got [{start!r}, {end!r}]")
+                raise InvalidArgument(
+                    f"{where}: range {r} must satisfy 0 <= start < end, got [{start!r}, {end!r}]", field=where
+                )
         return column, identity
 
 
 def _check_bounds(where: str, i: Intervention) -> None:
     if i.op is not Op.CAP:
         if i.lo is not None or i.hi is not None:
-            raise InvalidArgument(f"{where}: lo and hi bound a cap; op {i.op.value} takes none")
+            raise InvalidArgument(f"{where}: lo and hi bound a cap; op {i.op.value} takes none", field=where)
         return
     if i.lo is None and i.hi is None:
-        raise InvalidArgument(f"{where}: a cap needs lo, hi or both")
+        raise InvalidArgument(f"{where}: a cap needs lo, hi or both", field=where)
     for name, bound in (("lo", i.lo), ("hi", i.hi)):
         if bound is None:
             continue
         if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not math.isfinite(bound):
-            raise InvalidArgument(f"{where}: {name} must be a finite number, got {bound!r}")
+            raise InvalidArgument(f"{where}: {name} must be a finite number, got {bound!r}", field=where)
         if abs(bound) > MAX_MAGNITUDE:
-            raise InvalidArgument(f"{where}: |{name}| must be at most {MAX_MAGNITUDE:g}, got {bound!r}")
+            raise InvalidArgument(f"{where}: |{name}| must be at most {MAX_MAGNITUDE:g}, got {bound!r}", field=where)
     if i.lo is not None and i.hi is not None and i.lo > i.hi:
-        raise InvalidArgument(f"{where}: lo {i.lo!r} is above hi {i.hi!r}")
+        raise InvalidArgument(f"{where}: lo {i.lo!r} is above hi {i.hi!r}", field=where)
 
 
 def unit(vectors: torch.Tensor) -> torch.Tensor:
@@ -359,3 +355,24 @@ def merge_ranges(ranges: list[Range]) -> tuple[Range, ...]:
         else:
             merged.append([start, end])
     return tuple((s, e) for s, e in merged)
+
+
+def manifest(directions: Mapping[str, list[int]], vector_columns: int) -> dict:
+    """A steering manifest: the directions' layers and the limits every request is held to (a
+    server with nothing to steer along tells its limits with no direction)."""
+    return {
+        "directions": dict(directions),
+        "max_interventions": MAX_INTERVENTIONS,
+        "max_magnitude": MAX_MAGNITUDE,
+        "vector_columns": vector_columns,
+        "ops": [op.value for op in Op],
+    }
+
+
+def check_count(n: int) -> None:
+    """A request's number of interventions within the limit (checked by the JSON reader before it
+    reads them, and again on what any wire built)."""
+    if n > MAX_INTERVENTIONS:
+        raise InvalidArgument(
+            f"steer has {n} interventions; at most {MAX_INTERVENTIONS} are allowed per request", field="steer"
+        )

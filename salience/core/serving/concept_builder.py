@@ -49,7 +49,7 @@ import torch
 from tqdm import tqdm
 
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import ResidualRequest
+from salience.core.engine.requests import Probes, ResidualRequest
 from salience.core.engine.settings import EngineSettings
 from salience.core.models import folders
 from salience.core.models.folders import model_fingerprint, model_shape
@@ -267,7 +267,7 @@ async def _read_residuals(engine: Engine, spec: dict[str, Any], layers: list[int
         async def read(text: str) -> None:
             ids = encoded[text]
             asked = ResidualRequest(layers=tuple(layers), ranges=((1, len(ids)),))
-            rows = (await engine.prefill(ids, residual=asked)).residuals
+            rows = (await engine.prefill(ids, probes=Probes(residual=asked))).residuals
             residuals[text] = torch.from_numpy(np.stack([rows[p] for p in range(1, len(ids))]))
             bar.update(len(ids))
 

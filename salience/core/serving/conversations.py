@@ -33,7 +33,7 @@ from typing import Any
 from salience.core.engine.chat import ChatRenderer
 from salience.core.engine.chat_messages import ChatMessage, ImagePart
 from salience.core.engine.requests import FinishReason
-from salience.core.serving.turns import Range, Turn, TurnRun
+from salience.core.serving.turns import Turn, TurnRun
 from salience.errors import FailedPrecondition, InvalidArgument
 
 __all__ = ["ChatAppend", "ChatTurn", "Conversation", "Mark", "chat_turn", "check", "plan", "reply"]
@@ -123,7 +123,9 @@ def check(messages: Sequence[ChatMessage], turn: Turn, vision: bool) -> None:
                     if vision
                     else "this model reads only text"
                 )
-                raise InvalidArgument(f"messages[{i}].content[{j}] is an image, and {why}")
+                raise InvalidArgument(
+                    f"messages[{i}].content[{j}] is an image, and {why}", field=f"messages[{i}].content[{j}]"
+                )
 
 
 def chat_turn(turn: Turn, append: ChatAppend) -> Turn:
@@ -131,18 +133,13 @@ def chat_turn(turn: Turn, append: ChatAppend) -> Turn:
     the end of the call: the client cannot know how many tokens the template adds."""
     end = append.offset + len(append.tokens) + turn.sampling.max_tokens
 
-    def clip(ranges: Sequence[Range]) -> tuple[Range, ...]:
-        return tuple((start, min(stop, end)) for start, stop in ranges)
-
     return dataclasses.replace(
         turn,
         offset=append.offset,
         truncating=True,
         append=append.tokens,
-        logprob_ranges=clip(turn.logprob_ranges),
-        readout_ranges=clip(turn.readout_ranges),
-        residual=turn.residual and dataclasses.replace(turn.residual, ranges=clip(turn.residual.ranges)),
-        features=turn.features and dataclasses.replace(turn.features, ranges=clip(turn.features.ranges)),
+        logprob_ranges=tuple((start, min(stop, end)) for start, stop in turn.logprob_ranges),
+        probes=turn.probes.clipped(end),
     )
 
 

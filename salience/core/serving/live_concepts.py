@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from salience.core.engine.requests import ResidualRequest
+from salience.core.engine.requests import Probes, ResidualRequest
 from salience.core.probes import fitting
 from salience.core.probes.live import check_name
 from salience.core.serving.concept_builder import describe_concept, fit_concept, torch_threads
@@ -94,9 +94,12 @@ def _given_vectors(engine, definition: ConceptDefinition) -> dict[int, torch.Ten
     vectors = {}
     for layer, data in raw.items():
         if type(layer) is not int:
-            raise InvalidArgument(f"vectors are keyed by layer index, got {layer!r}")
+            raise InvalidArgument(f"vectors are keyed by layer index, got {layer!r}", field="vectors")
         if len(data) % 4:
-            raise InvalidArgument(f"the vector at layer {layer} holds {len(data)} bytes, not float32 values")
+            raise InvalidArgument(
+                f"the vector at layer {layer} holds {len(data)} bytes, not float32 values",
+                field="vector" if definition.vector is not None else "vectors",
+            )
         vectors[layer] = torch.from_numpy(np.frombuffer(data, dtype=np.float32).copy())
     return vectors  # checked (every read layer, size, finite, non-zero) by engine.live.define
 
@@ -125,7 +128,8 @@ async def _fitted(engine, definition: ConceptDefinition) -> tuple[dict[int, torc
 
     async def read(text: str) -> None:
         ids = encoded[text]
-        scores = await engine.prefill(ids, residual=ResidualRequest(layers=tuple(layers), ranges=((1, len(ids)),)))
+        rows = ResidualRequest(layers=tuple(layers), ranges=((1, len(ids)),))
+        scores = await engine.prefill(ids, probes=Probes(residual=rows))
         residuals[text] = torch.from_numpy(np.stack([scores.residuals[p] for p in range(1, len(ids))]))
 
     for start in range(0, len(texts), READ_BATCH):  # prefills batched in the engine, beside live traffic
@@ -155,15 +159,15 @@ def _on_one_core(fit, *args, **kwargs):
 
 def _checked_examples(engine, definition: ConceptDefinition) -> dict:
     if definition.method not in ("auto", *fitting.METHODS):
-        raise InvalidArgument(f"method must be auto, diff_means or logreg, got {definition.method!r}")
+        raise InvalidArgument(f"method must be auto, diff_means or logreg, got {definition.method!r}", field="method")
     concept = {"name": definition.name, "method": definition.method}
     for side in SIDES:
         texts = list(getattr(definition, side))
         if not all(isinstance(t, str) and t.strip() for t in texts):
-            raise InvalidArgument(f"every {side} example must be a non-empty text")
+            raise InvalidArgument(f"every {side} example must be a non-empty text", field=side)
         if not MIN_EXAMPLES <= len(texts) <= MAX_EXAMPLES:
             raise InvalidArgument(
-                f"{len(texts)} {side} examples: a concept needs {MIN_EXAMPLES} to {MAX_EXAMPLES} of each"
+                f"{len(texts)} {side} examples: a concept needs {MIN_EXAMPLES} to {MAX_EXAMPLES} of each", field=side
             )
         concept[side] = texts
     shared = set(concept["positive"]) & set(concept["negative"])
@@ -179,6 +183,7 @@ def _checked_layers(asked: Sequence[int] | None, layers: list[int]) -> list[int]
     if not asked or unknown:
         raise InvalidArgument(
             f"layers must name read layers ({layers[0]}..{layers[-1]}); {unknown or 'none'} "
-            f"{'are' if len(unknown) != 1 else 'is'} not"
+            f"{'are' if len(unknown) != 1 else 'is'} not",
+            field="layers",
         )
     return list(asked)

@@ -23,23 +23,28 @@ def place_images(vision: Vision, turn: Turn, tokens: list[int], facts: list[Imag
         start, end = block.start, block.end
         if not turn.offset <= start < end <= len(tokens):
             raise InvalidArgument(
-                f"{what}: block [{start}, {end}) must lie in this call's appended tokens [{turn.offset}, {len(tokens)})"
+                f"{what}: block [{start}, {end}) must lie in this call's appended tokens "
+                f"[{turn.offset}, {len(tokens)})",
+                field=what,
             )
         if tokens[start] != vision.start or tokens[end - 1] != vision.end or end - start < 3:
             raise InvalidArgument(
                 f"{what}: block [{start}, {end}) must run from <|vision_start|> ({vision.start}) to <|vision_end|> "
-                f"({vision.end}) inclusive, with image pads between"
+                f"({vision.end}) inclusive, with image pads between",
+                field=what,
             )
         stray = next((p for p in range(start + 1, end - 1) if tokens[p] != vision.pad), None)
         if stray is not None:
             raise InvalidArgument(
-                f"{what}: position {stray} inside the block is {tokens[stray]}, not <|image_pad|> ({vision.pad})"
+                f"{what}: position {stray} inside the block is {tokens[stray]}, not <|image_pad|> ({vision.pad})",
+                field=what,
             )
         if end - start - 2 != fact.pads:
             t, h, w = fact.grid
             raise InvalidArgument(
                 f"{what}: the block holds {end - start - 2} image pads; this image needs {fact.pads} "
-                f"(grid {t}x{h}x{w} patches, merged 2x2), so the block is {fact.pads + 2} tokens long"
+                f"(grid {t}x{h}x{w} patches, merged 2x2), so the block is {fact.pads + 2} tokens long",
+                field=what,
             )
         placed.append(PlacedImage(start=start, end=end, image=fact.image))
     placed.sort(key=lambda p: p.start)

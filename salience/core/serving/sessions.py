@@ -265,7 +265,9 @@ class SessionStore:
         length = len(session.tokens)
         if offset != length and not (truncating and offset < length):
             hint = "; set truncating to rewind to a shorter offset" if truncating is False else ""
-            raise FailedPrecondition(f"offset {offset} does not match the session's length {length}{hint}")
+            raise FailedPrecondition(
+                f"offset {offset} does not match the session's length {length}{hint}", field="offset"
+            )
 
     def _commit(
         self, session: _Session, turn: Turn, engine: Engine, facts: list[ImageFacts], on_end: Callable[[], None]
@@ -283,22 +285,25 @@ class SessionStore:
             images = kept + place_images(Vision.of(engine.vision, engine.model_name), turn, tokens, facts)
         if len(images) > engine.settings.max_images:
             raise InvalidArgument(
-                f"the session would hold {len(images)} images; this server takes at most {engine.settings.max_images}"
+                f"the session would hold {len(images)} images; this server takes at most {engine.settings.max_images}",
+                field="images",
             )
         budget = turn.sampling.max_tokens
         if not isinstance(budget, int) or budget < 0:
-            raise InvalidArgument(f"max_tokens must be a non-negative integer, got {budget!r}")
+            raise InvalidArgument(f"max_tokens must be a non-negative integer, got {budget!r}", field="max_tokens")
         if len(tokens) + budget > engine.max_model_len:
             raise ContextOverflow(
                 f"the session's {len(tokens)} tokens plus max_tokens ({budget}) exceed the model's context of "
-                f"{engine.max_model_len} tokens"
+                f"{engine.max_model_len} tokens",
+                field="max_tokens",
             )
         end = len(tokens) + budget
         logprob_ranges = _check_ranges("logprobs_ranges", turn.logprob_ranges, end)
-        readout_ranges = _check_ranges("readout_ranges", turn.readout_ranges, end)
+        readout_ranges = _check_ranges("readout_ranges", turn.probes.readout_ranges, end)
         if budget and not tokens:
             raise InvalidArgument("the session is empty: append at least one token to generate from")
-        steer = engine.resolve_steer(turn.steer, len(tokens)).interventions
+        steer = engine.resolve_steer(turn.probes.steer, len(tokens)).interventions
+        probes = dataclasses.replace(turn.probes, readout_ranges=readout_ranges, steer=steer)
         growth = len(tokens) - length + budget
         self._make_room(sessions=0, tokens=max(growth, 0), keep=session)
         if session.dp_rank is None:
@@ -307,7 +312,7 @@ class SessionStore:
         work: Generation | None = None
         scoring: Callable[[], Awaitable[PromptScores]] | None = None
         # From the ranges, not by scanning positions: sessions run to 100K+ tokens.
-        row_ranges = [tuple(r) for ask in (turn.residual, turn.features) if ask is not None for r in ask.ranges]
+        row_ranges = [tuple(r) for ask in (probes.residual, probes.features) if ask is not None for r in ask.ranges]
         prompt_ranges = [range(s, min(e, len(tokens))) for s, e in logprob_ranges + readout_ranges + row_ranges]
         prefill_wanted = sorted(set().union(*prompt_ranges))
         scored = any(max(s, 1) < min(e, len(tokens)) for s, e in logprob_ranges)  # position 0 has no logprob
@@ -320,17 +325,12 @@ class SessionStore:
             work = engine.generate(
                 tokens,
                 options,
+                probes=probes,
                 request_id=turn.request_id,
-                readout_ranges=readout_ranges,
                 prompt_logprobs=turn.logprob_top_k if scored else None,
                 logprobs_from=scored_from,
                 images=images,
-                steer=steer,
                 dp_rank=session.dp_rank,
-                monitors=turn.monitors,
-                readout_view=turn.readout_view,
-                residual=turn.residual,
-                features=turn.features,
                 client=turn.client,
                 weight=turn.weight,
             )
@@ -343,14 +343,10 @@ class SessionStore:
                     tokens,
                     top_logprobs=top_k,
                     logprobs_from=scored_from,
-                    readout_ranges=readout_ranges,
+                    probes=probes,
                     images=images,
                     request_id=turn.request_id,
-                    steer=steer,
                     dp_rank=session.dp_rank,
-                    readout_view=turn.readout_view,
-                    residual=turn.residual,
-                    features=turn.features,
                     client=turn.client,
                     weight=turn.weight,
                 )
@@ -421,7 +417,8 @@ def _check_ranges(what: str, ranges: Sequence[Range], end: int) -> list[Range]:
         if not 0 <= start < stop <= end:
             raise InvalidArgument(
                 f"{what}[{i}] = [{start}, {stop}) must satisfy 0 <= start < end <= {end} "
-                "(the session's length after the append, plus max_tokens)"
+                "(the session's length after the append, plus max_tokens)",
+                field=f"{what}[{i}]",
             )
         checked.append((start, stop))
     return checked

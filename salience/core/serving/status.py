@@ -145,7 +145,9 @@ class ServerStatus:
     def check_model(self, model: str | None) -> None:
         """A request naming a model (None: it names none) must name the served one."""
         if model is not None and model not in self.model_names:
-            raise InvalidArgument(f"model {model!r} is not served here; this server serves {self.model_name!r}")
+            raise InvalidArgument(
+                f"model {model!r} is not served here; this server serves {self.model_name!r}", field="model"
+            )
 
     def draining(self) -> None:
         self._set(Phase.DRAINING)

@@ -17,17 +17,15 @@ from salience.core.engine.fair_share import ANONYMOUS
 from salience.core.engine.generation import Generation
 from salience.core.engine.prompt_scores import PromptScores
 from salience.core.engine.requests import (
-    FeatureRequest,
+    NO_PROBES,
     Features,
     FinishReason,
     ImageBlock,
-    ResidualRequest,
+    Probes,
     SamplingOptions,
     covers,
 )
-from salience.core.probes.calibration import ReadoutView
-from salience.core.probes.monitors import Monitor, MonitorEvent
-from salience.core.probes.steering import Intervention
+from salience.core.probes.monitors import MonitorEvent
 
 __all__ = ["Range", "SessionToken", "Turn", "TurnDone", "TurnRun"]
 
@@ -44,15 +42,11 @@ class Turn:
     images: Sequence[ImageBlock] = ()
     logprob_ranges: Sequence[Range] = ()
     logprob_top_k: int = 0
-    readout_ranges: Sequence[Range] = ()
     sampling: SamplingOptions = field(default_factory=lambda: SamplingOptions(max_tokens=0))
     request_id: str | None = None  # vLLM's id for the turn (default: a new uuid4 hex)
-    # This call's interventions: `prompt` is the session's tokens after the append, `generated` what it decodes.
-    steer: Sequence[Intervention] = ()
-    monitors: Sequence[Monitor] = ()  # watched on every decoded token (monitors.py)
-    readout_view: ReadoutView = ReadoutView.RAW  # what a readout value shows (calibration.py)
-    residual: ResidualRequest | None = None  # raw residual rows (absolute positions)
-    features: FeatureRequest | None = None  # an SAE's top features (absolute positions)
+    # What the call reads and steers (absolute positions); its steering's `prompt` is the session's
+    # tokens after the append, `generated` what it decodes.
+    probes: Probes = NO_PROBES
     client: str = ANONYMOUS  # whose turn it is, and that client's share weight (engine/fair_share.py)
     weight: float = 1.0
 
