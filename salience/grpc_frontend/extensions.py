@@ -14,6 +14,7 @@ from salience.core.engine.requests import Constraint, FeatureRequest, Probes, Re
 from salience.core.probes.calibration import ReadoutView, calibrated
 from salience.core.probes.monitors import Action, Monitor, MonitorEvent, parse_monitors
 from salience.core.probes.steering import Intervention, Op
+from salience.core.probes.steering import manifest as steering_manifest
 from salience.core.serving import live_concepts
 from salience.core.serving.conversations import ChatTurn
 from salience.core.serving.live_concepts import ConceptDefinition
@@ -127,7 +128,7 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
 
     @translating
     async def GetConceptManifest(self, request: ext.GetConceptManifestRequest, context: grpc.aio.ServicerContext):
-        view = self._status.serving_engine().live.view()
+        view = self._status.serving_engine().concept_view()
         manifest = ext.ConceptManifest()
         if view is not None:
             manifest.version = view.version
@@ -176,12 +177,13 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
     @translating
     async def SaveConcepts(self, request: ext.SaveConceptsRequest, context: grpc.aio.ServicerContext):
         data = live_concepts.save(self._status)
-        view = self._status.serving_engine().live.view()
+        view = self._status.serving_engine().concept_view()
         return ext.SaveConceptsResponse(concept_set=data, concepts=view.concepts if view else ())
 
     @translating
     async def GetSteeringManifest(self, request: ext.GetSteeringManifestRequest, context: grpc.aio.ServicerContext):
-        described = self._status.serving_engine().steering_manifest()
+        # Steering off: no direction, and the limits any steering request would be held to.
+        described = self._status.serving_engine().steering_manifest() or steering_manifest({}, 0)
         return ext.SteeringManifest(
             max_interventions=described["max_interventions"],
             max_magnitude=described["max_magnitude"],

@@ -74,9 +74,9 @@ class SalienceService(salience_pb2_grpc.SalienceServicer):
     @translating
     async def GetReadoutManifest(self, request: pb.GetReadoutManifestRequest, context: grpc.aio.ServicerContext):
         engine = self._status.serving_engine()
-        if engine.readouts is None:  # no concept set: nothing to read out
+        m = engine.readout_manifest
+        if m is None:  # no concept set: nothing to read out
             return pb.ReadoutManifest(hidden_size=engine.hidden_size, dtype="float32")
-        m = engine.readouts.manifest
         return pb.ReadoutManifest(concepts=m.concepts, layers=m.layers, hidden_size=m.hidden_size, dtype=m.dtype)
 
     @translating_stream

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from salience.core.engine.chat_messages import ChatMessage
-from salience.core.engine.requests import Constraint, FeatureRequest, ImageBlock, Probes, ResidualRequest
-from salience.core.probes.calibration import ReadoutView
+from salience.core.engine.requests import Constraint, FeatureRequest, ImageBlock, ResidualRequest
 from salience.core.probes.monitors import Monitor
 from salience.core.probes.steering import Intervention
 
@@ -35,7 +34,6 @@ __all__ = [
     "SessionGenerate",
     "Status",
     "Tokenize",
-    "probes_of",
 ]
 
 
@@ -241,16 +239,3 @@ ClientMessage = (
     | DeleteConcept
     | SaveConcepts
 )
-
-
-def probes_of(message: Generate | Score | SessionGenerate) -> Probes:
-    """What a stream's message asks of the model besides its prompt and sampling, as core takes it
-    (a SCORE has no monitors)."""
-    return Probes(
-        readout_ranges=message.readout,
-        readout_view=ReadoutView.named(message.readout_format),
-        steer=message.steer,
-        monitors=getattr(message, "monitors", ()),
-        residual=message.residual,
-        features=message.features,
-    )

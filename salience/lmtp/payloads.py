@@ -16,7 +16,8 @@ from salience.core.engine.requests import Features, FinishReason, SamplingOption
 from salience.core.probes.monitors import MonitorEvent
 from salience.core.probes.readouts import float32_row
 from salience.core.serving.turns import SessionToken, Turn, TurnDone
-from salience.lmtp.messages import Generate, SessionGenerate, probes_of
+from salience.lmtp.messages import Generate, SessionGenerate
+from salience.lmtp.terms import probes_of
 
 __all__ = [
     "finish_reason",

@@ -43,8 +43,8 @@ def model_info(status: ServerStatus) -> dict | str:
         "max_logprobs": engine.max_logprobs,
         "eos_token_id": engine.tokenizer.eos_token_id,
         "chat_template": engine.chat.has_template,  # whether GENERATE/SCORE take `messages` (the REPL chats)
-        "readout_manifest": dataclasses.asdict(engine.readouts.manifest) if engine.readouts else None,
-        "steering": engine.steering_manifest() if engine.steering else None,
+        "readout_manifest": dataclasses.asdict(manifest) if (manifest := engine.readout_manifest) else None,
+        "steering": engine.steering_manifest(),
         "saes": [sae.info for sae in engine.saes],
     }
 
@@ -53,7 +53,7 @@ async def tokenizer(status: ServerStatus, request: Tokenize | Detokenize) -> dic
     engine = status.serving_engine()
     if isinstance(request, Tokenize):
         return {"tokens": list(engine.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens))}
-    return {"text": engine.tokenizer.decode(engine.checks.tokens("tokens", request.tokens))}
+    return {"text": engine.tokenizer.decode(engine.check_tokens("tokens", request.tokens))}
 
 
 async def image_info(status: ServerStatus, request: ImageInfo) -> dict:

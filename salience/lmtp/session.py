@@ -48,11 +48,10 @@ from salience import metrics, request_ids
 from salience.auth import Client, Identity
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import Admitted, Phase, ServerStatus
-from salience.errors import PermissionDenied, SalienceError, renamed
+from salience.errors import PermissionDenied, SalienceError
 from salience.lmtp import replies, streams
 from salience.lmtp.codec import LmtpError, parse_client_line
 from salience.lmtp.config import ConnectionLimits, LmtpConfig
-from salience.lmtp.fields import TYPES
 from salience.lmtp.messages import (
     Cancel,
     ClientMessage,
@@ -71,43 +70,17 @@ from salience.lmtp.messages import (
     SessionGenerate,
     Status,
     Tokenize,
-    probes_of,
 )
 from salience.lmtp.outbox import Outbox
 from salience.lmtp.streams import Stream
+from salience.lmtp.terms import scopes_of, wire_field
 from salience.logs import CLIENT_NAME, REQUEST_ID
-from salience.scopes import asked, needs
 
 __all__ = ["UNAUTHORIZED", "ConnectionLimits", "LmtpConfig", "LmtpSession"]
 
 log = logging.getLogger(__name__)
 
 _KINDS = {Generate: "generate", Score: "score", SessionGenerate: "session_generate"}
-_NAMES = {cls: name for name, (cls, _, _) in TYPES.items()}
-
-
-def _scopes(message: ClientMessage) -> tuple[str, ...]:
-    """What the message needs: its type's scopes, and those a stream's fields ask for."""
-    own = needs(f"LMTP {_NAMES[type(message)]}")
-    if not isinstance(message, Generate | Score | SessionGenerate):
-        return own
-    return own + asked(probes_of(message))
-
-
-# Core's names of a message's fields where LMTP spells them otherwise.
-# Core's names that LMTP spells otherwise, for an error's field (`readout_ranges[1]` is `readout[1]`).
-_WIRE_NAMES = {
-    "readout_ranges": "readout",
-    "readout_view": "readout_format",
-    "logprobs_ranges": "logprobs",
-    "logprobs": "top_logprobs",
-    "continuation": "scored",
-    "append_tokens": "append",
-}
-
-
-def _wire_field(field: str | None) -> str | None:
-    return renamed(field, _WIRE_NAMES)
 
 
 # What a missing or wrong token gets: the close message of a connection refused at its start, and the
@@ -192,7 +165,7 @@ class LmtpSession:
 
     def _dispatch(self, message: ClientMessage, client: Client) -> None:
         try:
-            client.require(_scopes(message))
+            client.require(scopes_of(message))
         except PermissionDenied as exc:
             self._refuse(message, str(exc), "PermissionDenied")
             return
@@ -273,7 +246,7 @@ class LmtpSession:
             admitted = self._status.admit(self._frontend, _KINDS[type(request)], **client.admission())
         except SalienceError as exc:
             kind = type(exc).__name__
-            field = _wire_field(exc.field)
+            field = wire_field(exc.field)
             self._error(stream_id, str(exc), kind=kind, request_id=request_id, retry_after=exc.retry_after, field=field)
             return
         stream = Stream(stream_id, request_id, client)
@@ -314,7 +287,7 @@ class LmtpSession:
             reason = stream.finish or "cancelled"
         except SalienceError as exc:
             reason = "error"
-            self._end_with_error(stream, str(exc), kind=type(exc).__name__, field=_wire_field(exc.field))
+            self._end_with_error(stream, str(exc), kind=type(exc).__name__, field=wire_field(exc.field))
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -335,7 +308,7 @@ class LmtpSession:
         try:
             payload = {"stream_id": stream_id, **await reply}
         except SalienceError as exc:
-            kind, field = type(exc).__name__, _wire_field(exc.field)
+            kind, field = type(exc).__name__, wire_field(exc.field)
             payload = self._failed(stream_id, str(exc), kind, retry_after=exc.retry_after, field=field)
         self._msg(payload)
 

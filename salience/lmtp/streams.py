@@ -18,7 +18,8 @@ from salience.core.serving.sessions import SessionStore
 from salience.core.serving.turns import TurnRun
 from salience.errors import InvalidArgument
 from salience.lmtp import payloads
-from salience.lmtp.messages import Generate, Score, SessionGenerate, probes_of
+from salience.lmtp.messages import Generate, Score, SessionGenerate
+from salience.lmtp.terms import probes_of
 
 __all__ = ["Emit", "Stream", "generate", "score", "session_generate"]
 
@@ -63,7 +64,7 @@ async def generate(stream: Stream, engine: Engine, request: Generate, emit: Emit
     stream_id = request.stream_id
     read = await prompt_of(engine, request)
     prompt = read.tokens
-    await engine.checks.constraint(request.structured_outputs)
+    await engine.check_constraint(request.structured_outputs)
     generation = engine.generate(
         prompt,
         payloads.sampling_options(request),

@@ -77,7 +77,7 @@ async def prompts(engine: Engine, request: ApiRequest) -> list[Prompt]:
         with naming(param, fields={"prompt": ""}):
             if isinstance(prompt, str):
                 prompt = tuple(engine.tokenizer.encode(prompt))
-            out.append(Prompt(tuple(engine.checks.tokens(param, prompt))))
+            out.append(Prompt(tuple(engine.check_tokens(param, prompt))))
     return out
 
 
@@ -99,7 +99,7 @@ class Run:
     ) -> Run:
         """Every choice checked and submitted, or none: a refused one (a 400) closes the others;
         each is `client`'s for fair share."""
-        await engine.checks.constraint(request.sampling.structured_outputs)  # off the loop; refused in _submit
+        await engine.check_constraint(request.sampling.structured_outputs)  # off the loop; refused in _submit
         run = cls(request, prompts, token_text(engine.tokenizer))
         try:
             run._submit(engine, request_id, client)

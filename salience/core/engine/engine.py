@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Unpack
 
 from salience.core.engine import startup
 from salience.core.engine.chat import ChatRenderer
@@ -37,21 +37,30 @@ from salience.core.engine.images import Vision
 from salience.core.engine.inflight import InFlight
 from salience.core.engine.live import Hold, LiveConcepts
 from salience.core.engine.newcomer_scheduler import NEWCOMER
-from salience.core.engine.passes import Passes
+from salience.core.engine.passes import Passes, PassOptions, PrefillOptions
+from salience.core.engine.prompt_scores import PromptScores
 from salience.core.engine.prompts import PlacedImage, submission
-from salience.core.engine.requests import NO_PROBES, Probes, SamplingOptions
+from salience.core.engine.requests import (
+    NO_PROBES,
+    Constraint,
+    FeatureRequest,
+    Probes,
+    ResidualRequest,
+    SamplingOptions,
+    ScoredToken,
+)
 from salience.core.engine.row_budget import RowBudget
-from salience.core.engine.rows import RowPlan, feature_plan, watched_features
+from salience.core.engine.rows import RowPlan, feature_plan, residual_plan, watched_features
 from salience.core.engine.settings import EngineSettings
 from salience.core.engine.token_meter import TokenMeter
 from salience.core.features.served import ServedSAE
 from salience.core.probes.calibration import Calibration, Presenter, ReadoutView
+from salience.core.probes.concepts import ReadoutManifest
 from salience.core.probes.live import ConceptView
 from salience.core.probes.monitors import Monitor, MonitorState
 from salience.core.probes.readout_worker import TAG
 from salience.core.probes.readouts import READ_TO_END, ReadoutHub, check_ranges, each_engine
 from salience.core.probes.steering import Directions, Intervention, ResolvedSteer
-from salience.core.probes.steering import manifest as steering_manifest
 from salience.core.probes.steering_worker import TAG as STEER_TAG
 from salience.errors import InvalidArgument, under
 
@@ -64,7 +73,7 @@ __all__ = ["Engine"]
 log = logging.getLogger(__name__)
 
 
-class Engine(Passes):
+class Engine:
     """One loaded model. Create with `await Engine.start(settings)`."""
 
     def __init__(self, llm: AsyncLLM, settings: EngineSettings, vision: Vision | None = None) -> None:
@@ -94,6 +103,7 @@ class Engine(Passes):
         self.meter = TokenMeter()  # each client's generated tokens over the last minute
         row_bytes = 4 * self.hidden_size  # float32
         self.row_budget = RowBudget(max(1, settings.residual_memory_mib * 2**20 // row_bytes), row_bytes)
+        self.passes = Passes(self)  # scoring and reading passes (passes.py)
 
     def calibration(self, view: ConceptView | None = None) -> Calibration:
         """The calibration of `view` (by default the concepts a request starting now sees), or
@@ -108,6 +118,11 @@ class Engine(Passes):
     def presenter(self, view: ConceptView | None, readout_view: ReadoutView) -> Presenter | None:
         """A new request's way of showing its readouts in `readout_view` (None: raw, as read)."""
         return None if readout_view is ReadoutView.RAW else self.calibration(view).presenter(readout_view)
+
+    @property
+    def llm(self) -> AsyncLLM:
+        """vLLM's engine, for the passes that submit to it (passes.py)."""
+        return self._llm
 
     async def _rpc(self, method: str, args: tuple = ()) -> list:
         """collective_rpc on every data-parallel engine's workers."""
@@ -136,6 +151,31 @@ class Engine(Passes):
         for generation in running:
             await generation.cancel()
         return len(running)
+
+    # ---- what frontends ask besides requests: the facade, so none reaches into the parts ----------
+
+    async def check_constraint(self, constraint: Constraint | None) -> None:
+        """A request's constraint checked in a worker thread before `generate` (checks.constraint):
+        a large schema's parse then holds up no other stream."""
+        await self.checks.constraint(constraint)
+
+    def check_tokens(self, what: str, ids: Sequence[int]) -> list[int]:
+        """`ids` as a list, or InvalidArgument naming (field `what[i]`) the first outside the vocabulary."""
+        return self.checks.tokens(what, ids)
+
+    def concept_view(self) -> ConceptView | None:
+        """The concepts a request starting now reads (None: no concept set)."""
+        return self.live.view()
+
+    @property
+    def readout_manifest(self) -> ReadoutManifest | None:
+        """What a readout row holds (None: no concept set, nothing to read out)."""
+        return self.readouts.manifest if self.readouts is not None else None
+
+    def steering_manifest(self) -> dict | None:
+        """What clients are told of steering now: the directions (live ones included) and the
+        limits (None: steering is off)."""
+        return self.steering.manifest(self.live.directions()) if self.steering is not None else None
 
     # ---- requests --------------------------------------------------------------
 
@@ -195,7 +235,7 @@ class Engine(Passes):
             params.prompt_logprobs = prompt_logprobs
         scored_from = logprobs_from if prompt_logprobs is not None else None  # None: no prompt logprob wanted
         monitors, features = probes.monitors, probes.features
-        hold = self._hold(probes.steer, len(prompt))
+        hold = self.hold(probes.steer, len(prompt))
         try:
             text = self._reply_text(monitors, options, prompt)
             with under("monitors"):
@@ -211,20 +251,20 @@ class Engine(Passes):
                     feature_plan(features, self.saes)  # the client's own ask, checked
                 features, shown_features = watched_features(features, watch.sae, len(prompt))
             plans = self.row_plans(probes.residual, features, len(prompt) + options.max_tokens)
-            request_id, ranges, submitted = self._prepare(
+            request_id, ranges, submitted = self.prepare(
                 params, request_id, read, prompt, images, hold, dp_rank, plans, scored_from
             )
         except BaseException:
             hold.release()
             raise
         ticket = self.row_budget.reserve(sum(plan.held for plan in plans))
-        slot = self._enter(client, weight, params, len(prompt), options.priority)
+        slot = self.enter(client, weight, params, len(prompt), options.priority)
         rank = self.inflight.rank_of(request_id)
         # The last token's pass runs where the generation ran (its prefix is cached there), under
         # the generation's concepts and steering.
         last = Probes(readout_ranges=ranges, residual=probes.residual, features=features)
         read_last = functools.partial(
-            self._read_one, probes=last, images=images, hold=hold, request_id=f"{request_id}-last", dp_rank=rank
+            self.passes.read_one, probes=last, images=images, hold=hold, request_id=f"{request_id}-last", dp_rank=rank
         )
         generation = Generation(
             self._llm,
@@ -261,6 +301,26 @@ class Engine(Passes):
         generation.on_end = ended
         return generation
 
+    async def score(
+        self, prompt: Sequence[int], continuation: Sequence[int], **options: Unpack[PassOptions]
+    ) -> list[ScoredToken]:
+        """Each continuation token's logprob (Passes.score)."""
+        return await self.passes.score(prompt, continuation, **options)
+
+    async def score_pass(
+        self, prompt: Sequence[int], continuation: Sequence[int], **options: Unpack[PassOptions]
+    ) -> PromptScores | None:
+        """The whole pass of a score (Passes.score_pass)."""
+        return await self.passes.score_pass(prompt, continuation, **options)
+
+    async def prefill(self, tokens: Sequence[int], **options: Unpack[PrefillOptions]) -> PromptScores:
+        """One pass over `tokens` (Passes.prefill)."""
+        return await self.passes.prefill(tokens, **options)
+
+    async def readout(self, tokens: Sequence[int], ranges: Sequence[tuple[int, int]]) -> dict[int, tuple[float, ...]]:
+        """Readouts of `tokens` where `ranges` cover (Passes.readout)."""
+        return await self.passes.readout(tokens, ranges)
+
     def _reply_text(
         self, monitors: Sequence[Monitor], options: SamplingOptions, prompt: Sequence[int]
     ) -> Callable[[int], str] | None:
@@ -277,7 +337,7 @@ class Engine(Passes):
             )
         return TextStream(self.tokenizer, prompt, skip_special_tokens=True).push
 
-    def _enter(
+    def enter(
         self, client: str, weight: float, params: SamplingParams, prompt_tokens: int, priority: int = 0
     ) -> Slot | None:
         """The request's place in the fair-share admission (None with fair share off); a newcomer's
@@ -289,11 +349,11 @@ class Engine(Passes):
             params.extra_args = {**(params.extra_args or {}), NEWCOMER: True}
         return slot
 
-    def _hold(self, steer: Sequence[Intervention], prompt_len: int) -> Hold:
+    def hold(self, steer: Sequence[Intervention], prompt_len: int) -> Hold:
         """The concepts a request starting now sees, and its interventions checked against them."""
         return self.live.hold(self.resolve_steer(steer, prompt_len))
 
-    def _prepare(
+    def prepare(
         self,
         params: SamplingParams,
         request_id: str | None,
@@ -345,11 +405,25 @@ class Engine(Passes):
             )
         return self.steering.resolve(steer, prompt_len, self.live.directions())
 
-    def steering_manifest(self) -> dict:
-        """What clients are told of steering now: the directions (live ones included) and the limits."""
-        if self.steering is None:
-            return steering_manifest({}, 0)
-        return self.steering.manifest(self.live.directions())
+    def row_plans(self, residual: ResidualRequest | None, features: FeatureRequest | None, end: int) -> list[RowPlan]:
+        """A request's residual rows and features checked, with `end` the first position it cannot
+        reach; empty when it asks for neither."""
+        plans = []
+        if residual is None and features is None:
+            return plans
+        if self.readouts is None or self.settings.pipeline_parallel_size > 1:
+            raise InvalidArgument(
+                "residual rows and features need concept readouts (a concept set) on one pipeline stage"
+            )
+        if residual is not None:
+            read = self.readouts.table.loaded.layers
+            limit = self.settings.max_residual_rows
+            plan = residual_plan(residual, end, read=read, hidden=self.hidden_size, limit=limit)
+            self.row_budget.check(plan.held, f"{plan.held // plan.layers} positions x {plan.layers} layers")
+            plans.append(plan)
+        if features is not None:
+            plans.append(feature_plan(features, self.saes))
+        return plans
 
     def cache_serves_none_of(self, first: int, length: int) -> bool:
         """Whether vLLM's prefix cache cannot serve position `first` of a `length`-token prompt, so
@@ -365,7 +439,7 @@ class Engine(Passes):
     def _ask_readouts(
         self, params: SamplingParams, key: str, ranges: Sequence[tuple[int, int]], view: ConceptView | None
     ) -> list[list[int]]:
-        """Tag the request for the worker's hooks (whether it may read the prefix cache: _prepare)."""
+        """Tag the request for the worker's hooks (whether it may read the prefix cache: prepare)."""
         if not ranges:
             return []
         if self.readouts is None or view is None:

@@ -1,6 +1,6 @@
 """One-pass requests on the engine: scoring, readouts and residual rows of a token list.
 
-A mixin of Engine (engine.py), which owns request checks, routing and tagging; these are the
+Engine (engine.py) owns request checks, routing and tagging and holds a Passes; these are the
 requests that run a prompt through the model once and decode nothing of use.
 """
 
@@ -8,24 +8,108 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 from salience.core.engine.fair_share import ANONYMOUS, check_client
 from salience.core.engine.output_streams import guarded
 from salience.core.engine.prompt_scores import PromptScores
 from salience.core.engine.prompts import check_expansion
-from salience.core.engine.requests import NO_PROBES, FeatureRequest, Probes, ResidualRequest, ScoredToken, covers
-from salience.core.engine.rows import RowPlan, feature_plan, residual_plan
+from salience.core.engine.requests import NO_PROBES, Probes, ScoredToken, covers
 from salience.errors import InvalidArgument, under
 
 if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from salience.core.engine.checks import RequestChecks
+    from salience.core.engine.fair_share import Slot
+    from salience.core.engine.inflight import InFlight
     from salience.core.engine.live import Hold
     from salience.core.engine.prompts import PlacedImage
+    from salience.core.engine.requests import FeatureRequest, ResidualRequest
+    from salience.core.engine.row_budget import RowBudget
+    from salience.core.engine.rows import RowPlan
+    from salience.core.probes.calibration import Presenter, ReadoutView
+    from salience.core.probes.live import ConceptView
+    from salience.core.probes.readouts import ReadoutHub
+    from salience.core.probes.steering import Intervention, ResolvedSteer
 
-__all__ = ["Passes"]
+__all__ = ["PassOptions", "Passes", "PrefillOptions", "Steps"]
+
+
+class Steps(Protocol):
+    """What a pass takes of its engine (engine.Engine): the steps every request goes through,
+    and where it goes."""
+
+    checks: RequestChecks
+    inflight: InFlight
+    readouts: ReadoutHub | None
+    row_budget: RowBudget
+    max_model_len: int
+
+    @property
+    def llm(self) -> AsyncLLM: ...
+
+    def resolve_steer(self, steer: Sequence[Intervention], prompt_len: int) -> ResolvedSteer: ...
+
+    def hold(self, steer: Sequence[Intervention], prompt_len: int) -> Hold: ...
+
+    def presenter(self, view: ConceptView | None, readout_view: ReadoutView) -> Presenter | None: ...
+
+    def row_plans(
+        self, residual: ResidualRequest | None, features: FeatureRequest | None, end: int
+    ) -> list[RowPlan]: ...
+
+    def prepare(
+        self,
+        params: SamplingParams,
+        request_id: str | None,
+        readout_ranges: Sequence[tuple[int, int]],
+        tokens: list[int],
+        images: Sequence[PlacedImage],
+        hold: Hold,
+        dp_rank: int | None = None,
+        plans: Sequence[RowPlan] = (),
+        logprobs_from: int | None = None,
+    ) -> tuple[str, list[list[int]], object]: ...
+
+    def enter(
+        self, client: str, weight: float, params: SamplingParams, prompt_tokens: int, priority: int = 0
+    ) -> Slot | None: ...
+
+
+class PassOptions(TypedDict, total=False):
+    """What a score takes besides its tokens (Passes.score)."""
+
+    top_logprobs: int
+    probes: Probes
+    request_id: str | None
+    dp_rank: int | None
+    client: str
+    weight: float
+
+
+class PrefillOptions(TypedDict, total=False):
+    """What a prefill takes besides its tokens (Passes.prefill)."""
+
+    top_logprobs: int | None
+    logprobs_from: int
+    probes: Probes
+    images: Sequence[PlacedImage]
+    request_id: str | None
+    dp_rank: int | None
+    hold: Hold | None
+    client: str
+    weight: float
 
 
 class Passes:
+    """The one-pass requests of an engine: scores and reads `tokens` through the steps every
+    request takes (Engine.hold, prepare, enter), then drops the one token vLLM decodes."""
+
+    def __init__(self, engine: Steps) -> None:
+        self._engine = engine
+
     async def score(
         self,
         prompt: Sequence[int],
@@ -71,10 +155,11 @@ class Passes:
         None when there is nothing to compute (no continuation, nothing read). The steering's
         `generated` positions are the continuation's, as if the model had generated it.
         `client`, `weight`: as for prefill."""
-        prompt, continuation = self.checks.scoring(prompt, continuation)
+        engine = self._engine
+        prompt, continuation = engine.checks.scoring(prompt, continuation)
         if not continuation and not (probes.readout_ranges or probes.residual or probes.features):
             return None
-        steering = self.resolve_steer(probes.steer, len(prompt))
+        steering = engine.resolve_steer(probes.steer, len(prompt))
         return await self.prefill(
             prompt + continuation,
             top_logprobs=top_logprobs,
@@ -114,13 +199,14 @@ class Passes:
         `client`, `weight`: whose pass it is, as for Engine.generate; a last token's pass runs
         in its generation's turn."""
         check_client(client, weight)
-        ids = self.checks.tokens("tokens", tokens)
+        engine = self._engine
+        ids = engine.checks.tokens("tokens", tokens)
         if not ids:
             raise InvalidArgument("tokens is empty: nothing to run through the model", field="tokens")
         if top_logprobs is not None:
-            self.checks.top_k(top_logprobs)
+            engine.checks.top_k(top_logprobs)
         # vLLM always decodes at least one token after the prompt.
-        self.checks.room(len(ids), 1, "one decode step")
+        engine.checks.room(len(ids), 1, "one decode step")
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -131,55 +217,55 @@ class Passes:
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        plans = self.row_plans(probes.residual, probes.features, len(ids))
+        plans = engine.row_plans(probes.residual, probes.features, len(ids))
         own = hold is None
-        hold = self._hold(probes.steer, len(ids)) if hold is None else hold
+        hold = engine.hold(probes.steer, len(ids)) if hold is None else hold
         try:
             with under("readout_view"):
-                present = self.presenter(hold.view, probes.readout_view)
+                present = engine.presenter(hold.view, probes.readout_view)
             scored_from = None if top_logprobs is None else logprobs_from
-            key, checked, submitted = self._prepare(
+            key, checked, submitted = engine.prepare(
                 params, request_id, probes.readout_ranges, ids, images, hold, dp_rank, plans, scored_from
             )
         except BaseException:
             if own:
                 hold.release()
             raise
-        rank = self.inflight.rank_of(key)
+        rank = engine.inflight.rank_of(key)
         if checked:
-            assert self.readouts is not None and hold.view is not None
-            self.readouts.register(key, len(hold.view.concepts))
+            assert engine.readouts is not None and hold.view is not None
+            engine.readouts.register(key, len(hold.view.concepts))
         for plan in plans:
-            self.readouts.register(plan.key(key), plan.width, raw_layers=plan.layers)
+            engine.readouts.register(plan.key(key), plan.width, raw_layers=plan.layers)
         # A generation's last-token pass runs within the rows and the turn its generation holds.
-        ticket = self.row_budget.reserve(sum(plan.held for plan in plans) if own else 0)
-        slot = self._enter(client, weight, params, len(ids)) if own else None
+        ticket = engine.row_budget.reserve(sum(plan.held for plan in plans) if own else 0)
+        slot = engine.enter(client, weight, params, len(ids)) if own else None
         try:
             await ticket.ready()  # its own ticket and slot: released only below
             if slot is not None:
                 await slot.ready()
             outputs = [
-                out async for out in guarded(self._llm.generate(submitted, params, key, data_parallel_rank=rank))
+                out async for out in guarded(engine.llm.generate(submitted, params, key, data_parallel_rank=rank))
             ]
             check_expansion(outputs[-1], ids)
             if slot is not None:
                 slot.cached(outputs[-1].num_cached_tokens or 0)
             readouts, rows = {}, {}
             if checked:
-                readouts = await self.readouts.take(key, [p for p in range(len(ids)) if covers(checked, p)])
+                readouts = await engine.readouts.take(key, [p for p in range(len(ids)) if covers(checked, p)])
                 if present is not None:
                     readouts = {p: present(p, readouts[p]) for p in sorted(readouts)}
             for plan in plans:
-                rows[plan.field] = await plan.take(self.readouts, key, range(len(ids)))
+                rows[plan.field] = await plan.take(engine.readouts, key, range(len(ids)))
         finally:
             ticket.release()
             if slot is not None:
                 slot.release()
-            self.inflight.release(key)
+            engine.inflight.release(key)
             if checked:
-                self.readouts.release(key)
+                engine.readouts.release(key)
             for plan in plans:
-                self.readouts.release(plan.key(key))
+                engine.readouts.release(plan.key(key))
             if own:
                 hold.release()
         # FINAL_ONLY: exactly one output
@@ -188,7 +274,7 @@ class Passes:
             ids, last.prompt_logprobs, top_logprobs or 0, readouts, rows, logprobs_from, last.num_cached_tokens or 0
         )
 
-    async def _read_one(
+    async def read_one(
         self,
         tokens: list[int],
         position: int,
@@ -201,29 +287,9 @@ class Passes:
     ) -> PromptScores | None:
         """The last token's pass: what its generation's `probes` read, at `position`, or None
         without room."""
-        if len(tokens) >= self.max_model_len:  # no room for the pass's one decode step
+        if len(tokens) >= self._engine.max_model_len:  # no room for the pass's one decode step
             return None
         # The generation's interventions in absolute form: the same positions steered, the same cache salt.
         return await self.prefill(
             tokens, probes=probes.at(position), images=images, hold=hold, request_id=request_id, dp_rank=dp_rank
         )
-
-    def row_plans(self, residual: ResidualRequest | None, features: FeatureRequest | None, end: int) -> list[RowPlan]:
-        """A request's residual rows and features checked, with `end` the first position it cannot
-        reach; empty when it asks for neither."""
-        plans = []
-        if residual is None and features is None:
-            return plans
-        if self.readouts is None or self.settings.pipeline_parallel_size > 1:
-            raise InvalidArgument(
-                "residual rows and features need concept readouts (a concept set) on one pipeline stage"
-            )
-        if residual is not None:
-            read = self.readouts.table.loaded.layers
-            limit = self.settings.max_residual_rows
-            plan = residual_plan(residual, end, read=read, hidden=self.hidden_size, limit=limit)
-            self.row_budget.check(plan.held, f"{plan.held // plan.layers} positions x {plan.layers} layers")
-            plans.append(plan)
-        if features is not None:
-            plans.append(feature_plan(features, self.saes))
-        return plans
