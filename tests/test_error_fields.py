@@ -15,7 +15,7 @@ from salience.core.engine.requests import ResidualRequest
 from salience.core.engine.rows import residual_plan
 from salience.core.probes.monitors import parse_monitors
 from salience.core.probes.steering_json import parse_interventions
-from salience.errors import InvalidArgument, under
+from salience.errors import InvalidArgument, join, under
 from salience.grpc_frontend.client import field_of
 from salience.grpc_frontend.status_codes import DETAILS, details
 
@@ -76,3 +76,18 @@ def test_the_grpc_trailer_carries_the_field() -> None:
     assert field_of(error) == "interventions[0]"
     plain = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(("x-request-id", "r1")), message)
     assert field_of(plain) is None
+
+
+def test_under_renames_only_a_fields_first_name() -> None:
+    names = {"steer": "interventions", "max_tokens": "generate.max_tokens"}
+    for field, wire in [
+        ("steer[2].value", "turn.interventions[2].value"),
+        ("max_tokens", "turn.generate.max_tokens"),
+        ("monitors[0].steer", "turn.monitors[0].steer"),
+        (None, "turn"),
+    ]:
+        with pytest.raises(InvalidArgument) as caught, under("turn", names):
+            raise InvalidArgument("bad", field=field)
+        assert caught.value.field == wire
+    assert join("", None) is None
+    assert join("messages", "[1].role") == "messages[1].role"

@@ -125,7 +125,7 @@ async def lmtp(ws, kind: str, body: dict, stream_id: int, model: str) -> dict[st
     while True:
         message = await ws.receive()
         payloads = orjson.loads(message.data.split(" ", 1)[1])
-        if any(p.get("stream_id") == stream_id and ("finish_reason" in p or "error" in p) for p in payloads):
+        if any(p.get("stream_id") == stream_id and (p.get("finish_reason") or "error" in p) for p in payloads):
             marks["received"] = time.perf_counter()
             if any("error" in p for p in payloads):
                 raise RuntimeError(f"{kind} failed: {payloads}")
@@ -191,8 +191,6 @@ async def run(args) -> Report:
             for kind, body in (("GENERATE", GENERATE), ("SCORE", SCORE)):
                 stream += 1
                 got = await lmtp(ws, kind, body, stream, settings.served_model_name)
-                if i == 0:
-                    say(f"{kind} marks: {sorted(got, key=got.get)}")
                 for stage, start, end in STAGES:
                     if start in got and end in got:
                         values[f"{kind} {stage}"] = 1e3 * (got[end] - got[start])
