@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from salience.core.engine.requests import FeatureRequest, Probes, ResidualRequest
-from salience.core.probes.calibration import ReadoutView
+from salience.core.probes.calibration import VIEW_NAMES, ReadoutView
 from salience.core.probes.steering import Intervention, Op
 
 STEER = Intervention(direction="beta", layers=(2,), op=Op.ADD, value=1.0, generated=True)
@@ -38,3 +38,7 @@ def test_the_last_tokens_pass_reads_one_position_as_read() -> None:
     assert last.residual.ranges == ((39, 40),) and last.features.ranges == ((39, 40),)
     assert last.steer == () and last.monitors == ()  # the generation's hold steers it; monitors ran
     assert Probes(residual=ASKED.residual).at(7).readout_ranges == ()
+
+
+def test_every_view_has_a_wire_name() -> None:
+    assert {ReadoutView.named(name) for name in VIEW_NAMES} == set(ReadoutView)

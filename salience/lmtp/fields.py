@@ -18,6 +18,7 @@ from salience import readers, request_ids
 from salience.core.engine.chat_messages import ChatMessage, parse_messages
 from salience.core.engine.constraints import parse_constraint
 from salience.core.engine.requests import Constraint, FeatureRequest, ImageBlock, ResidualRequest
+from salience.core.probes.calibration import VIEW_NAMES
 from salience.core.probes.monitors import Monitor, parse_monitors
 from salience.core.probes.steering import Intervention
 from salience.core.probes.steering_json import parse_interventions, parse_vector
@@ -180,7 +181,7 @@ def _features(value: Any, name: str) -> FeatureRequest:
 
 
 _Reader = Callable[[Any, str], Any]
-READOUT_FORMATS = ("raw", "running", "token", "probability")  # "probability" is "token" (its old name)
+READOUT_FORMATS = VIEW_NAMES
 READOUT_ENCODINGS = ("json", "f32")  # a list of numbers, or base64 of little-endian float32
 _GENERATE: dict[str, _Reader] = {
     "stream_id": _int,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from salience.core.engine.requests import FeatureRequest, Probes
-from salience.core.probes.calibration import ReadoutView
+from salience.core.probes.calibration import VIEW_NAMES, ReadoutView
 from salience.core.probes.monitors import Monitor, parse_monitors
 from salience.core.probes.steering import Intervention
 from salience.core.probes.steering_json import parse_interventions
@@ -36,7 +36,7 @@ from salience.openai.errors import bad_request, naming
 
 __all__ = ["FORMATS", "LOGPROBS", "SPANS", "Extension", "Features", "Readouts", "parse_extension"]
 
-FORMATS = ("raw", "running", "token", "probability")  # what a readout value is: as LMTP's readout_format
+FORMATS = VIEW_NAMES  # what a readout value is: core's views, as LMTP's readout_format
 SPANS = ("prompt", "completion", "all")
 LOGPROBS = ("raw", "processed")  # which distribution logprobs describe
 _FIELDS = ("readouts", "features", "monitors", "steer", "logprobs")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from salience.errors import InvalidArgument
 
-__all__ = ["Calibration", "Presenter", "ReadoutView", "calibrated"]
+__all__ = ["VIEW_NAMES", "Calibration", "Presenter", "ReadoutView", "calibrated"]
 
 
 def calibrated(info: Mapping | None) -> bool:
@@ -50,6 +50,11 @@ class ReadoutView(enum.Enum):
     def named(name: str) -> ReadoutView:
         """A wire's name for a view; "probability" (the name before there were two) is `token`."""
         return ReadoutView.TOKEN if name == "probability" else ReadoutView(name)
+
+
+# The views' names on every wire (LMTP's readout_format, the OpenAI extension's format), the old
+# name of `token` last.
+VIEW_NAMES = ("raw", "running", "token", "probability")
 
 
 Presenter = Callable[[int, Sequence[float]], tuple]  # (position, raw row) -> the row as shown
