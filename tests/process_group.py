@@ -1,5 +1,5 @@
 """What is left of a command's process group once its exit status is known: nothing, when the
-command ends every process it started (salience/core/engine/children.py). The command must be
+command ends every process it started (salience/core/engine/start/children.py). The command must be
 started in a session of its own (`start_new_session=True`), so its group is its pid."""
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def test_the_graph_is_read(graph: dict[str, set[str]]) -> None:
     assert {f"salience.core.{layer}" for layer in LAYERS} <= set(graph)
     assert "salience.core.engine.engine" in graph["salience.core.serving.sessions"]
     assert "salience.lmtp.streams" in graph["salience.lmtp.session"]  # `from salience.lmtp import streams`
-    assert "salience.core.engine.launch" in graph["salience.core.engine.startup"]
+    assert "salience.core.engine.start.launch" in graph["salience.core.engine.start.startup"]
 
 
 def test_no_import_cycles(graph: dict[str, set[str]]) -> None:

@@ -1,5 +1,5 @@
 """A command returns its exit status only once every process it started has ended: its process
-group is empty the moment the status is known (salience/core/engine/children.py). The server's
+group is empty the moment the status is known (salience/core/engine/start/children.py). The server's
 drain, its drain timeout and a second SIGTERM are checked where those stops run (test_drain.py,
 test_tls.py); here, the stops that have no server to drain: a failed start, and `salience
 capture` with its engine in process."""

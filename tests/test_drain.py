@@ -197,7 +197,7 @@ async def test_a_minute_of_load_and_faults_then_sigterm_lets_in_flight_streams_f
         assert all(code == 503 and body["status"] == "loading" for code, body in served.health[:-1])
         children = psutil.Process(served.process.pid).children(recursive=True)
         engine = next(child for child in children if "EngineCore" in child.name())
-        # Forked from the fork server serve started before importing vLLM (fork_server.py).
+        # Forked from the fork server serve started before importing vLLM (core/engine/start/fork_server.py).
         assert engine.ppid() != served.process.pid and "forkserver" in " ".join(engine.parent().cmdline())
         await soak(served, tiny_model)
         async with aiohttp.ClientSession() as http, connect(http, served.http) as client:

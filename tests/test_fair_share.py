@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from salience.core.engine import settings_checks
 from salience.core.engine.engine import Engine
 from salience.core.engine.fair_share import PROMPT_WEIGHT, FairShare, Slot, admission
 from salience.core.engine.newcomer_scheduler import NEWCOMER
 from salience.core.engine.requests import SamplingOptions
 from salience.core.engine.settings import EngineSettings
+from salience.core.engine.start import settings_checks
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.turns import Turn
 from salience.errors import InvalidArgument

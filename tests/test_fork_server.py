@@ -10,8 +10,8 @@ import pytest
 import setproctitle
 import vllm.v1.engine.utils as starter
 
-from salience.core.engine import environment, fork_server
-from salience.core.engine.fork_server import forked_processes
+from salience.core.engine.start import environment, fork_server
+from salience.core.engine.start.fork_server import forked_processes
 
 
 def _report(queue, names: list[str]) -> None:

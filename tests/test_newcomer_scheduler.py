@@ -15,9 +15,9 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from salience.core.engine import vllm_args
 from salience.core.engine.newcomer_scheduler import EVERY, NEWCOMER, NewcomerScheduler, ReadoutNewcomerScheduler
 from salience.core.engine.settings import EngineSettings
+from salience.core.engine.start import vllm_args
 
 BLOCKS = 256
 

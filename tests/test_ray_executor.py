@@ -4,7 +4,7 @@ The cluster runs on this machine over loopback (`ray.cluster_utils.Cluster`): a 
 second node of one Ray CPU each, one cluster for the module. vLLM gives every worker a bundle of
 one CPU, so the two pipeline stages must land on different nodes; the first test asks each
 worker where it runs. The readout and logprob checks are test_pipeline_parallel.py's own, run
-here against an engine whose workers are Ray actors (salience/core/engine/ray_cpu.py), and compared
+here against an engine whose workers are Ray actors (salience/core/engine/start/ray_cpu.py), and compared
 with the transformers float32 reference like there.
 """
 
@@ -19,7 +19,7 @@ import pytest_asyncio
 
 from salience.core.engine.engine import Engine
 from salience.core.engine.settings import EngineSettings
-from salience.core.engine.settings_checks import check_executor
+from salience.core.engine.start.settings_checks import check_executor
 from salience.core.probes.concepts import ConceptSet
 from salience.errors import ModelError
 from tests import test_pipeline_parallel as pp

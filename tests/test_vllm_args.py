@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from salience.core.engine.settings import EngineSettings
-from salience.core.engine.vllm_args import compiled
+from salience.core.engine.start.vllm_args import compiled
 from salience.core.probes.concepts import ConceptSet
 
 

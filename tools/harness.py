@@ -45,7 +45,7 @@ T = TypeVar("T")
 def run_main(main: Coroutine[object, object, T]) -> T:
     """`asyncio.run(main)`, then wait for every process it started to end (an engine started in
     process leaves its engine core and Python's helpers running past its shutdown)."""
-    from salience.core.engine.children import end_children
+    from salience.core.engine.start.children import end_children
 
     try:
         return asyncio.run(main)

@@ -50,7 +50,7 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The `salience` command. As the process's own command line (`argv` None) it returns only
-    once every process it started has ended (children.py); called with `argv`, as tests do, it
+    once every process it started has ended (core/engine/start/children.py); called with `argv`, as tests do, it
     leaves the calling process's other children alone."""
     if argv is not None:
         return _run(argv)
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _end_children() -> None:
     try:
-        from salience.core.engine.children import end_children
+        from salience.core.engine.start.children import end_children
     except ModuleNotFoundError:  # the client-only install (no psutil) starts no process
         return
     end_children()

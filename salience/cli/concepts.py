@@ -50,7 +50,7 @@ def run_concepts(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from salience.core.engine.fork_server import start_early
+    from salience.core.engine.start.fork_server import start_early
     from salience.core.serving.concept_spec import load_spec
 
     spec = load_spec(args.spec)  # a bad spec is refused before anything starts

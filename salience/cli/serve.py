@@ -28,7 +28,7 @@ def configure(args: argparse.Namespace) -> tuple[EngineSettings, ServeOptions]:
     """What `salience serve ARGS` runs: its engine's settings and its frontends' options, every
     flag checked (a benchmark runs the same server in its own process: tools/bench_stages.py)."""
     from salience.core.engine.chat import load_chat_template
-    from salience.core.engine.fork_server import start_early
+    from salience.core.engine.start.fork_server import start_early
     from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
     from salience.core.models.folders import inspect_model_folder
     from salience.lmtp.config import ConnectionLimits, check_tcp_auth

@@ -25,7 +25,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Unpack
 
-from salience.core.engine import startup
 from salience.core.engine.chat import ChatRenderer
 from salience.core.engine.checks import RequestChecks
 from salience.core.engine.constraints import ConstraintBackend
@@ -52,6 +51,7 @@ from salience.core.engine.requests import (
 from salience.core.engine.row_budget import RowBudget
 from salience.core.engine.rows import RowPlan, feature_plan, residual_plan, watched_features
 from salience.core.engine.settings import EngineSettings
+from salience.core.engine.start import startup
 from salience.core.engine.token_meter import TokenMeter
 from salience.core.features.served import ServedSAE
 from salience.core.probes.calibration import Calibration, Presenter, ReadoutView
@@ -130,7 +130,7 @@ class Engine:
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> Engine:
-        """Load the model and warm it up; only then is the engine ready to serve (startup.py)."""
+        """Load the model and warm it up; only then is the engine ready to serve (start/startup.py)."""
         return await startup.start(cls, settings)
 
     def shutdown(self) -> None:

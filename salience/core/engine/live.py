@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from salience.core.engine.settings import EngineSettings
-from salience.core.engine.tap_config import spare_columns, steers
-from salience.core.engine.transport import readouts_with_output
+from salience.core.engine.start.tap_config import spare_columns, steers
+from salience.core.engine.start.transport import readouts_with_output
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.live import ConceptTable, ConceptView, LiveConcept, VectorColumns, check_vectors
 from salience.core.probes.readouts import ReadoutHub

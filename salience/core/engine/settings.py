@@ -41,7 +41,7 @@ class EngineSettings:
     max_logprobs: int = 20
     compile: bool = False  # vLLM's compiled graph, readout taps included: faster decode, slower first start
     multiprocess: bool | None = None  # None: in-process worker on CPU, vLLM's default on GPU
-    # vLLM's processes forked from a fork server that imported vLLM once (fork_server.py): for a
+    # vLLM's processes forked from a fork server that imported vLLM once (start/fork_server.py): for a
     # process starting many engines, or `salience serve` once it started one early.
     fork_server: bool = False
     seed: int = 0

@@ -4,7 +4,7 @@ collective_rpc."""
 from __future__ import annotations
 
 from salience.core.engine.logprobs_worker import LogprobsWorker
-from salience.core.engine.orphans import watch_server
+from salience.core.engine.start.orphans import watch_server
 from salience.core.probes.readout_worker import ReadoutWorker
 from salience.core.probes.steering_worker import SteeringWorker
 from salience.core.probes.taps import taps
@@ -27,7 +27,7 @@ class SalienceWorker(ReadoutWorker, SteeringWorker, LogprobsWorker):
         return out
 
     def salience_watch_server(self, pid: int) -> None:
-        """End this engine once the server's process `pid` is gone (orphans.py)."""
+        """End this engine once the server's process `pid` is gone (start/orphans.py)."""
         watch_server(pid)
 
     def salience_pipeline_setup(self) -> None:

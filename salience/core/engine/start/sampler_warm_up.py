@@ -3,7 +3,7 @@ torch.compile'd sampler op there, once, so no forked engine compiles it again.
 
 vLLM ranks each sampled or prompt token among its logprobs with `batched_count_greater_than`,
 compiled by inductor at its first call in a process: ~3 s of every start on two cores (the
-engine's warm-up pays it, engine.py). Compiled here, the compiled function is in the memory every
+engine's warm-up pays it, startup.py). Compiled here, the compiled function is in the memory every
 forked process starts from. It is called as vLLM calls it (inference mode, the batch dimension
 unbacked) at two vocabulary sizes, so the graph it keeps takes any vocabulary. One thread: the
 fork server must start no OpenMP pool (a forked child cannot use its parent's), and inductor

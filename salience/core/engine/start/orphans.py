@@ -21,7 +21,7 @@ import time
 
 import psutil
 
-from salience.core.engine.fork_server import starter
+from salience.core.engine.start.fork_server import starter
 
 __all__ = ["watch_server"]
 

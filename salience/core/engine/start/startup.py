@@ -1,6 +1,6 @@
 """Starting an engine: settings checked, vLLM launched in its processes, the workers' hooks installed
 (the server watch, raw logprobs, fair share, pipeline stages, readout and steering taps, SAEs), and
-a warm-up, so that the first client's request pays for none of it. Serving is engine.py's.
+a warm-up, so that the first client's request pays for none of it. Serving is engine/engine.py's.
 """
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ import os
 import time
 from typing import TypeVar
 
-from salience.core.engine import environment, launch, settings_checks, vllm_args
 from salience.core.engine.fair_share import admission
 from salience.core.engine.images import Vision
 from salience.core.engine.live import install_probes
 from salience.core.engine.requests import SamplingOptions
-from salience.core.engine.served_saes import served_saes
 from salience.core.engine.settings import EngineSettings
+from salience.core.engine.start import environment, launch, settings_checks, vllm_args
+from salience.core.engine.start.served_saes import served_saes
 
 __all__ = ["start"]
 
-E = TypeVar("E")  # the Engine class: engine.py imports this module, not the other way round
+E = TypeVar("E")  # the Engine class: engine/engine.py imports this module, not the other way round
 
 log = logging.getLogger("salience.core.engine.engine")  # the engine's own log, as before the split
 

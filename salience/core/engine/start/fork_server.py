@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from multiprocessing.context import BaseContext, ForkServerContext, ForkServerProcess
 from pathlib import Path
 
-from salience.core.engine import environment
+from salience.core.engine.start import environment
 
 __all__ = ["forked_processes", "start_early", "starter"]
 
@@ -46,7 +46,7 @@ _PRELOAD = [
     "vllm.v1.engine.core",
     "vllm.v1.worker.cpu_worker",
     "salience.core.engine.worker_extension",
-    "salience.core.engine.sampler_warm_up",
+    "salience.core.engine.start.sampler_warm_up",
 ]
 # vLLM's modules that start processes, each holding its own binding of get_mp_context.
 _STARTERS = ("vllm.v1.engine.utils", "vllm.v1.engine.coordinator", "vllm.v1.executor.multiproc_executor")

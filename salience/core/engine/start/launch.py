@@ -11,8 +11,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from salience.core.engine import environment
-from salience.core.engine.fork_server import forked_processes
+from salience.core.engine.start import environment
+from salience.core.engine.start.fork_server import forked_processes
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs

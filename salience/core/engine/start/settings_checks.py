@@ -1,11 +1,11 @@
 """The settings' checks: what a start refuses before vLLM starts, so a setting it cannot serve
 costs one line (a ModelError) rather than a model load and a worker's traceback. Requests have
-their own checks (checks.py)."""
+their own checks (engine/checks.py)."""
 
 from __future__ import annotations
 
-from salience.core.engine.model_config import text_config
 from salience.core.engine.settings import EngineSettings
+from salience.core.engine.start.model_config import text_config
 from salience.errors import InvalidArgument, ModelError
 
 __all__ = ["check", "check_executor", "check_saes"]

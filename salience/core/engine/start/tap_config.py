@@ -1,11 +1,11 @@
 """The tap config: which taps Salience's loader puts into the model (probes/taps.py), with the
 spare columns live concepts write into. vLLM's engine arguments carry it to the loader, and
-install_probes (live.py) sets up the taps it put in, so both read it from here."""
+install_probes (engine/live.py) sets up the taps it put in, so both read it from here."""
 
 from __future__ import annotations
 
-from salience.core.engine.served_saes import sae_top
 from salience.core.engine.settings import EngineSettings
+from salience.core.engine.start.served_saes import sae_top
 from salience.core.models.atomic import build_folder_once
 from salience.core.models.home import salience_home
 from salience.core.probes.concepts import ConceptSet
