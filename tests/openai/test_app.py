@@ -19,7 +19,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from salience.auth import Tokens
 from salience.core.engine.checks import RequestChecks
 from salience.core.engine.prompts import Prompt
-from salience.core.engine.requests import FinishReason, SamplingOptions, TokenEvent
+from salience.core.engine.requests import Constraint, FinishReason, SamplingOptions, TokenEvent
 from salience.core.serving.status import ServerStatus
 from salience.openai import app as openai_app
 
@@ -102,6 +102,12 @@ class Engine:
         self.go.set()
         self.started: list[tuple[str, int | None]] = []
         self.closed: list[tuple[str, int]] = []
+
+    async def check_constraint(self, constraint: Constraint | None) -> None:
+        await self.checks.constraint(constraint)
+
+    def check_tokens(self, what: str, ids: Sequence[int]) -> list[int]:
+        return self.checks.tokens(what, ids)
 
     def generate(self, prompt: Sequence[int], options: SamplingOptions, *, request_id: str, **extra) -> Generation:
         self.started.append((request_id, options.seed))
