@@ -7,8 +7,8 @@ requests that run a prompt through the model once and decode nothing of use.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, TypedDict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypedDict, Unpack
 
 from salience.core.engine.fair_share import ANONYMOUS, check_client
 from salience.core.engine.output_streams import guarded
@@ -60,18 +60,7 @@ class Steps(Protocol):
         self, residual: ResidualRequest | None, features: FeatureRequest | None, end: int
     ) -> list[RowPlan]: ...
 
-    def prepare(
-        self,
-        params: SamplingParams,
-        request_id: str | None,
-        readout_ranges: Sequence[tuple[int, int]],
-        tokens: list[int],
-        images: Sequence[PlacedImage],
-        hold: Hold,
-        dp_rank: int | None = None,
-        plans: Sequence[RowPlan] = (),
-        logprobs_from: int | None = None,
-    ) -> tuple[str, list[list[int]], object]: ...
+    prepare: Callable[..., tuple[str, list[list[int]], object]]  # Engine.prepare: id, tags, vLLM's prompt
 
     def enter(
         self, client: str, weight: float, params: SamplingParams, prompt_tokens: int, priority: int = 0
@@ -111,29 +100,11 @@ class Passes:
         self._engine = engine
 
     async def score(
-        self,
-        prompt: Sequence[int],
-        continuation: Sequence[int],
-        *,
-        top_logprobs: int = 0,
-        probes: Probes = NO_PROBES,
-        request_id: str | None = None,
-        dp_rank: int | None = None,
-        client: str = ANONYMOUS,
-        weight: float = 1.0,
+        self, prompt: Sequence[int], continuation: Sequence[int], **options: Unpack[PassOptions]
     ) -> list[ScoredToken]:
         """Logprob of each continuation token given the prompt and the tokens before it,
-        with what `probes` read where they cover its position (score_pass)."""
-        scores = await self.score_pass(
-            prompt,
-            continuation,
-            top_logprobs=top_logprobs,
-            probes=probes,
-            request_id=request_id,
-            dp_rank=dp_rank,
-            client=client,
-            weight=weight,
-        )
+        with what the probes read where they cover its position (score_pass)."""
+        scores = await self.score_pass(prompt, continuation, **options)
         if scores is None:
             return []
         return [scores.at(position) for position in range(scores.scored_from, len(scores.tokens))]
