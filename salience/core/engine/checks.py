@@ -87,6 +87,11 @@ class RequestChecks:
             raise InvalidArgument(
                 f"min_tokens must be a non-negative integer, got {o.min_tokens!r}", field="min_tokens"
             )
+        if o.min_tokens > o.max_tokens:  # vLLM's own words, which name no parameter
+            raise InvalidArgument(
+                f"min_tokens must be less than or equal to max_tokens={o.max_tokens}, got {o.min_tokens}.",
+                field="min_tokens",
+            )
         if o.seed is not None and (type(o.seed) is not int or not -(2**63) <= o.seed < 2**63):
             raise InvalidArgument(f"seed must be a 64-bit integer, got {o.seed!r}", field="seed")
         if type(o.priority) is not int or not -(2**31) <= o.priority < 2**31:
@@ -143,5 +148,5 @@ class RequestChecks:
                 detokenize=False,
                 output_kind=RequestOutputKind.DELTA,
             )
-        except (ValueError, VLLMClientError) as exc:  # vLLM's own range checks (penalties, ...)
-            raise InvalidArgument(str(exc)) from None
+        except (ValueError, VLLMClientError) as exc:  # vLLM's own range checks, naming a parameter or not
+            raise InvalidArgument(str(exc), field=getattr(exc, "parameter", None)) from None
