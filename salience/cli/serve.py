@@ -18,9 +18,10 @@ __all__ = ["configure", "run_serve"]
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    settings, options = configure(args)  # first: a bad flag is refused before the server's imports
     from salience.server import serve
 
-    asyncio.run(serve(*configure(args)))
+    asyncio.run(serve(settings, options))
     return 0
 
 
