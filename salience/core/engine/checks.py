@@ -81,6 +81,17 @@ class RequestChecks:
             raise InvalidArgument(f"temperature must be >= 0, got {o.temperature}", field="temperature")
         if not 0 < o.top_p <= 1:
             raise InvalidArgument(f"top_p must be in (0, 1], got {o.top_p}", field="top_p")
+        # vLLM's own ranges, in its words: it names no parameter for these, and the field is core's to name.
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(o, name) <= 2.0:
+                raise InvalidArgument(f"{name} must be in [-2, 2], got {float(getattr(o, name))}.", field=name)
+        if o.repetition_penalty <= 0.0:
+            raise InvalidArgument(
+                f"repetition_penalty must be greater than zero, got {float(o.repetition_penalty)}.",
+                field="repetition_penalty",
+            )
+        if not (o.temperature == 0 or o.top_k == 1) and not 0.0 <= o.min_p <= 1.0:  # greedy runs without min_p
+            raise InvalidArgument(f"min_p must be in [0, 1], got {float(o.min_p)}.", field="min_p")
         if not isinstance(o.top_k, int) or o.top_k < 0:
             raise InvalidArgument(f"top_k must be a non-negative integer (0 = off), got {o.top_k!r}", field="top_k")
         if type(o.min_tokens) is not int or o.min_tokens < 0:
