@@ -203,6 +203,9 @@ LMTP = [
     ("a session turn past the context", ("SESSION_GENERATE", {"max_tokens": TOO_LONG}), "max_tokens"),
     ("a session turn steered along no concept", ("SESSION_GENERATE", {"steer": [ZETA]}), "steer[0]"),
     ("more top logprobs than served", ("GENERATE", {"top_logprobs": 21}), "top_logprobs"),
+    # The tiny concept set has no calibration: a probability view cannot be shown.
+    ("a probability view with no calibration", ("GENERATE", {"readout_format": "token"}), "readout_format"),
+    ("a SCORE's probability view with no calibration", ("SCORE", {"readout_format": "token"}), "readout_format"),
     (
         "a session turn's top logprobs past the limit",
         ("SESSION_GENERATE", {"logprobs": [[0, 33]], "top_logprobs": 21}),

@@ -116,8 +116,12 @@ class Engine:
         return view.calibration
 
     def presenter(self, view: ConceptView | None, readout_view: ReadoutView) -> Presenter | None:
-        """A new request's way of showing its readouts in `readout_view` (None: raw, as read)."""
-        return None if readout_view is ReadoutView.RAW else self.calibration(view).presenter(readout_view)
+        """A new request's way of showing its readouts in `readout_view` (None: raw, as read); a view
+        with no calibration to show it is the view's fault (field `readout_view`)."""
+        if readout_view is ReadoutView.RAW:
+            return None
+        with under("readout_view"):
+            return self.calibration(view).presenter(readout_view)
 
     @property
     def llm(self) -> AsyncLLM:

@@ -15,7 +15,7 @@ from salience.core.engine.output_streams import guarded
 from salience.core.engine.prompt_scores import PromptScores
 from salience.core.engine.prompts import check_expansion
 from salience.core.engine.requests import NO_PROBES, Probes, ScoredToken, covers
-from salience.errors import InvalidArgument, under
+from salience.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -192,8 +192,7 @@ class Passes:
         own = hold is None
         hold = engine.hold(probes.steer, len(ids)) if hold is None else hold
         try:
-            with under("readout_view"):
-                present = engine.presenter(hold.view, probes.readout_view)
+            present = engine.presenter(hold.view, probes.readout_view)
             scored_from = None if top_logprobs is None else logprobs_from
             key, checked, submitted = engine.prepare(
                 params, request_id, probes.readout_ranges, ids, images, hold, dp_rank, plans, scored_from
