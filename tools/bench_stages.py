@@ -144,7 +144,7 @@ async def floor(engine, kind: str) -> float:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         prompt = PROMPT + SCORE["scored"]
     began = time.perf_counter()
-    async for _ in engine._llm.generate({"prompt_token_ids": prompt}, params, os.urandom(8).hex()):
+    async for _ in engine.llm.generate({"prompt_token_ids": prompt}, params, os.urandom(8).hex()):
         pass
     return time.perf_counter() - began
 
