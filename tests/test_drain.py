@@ -310,7 +310,13 @@ async def two_servers(request: pytest.FixtureRequest, tiny_model: Path) -> Async
     process at a time for much of it): ~16 s less than one after the other. Only the selected
     tests' servers start (`-m "not multiprocess"` starts no multiprocess one)."""
     servers = {  # the test: its server's flags, and whether it serves /metrics
-        "test_drain_timeout_cancels_what_is_left_multiprocess": (("--drain-timeout", "1", "--multiprocess"), True),
+        # The streams it cuts must outlast its drain on any machine: the tiny model's whole context
+        # (2,000 tokens, ~7 s here at 300 a second) against half a second. At 1,000 tokens and a
+        # 1 s drain, a CI machine finished them all first.
+        "test_drain_timeout_cancels_what_is_left_multiprocess": (
+            ("--drain-timeout", "0.5", "--multiprocess", "--max-model-len", "2048"),
+            True,
+        ),
         "test_a_killed_server_leaves_no_engine_process_behind": (("--no-grpc",), False),
     }
     selected = [name for name in servers if name in {item.originalname for item in request.session.items}]
@@ -325,7 +331,7 @@ async def two_servers(request: pytest.FixtureRequest, tiny_model: Path) -> Async
 @pytest.mark.multiprocess
 async def test_drain_timeout_cancels_what_is_left_multiprocess(two_servers: dict[str, Served]) -> None:
     """Also: vLLM's engine metrics reach the frontend's registry when the worker is a process of its own."""
-    n, max_tokens = 4, 1000
+    n, max_tokens = 4, 2048 - len(PROMPT)
     served = two_servers["test_drain_timeout_cancels_what_is_left_multiprocess"]
     async with (
         aiohttp.ClientSession() as http,
@@ -347,7 +353,7 @@ async def test_drain_timeout_cancels_what_is_left_multiprocess(two_servers: dict
         elapsed = time.monotonic() - signalled
     assert code == 0, output
     assert "drain cut short" in output and "cause=timeout" in output, output
-    assert elapsed < 15, f"took {elapsed:.1f} s to stop after a 1 s drain"
+    assert elapsed < 15, f"took {elapsed:.1f} s to stop after a 0.5 s drain"
 
 
 async def test_a_killed_server_leaves_no_engine_process_behind(two_servers: dict[str, Served]) -> None:
