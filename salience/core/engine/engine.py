@@ -29,27 +29,24 @@ from salience.core.engine.chat import ChatRenderer
 from salience.core.engine.checks import RequestChecks
 from salience.core.engine.constraints import ConstraintBackend
 from salience.core.engine.detokenizer import TextStream
-from salience.core.engine.fair_share import ANONYMOUS, FairShare, Slot, check_client
-from salience.core.engine.feature_steering import resolve_features
+from salience.core.engine.fair_share import ANONYMOUS, FairShare, check_client
 from salience.core.engine.generation import Generation
 from salience.core.engine.images import Vision
 from salience.core.engine.inflight import InFlight
-from salience.core.engine.live import Hold, LiveConcepts
-from salience.core.engine.newcomer_scheduler import NEWCOMER
+from salience.core.engine.live import LiveConcepts
 from salience.core.engine.passes import Passes, PassOptions, PrefillOptions
+from salience.core.engine.preparation import Preparation
 from salience.core.engine.prompt_scores import PromptScores
-from salience.core.engine.prompts import PlacedImage, submission
+from salience.core.engine.prompts import PlacedImage
 from salience.core.engine.requests import (
     NO_PROBES,
     Constraint,
-    FeatureRequest,
     Probes,
-    ResidualRequest,
     SamplingOptions,
     ScoredToken,
 )
 from salience.core.engine.row_budget import RowBudget
-from salience.core.engine.rows import RowPlan, feature_plan, residual_plan, watched_features
+from salience.core.engine.rows import feature_plan, watched_features
 from salience.core.engine.settings import EngineSettings
 from salience.core.engine.start import startup
 from salience.core.engine.token_meter import TokenMeter
@@ -58,14 +55,11 @@ from salience.core.probes.calibration import Calibration, Presenter, ReadoutView
 from salience.core.probes.concepts import ReadoutManifest
 from salience.core.probes.live import ConceptView
 from salience.core.probes.monitors import Monitor, MonitorState
-from salience.core.probes.readout_worker import TAG
 from salience.core.probes.readouts import READ_TO_END, ReadoutHub, check_ranges, each_engine
-from salience.core.probes.steering import Directions, Intervention, ResolvedSteer
-from salience.core.probes.steering_worker import TAG as STEER_TAG
+from salience.core.probes.steering import Directions
 from salience.errors import InvalidArgument, under
 
 if TYPE_CHECKING:
-    from vllm import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
 __all__ = ["Engine"]
@@ -103,6 +97,7 @@ class Engine:
         self.meter = TokenMeter()  # each client's generated tokens over the last minute
         row_bytes = 4 * self.hidden_size  # float32
         self.row_budget = RowBudget(max(1, settings.residual_memory_mib * 2**20 // row_bytes), row_bytes)
+        self.preparation = Preparation(self)  # the steps every request takes (preparation.py)
         self.passes = Passes(self)  # scoring and reading passes (passes.py)
 
     def calibration(self, view: ConceptView | None = None) -> Calibration:
@@ -239,7 +234,7 @@ class Engine:
             params.prompt_logprobs = prompt_logprobs
         scored_from = logprobs_from if prompt_logprobs is not None else None  # None: no prompt logprob wanted
         monitors, features = probes.monitors, probes.features
-        hold = self.hold(probes.steer, len(prompt))
+        hold = self.preparation.hold(probes.steer, len(prompt))
         try:
             text = self._reply_text(monitors, options, prompt)
             with under("monitors"):
@@ -254,15 +249,15 @@ class Engine:
                 if features is not None:
                     feature_plan(features, self.saes)  # the client's own ask, checked
                 features, shown_features = watched_features(features, watch.sae, len(prompt))
-            plans = self.row_plans(probes.residual, features, len(prompt) + options.max_tokens)
-            request_id, ranges, submitted = self.prepare(
+            plans = self.preparation.row_plans(probes.residual, features, len(prompt) + options.max_tokens)
+            request_id, ranges, submitted = self.preparation.prepare(
                 params, request_id, read, prompt, images, hold, dp_rank, plans, scored_from
             )
         except BaseException:
             hold.release()
             raise
         ticket = self.row_budget.reserve(sum(plan.held for plan in plans))
-        slot = self.enter(client, weight, params, len(prompt), options.priority)
+        slot = self.preparation.enter(client, weight, params, len(prompt), options.priority)
         rank = self.inflight.rank_of(request_id)
         # The last token's pass runs where the generation ran (its prefix is cached there), under
         # the generation's concepts and steering.
@@ -340,120 +335,6 @@ class Engine:
                 field=f"monitors[{scoped}].path",
             )
         return TextStream(self.tokenizer, prompt, skip_special_tokens=True).push
-
-    def enter(
-        self, client: str, weight: float, params: SamplingParams, prompt_tokens: int, priority: int = 0
-    ) -> Slot | None:
-        """The request's place in the fair-share admission (None with fair share off); a newcomer's
-        `params` say so to the engine core's scheduler (newcomer_scheduler.py)."""
-        if self.fair_share is None:
-            return None
-        slot = self.fair_share.enter(client, weight, prompt_tokens, priority)
-        if slot.newcomer:
-            params.extra_args = {**(params.extra_args or {}), NEWCOMER: True}
-        return slot
-
-    def hold(self, steer: Sequence[Intervention], prompt_len: int) -> Hold:
-        """The concepts a request starting now sees, and its interventions checked against them."""
-        return self.live.hold(self.resolve_steer(steer, prompt_len))
-
-    def prepare(
-        self,
-        params: SamplingParams,
-        request_id: str | None,
-        readout_ranges: Sequence[tuple[int, int]],
-        tokens: list[int],
-        images: Sequence[PlacedImage],
-        hold: Hold,
-        dp_rank: int | None = None,
-        plans: Sequence[RowPlan] = (),
-        logprobs_from: int | None = None,
-    ) -> tuple[str, list[list[int]], object]:
-        """Claim the request id, route it to a DP rank, tag the readouts and the steering and build
-        vLLM's prompt; the id is released if any fails. `logprobs_from`: the first prompt position
-        whose logprob is wanted (None: none is)."""
-        key = self.inflight.claim(request_id)
-        try:
-            self.inflight.route(key, dp_rank)
-            ranges = self._ask_readouts(params, key, readout_ranges, hold.view)
-            for plan in plans:
-                params.extra_args = {**(params.extra_args or {}), plan.tag: plan.tag_value(key)}
-            # A position's readout and rows come from its own hidden state, its logprob from the one before.
-            needed = [start for start, _ in ranges] + [start for plan in plans for start, _ in plan.ranges]
-            if logprobs_from is not None:
-                needed.append(logprobs_from - 1)
-            params.skip_reading_prefix_cache = not self.cache_serves_none_of(
-                min(needed, default=len(tokens)), len(tokens)
-            )
-            submitted = submission(self.vision, self.model_name, tokens, images)
-            steering = hold.steer
-            if steering:
-                params.extra_args = {**(params.extra_args or {}), STEER_TAG: steering.payload()}
-                # KV computed under these interventions is found only by requests stating the same ones.
-                submitted["cache_salt"] = steering.cache_salt()
-            return key, ranges, submitted
-        except BaseException:
-            self.inflight.release(key)
-            raise
-
-    def resolve_steer(self, steer: Sequence[Intervention], prompt_len: int) -> ResolvedSteer:
-        """The interventions checked against the concepts served now and made absolute
-        (steering.Directions.resolve)."""
-        if not steer:
-            return ResolvedSteer(())
-        steer = resolve_features(steer, self.saes)
-        if self.steering is None:
-            raise InvalidArgument(
-                "steering was asked for, but this server has nothing to steer along (no concept or steering set, "
-                "or steering is off)"
-            )
-        return self.steering.resolve(steer, prompt_len, self.live.directions())
-
-    def row_plans(self, residual: ResidualRequest | None, features: FeatureRequest | None, end: int) -> list[RowPlan]:
-        """A request's residual rows and features checked, with `end` the first position it cannot
-        reach; empty when it asks for neither."""
-        plans = []
-        if residual is None and features is None:
-            return plans
-        if self.readouts is None or self.settings.pipeline_parallel_size > 1:
-            raise InvalidArgument(
-                "residual rows and features need concept readouts (a concept set) on one pipeline stage"
-            )
-        if residual is not None:
-            read = self.readouts.table.loaded.layers
-            limit = self.settings.max_residual_rows
-            plan = residual_plan(residual, end, read=read, hidden=self.hidden_size, limit=limit)
-            self.row_budget.check(plan.held, f"{plan.held // plan.layers} positions x {plan.layers} layers")
-            plans.append(plan)
-        if features is not None:
-            plans.append(feature_plan(features, self.saes))
-        return plans
-
-    def cache_serves_none_of(self, first: int, length: int) -> bool:
-        """Whether vLLM's prefix cache cannot serve position `first` of a `length`-token prompt, so
-        that a pass may read the cache and still compute every position from `first` on.
-
-        Positions served from the cache are never computed: no readout, no rows, no logprob of the
-        next token. The cache serves whole blocks and never the last prompt position, so at most
-        the first ((length - 1) // block_size) * block_size positions. A pass wanting only
-        positions past that (a session's new tokens, a SCORE's continuation) reads the cache and
-        computes the rest; one wanting an earlier position reads none of it (exact either way)."""
-        return first >= (length - 1) // self.block_size * self.block_size
-
-    def _ask_readouts(
-        self, params: SamplingParams, key: str, ranges: Sequence[tuple[int, int]], view: ConceptView | None
-    ) -> list[list[int]]:
-        """Tag the request for the worker's hooks (whether it may read the prefix cache: prepare)."""
-        if not ranges:
-            return []
-        if self.readouts is None or view is None:
-            raise InvalidArgument(
-                "readouts were asked for, but the server has no concept set loaded", field="readout_ranges"
-            )
-        with under("readout_ranges"):
-            checked = check_ranges(ranges)
-        params.extra_args = {**(params.extra_args or {}), TAG: [key, checked, list(view.columns)]}
-        return checked
 
 
 @functools.cache

@@ -7,7 +7,7 @@ requests that run a prompt through the model once and decode nothing of use.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, TypedDict, Unpack
 
 from salience.core.engine.fair_share import ANONYMOUS, check_client
@@ -18,21 +18,17 @@ from salience.core.engine.requests import NO_PROBES, Probes, ScoredToken, covers
 from salience.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from vllm import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from salience.core.engine.checks import RequestChecks
-    from salience.core.engine.fair_share import Slot
     from salience.core.engine.inflight import InFlight
     from salience.core.engine.live import Hold
+    from salience.core.engine.preparation import Preparation
     from salience.core.engine.prompts import PlacedImage
-    from salience.core.engine.requests import FeatureRequest, ResidualRequest
     from salience.core.engine.row_budget import RowBudget
-    from salience.core.engine.rows import RowPlan
     from salience.core.probes.calibration import Presenter, ReadoutView
     from salience.core.probes.live import ConceptView
     from salience.core.probes.readouts import ReadoutHub
-    from salience.core.probes.steering import Intervention, ResolvedSteer
 
 __all__ = ["PassOptions", "Passes", "PrefillOptions", "Steps"]
 
@@ -46,25 +42,12 @@ class Steps(Protocol):
     readouts: ReadoutHub | None
     row_budget: RowBudget
     max_model_len: int
+    preparation: Preparation  # the steps every request takes before vLLM sees it
 
     @property
     def llm(self) -> AsyncLLM: ...
 
-    def resolve_steer(self, steer: Sequence[Intervention], prompt_len: int) -> ResolvedSteer: ...
-
-    def hold(self, steer: Sequence[Intervention], prompt_len: int) -> Hold: ...
-
     def presenter(self, view: ConceptView | None, readout_view: ReadoutView) -> Presenter | None: ...
-
-    def row_plans(
-        self, residual: ResidualRequest | None, features: FeatureRequest | None, end: int
-    ) -> list[RowPlan]: ...
-
-    prepare: Callable[..., tuple[str, list[list[int]], object]]  # Engine.prepare: id, tags, vLLM's prompt
-
-    def enter(
-        self, client: str, weight: float, params: SamplingParams, prompt_tokens: int, priority: int = 0
-    ) -> Slot | None: ...
 
 
 class PassOptions(TypedDict, total=False):
@@ -94,7 +77,7 @@ class PrefillOptions(TypedDict, total=False):
 
 class Passes:
     """The one-pass requests of an engine: scores and reads `tokens` through the steps every
-    request takes (Engine.hold, prepare, enter), then drops the one token vLLM decodes."""
+    request takes (preparation.py), then drops the one token vLLM decodes."""
 
     def __init__(self, engine: Steps) -> None:
         self._engine = engine
@@ -130,7 +113,7 @@ class Passes:
         prompt, continuation = engine.checks.scoring(prompt, continuation)
         if not continuation and not (probes.readout_ranges or probes.residual or probes.features):
             return None
-        steering = engine.resolve_steer(probes.steer, len(prompt))
+        steering = engine.preparation.resolve_steer(probes.steer, len(prompt))
         return await self.prefill(
             prompt + continuation,
             top_logprobs=top_logprobs,
@@ -188,13 +171,13 @@ class Passes:
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        plans = engine.row_plans(probes.residual, probes.features, len(ids))
+        plans = engine.preparation.row_plans(probes.residual, probes.features, len(ids))
         own = hold is None
-        hold = engine.hold(probes.steer, len(ids)) if hold is None else hold
+        hold = engine.preparation.hold(probes.steer, len(ids)) if hold is None else hold
         try:
             present = engine.presenter(hold.view, probes.readout_view)
             scored_from = None if top_logprobs is None else logprobs_from
-            key, checked, submitted = engine.prepare(
+            key, checked, submitted = engine.preparation.prepare(
                 params, request_id, probes.readout_ranges, ids, images, hold, dp_rank, plans, scored_from
             )
         except BaseException:
@@ -209,7 +192,7 @@ class Passes:
             engine.readouts.register(plan.key(key), plan.width, raw_layers=plan.layers)
         # A generation's last-token pass runs within the rows and the turn its generation holds.
         ticket = engine.row_budget.reserve(sum(plan.held for plan in plans) if own else 0)
-        slot = engine.enter(client, weight, params, len(ids)) if own else None
+        slot = engine.preparation.enter(client, weight, params, len(ids)) if own else None
         try:
             await ticket.ready()  # its own ticket and slot: released only below
             if slot is not None:

@@ -302,7 +302,7 @@ class SessionStore:
         readout_ranges = _check_ranges("readout_ranges", turn.probes.readout_ranges, end)
         if budget and not tokens:
             raise InvalidArgument("the session is empty: append at least one token to generate from")
-        steer = engine.resolve_steer(turn.probes.steer, len(tokens)).interventions
+        steer = engine.preparation.resolve_steer(turn.probes.steer, len(tokens)).interventions
         probes = dataclasses.replace(turn.probes, readout_ranges=readout_ranges, steer=steer)
         growth = len(tokens) - length + budget
         self._make_room(sessions=0, tokens=max(growth, 0), keep=session)

@@ -1,0 +1,163 @@
+"""The steps every request takes before vLLM sees it, whether it decodes (Engine.generate) or
+runs one pass (passes.py): its concepts and steering held, its residual rows and features
+checked, its id claimed and routed, its hooks tagged, its prompt built, its fair-share turn.
+
+They read parts the engine gets only as it starts (the concepts, steering, SAEs, fair share), so
+they take the engine itself and read them when a request comes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from salience.core.engine.feature_steering import resolve_features
+from salience.core.engine.newcomer_scheduler import NEWCOMER
+from salience.core.engine.prompts import submission
+from salience.core.engine.rows import feature_plan, residual_plan
+from salience.core.probes.readout_worker import TAG
+from salience.core.probes.readouts import check_ranges
+from salience.core.probes.steering import ResolvedSteer
+from salience.core.probes.steering_worker import TAG as STEER_TAG
+from salience.errors import InvalidArgument, under
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+
+    from salience.core.engine.engine import Engine
+    from salience.core.engine.fair_share import Slot
+    from salience.core.engine.live import Hold
+    from salience.core.engine.prompts import PlacedImage
+    from salience.core.engine.requests import FeatureRequest, ResidualRequest
+    from salience.core.engine.rows import RowPlan
+    from salience.core.probes.live import ConceptView
+    from salience.core.probes.steering import Intervention
+
+__all__ = ["Preparation"]
+
+
+class Preparation:
+    """One engine's request preparation (Engine.preparation)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def enter(
+        self, client: str, weight: float, params: SamplingParams, prompt_tokens: int, priority: int = 0
+    ) -> Slot | None:
+        """The request's place in the fair-share admission (None with fair share off); a newcomer's
+        `params` say so to the engine core's scheduler (newcomer_scheduler.py)."""
+        engine = self._engine
+        if engine.fair_share is None:
+            return None
+        slot = engine.fair_share.enter(client, weight, prompt_tokens, priority)
+        if slot.newcomer:
+            params.extra_args = {**(params.extra_args or {}), NEWCOMER: True}
+        return slot
+
+    def hold(self, steer: Sequence[Intervention], prompt_len: int) -> Hold:
+        """The concepts a request starting now sees, and its interventions checked against them."""
+        return self._engine.live.hold(self.resolve_steer(steer, prompt_len))
+
+    def prepare(
+        self,
+        params: SamplingParams,
+        request_id: str | None,
+        readout_ranges: Sequence[tuple[int, int]],
+        tokens: list[int],
+        images: Sequence[PlacedImage],
+        hold: Hold,
+        dp_rank: int | None = None,
+        plans: Sequence[RowPlan] = (),
+        logprobs_from: int | None = None,
+    ) -> tuple[str, list[list[int]], object]:
+        """Claim the request id, route it to a DP rank, tag the readouts and the steering and build
+        vLLM's prompt; the id is released if any fails. `logprobs_from`: the first prompt position
+        whose logprob is wanted (None: none is)."""
+        engine = self._engine
+        key = engine.inflight.claim(request_id)
+        try:
+            engine.inflight.route(key, dp_rank)
+            ranges = self._ask_readouts(params, key, readout_ranges, hold.view)
+            for plan in plans:
+                params.extra_args = {**(params.extra_args or {}), plan.tag: plan.tag_value(key)}
+            # A position's readout and rows come from its own hidden state, its logprob from the one before.
+            needed = [start for start, _ in ranges] + [start for plan in plans for start, _ in plan.ranges]
+            if logprobs_from is not None:
+                needed.append(logprobs_from - 1)
+            params.skip_reading_prefix_cache = not self.cache_serves_none_of(
+                min(needed, default=len(tokens)), len(tokens)
+            )
+            submitted = submission(engine.vision, engine.model_name, tokens, images)
+            steering = hold.steer
+            if steering:
+                params.extra_args = {**(params.extra_args or {}), STEER_TAG: steering.payload()}
+                # KV computed under these interventions is found only by requests stating the same ones.
+                submitted["cache_salt"] = steering.cache_salt()
+            return key, ranges, submitted
+        except BaseException:
+            engine.inflight.release(key)
+            raise
+
+    def resolve_steer(self, steer: Sequence[Intervention], prompt_len: int) -> ResolvedSteer:
+        """The interventions checked against the concepts served now and made absolute
+        (steering.Directions.resolve)."""
+        engine = self._engine
+        if not steer:
+            return ResolvedSteer(())
+        steer = resolve_features(steer, engine.saes)
+        if engine.steering is None:
+            raise InvalidArgument(
+                "steering was asked for, but this server has nothing to steer along (no concept or steering set, "
+                "or steering is off)"
+            )
+        return engine.steering.resolve(steer, prompt_len, engine.live.directions())
+
+    def row_plans(self, residual: ResidualRequest | None, features: FeatureRequest | None, end: int) -> list[RowPlan]:
+        """A request's residual rows and features checked, with `end` the first position it cannot
+        reach; empty when it asks for neither."""
+        engine = self._engine
+        plans = []
+        if residual is None and features is None:
+            return plans
+        if engine.readouts is None or engine.settings.pipeline_parallel_size > 1:
+            raise InvalidArgument(
+                "residual rows and features need concept readouts (a concept set) on one pipeline stage"
+            )
+        if residual is not None:
+            read = engine.readouts.table.loaded.layers
+            limit = engine.settings.max_residual_rows
+            plan = residual_plan(residual, end, read=read, hidden=engine.hidden_size, limit=limit)
+            engine.row_budget.check(plan.held, f"{plan.held // plan.layers} positions x {plan.layers} layers")
+            plans.append(plan)
+        if features is not None:
+            plans.append(feature_plan(features, engine.saes))
+        return plans
+
+    def cache_serves_none_of(self, first: int, length: int) -> bool:
+        """Whether vLLM's prefix cache cannot serve position `first` of a `length`-token prompt, so
+        that a pass may read the cache and still compute every position from `first` on.
+
+        Positions served from the cache are never computed: no readout, no rows, no logprob of the
+        next token. The cache serves whole blocks and never the last prompt position, so at most
+        the first ((length - 1) // block_size) * block_size positions. A pass wanting only
+        positions past that (a session's new tokens, a SCORE's continuation) reads the cache and
+        computes the rest; one wanting an earlier position reads none of it (exact either way)."""
+        block = self._engine.block_size
+        return first >= (length - 1) // block * block
+
+    def _ask_readouts(
+        self, params: SamplingParams, key: str, ranges: Sequence[tuple[int, int]], view: ConceptView | None
+    ) -> list[list[int]]:
+        """Tag the request for the worker's hooks (whether it may read the prefix cache: prepare)."""
+        engine = self._engine
+        if not ranges:
+            return []
+        if engine.readouts is None or view is None:
+            raise InvalidArgument(
+                "readouts were asked for, but the server has no concept set loaded", field="readout_ranges"
+            )
+        with under("readout_ranges"):
+            checked = check_ranges(ranges)
+        params.extra_args = {**(params.extra_args or {}), TAG: [key, checked, list(view.columns)]}
+        return checked
