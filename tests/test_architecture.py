@@ -90,7 +90,7 @@ def test_the_graph_is_read(graph: dict[str, set[str]]) -> None:
     # The checks below mean something only if the graph holds what the package is made of.
     assert {f"salience.core.{layer}" for layer in LAYERS} <= set(graph)
     assert "salience.core.engine.engine" in graph["salience.core.serving.sessions"]
-    assert "salience.lmtp.streams" in graph["salience.lmtp.session"]  # `from salience.lmtp import streams`
+    assert "salience.lmtp.streams" in graph["salience.lmtp.running"]  # `from salience.lmtp import streams`
     assert "salience.core.engine.start.launch" in graph["salience.core.engine.start.startup"]
 
 

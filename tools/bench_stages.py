@@ -88,7 +88,7 @@ def install() -> None:
 
     from salience.core.engine.engine import Engine
     from salience.core.serving.status import ServerStatus
-    from salience.lmtp import session
+    from salience.lmtp import running, session
 
     session.LmtpSession.receive = before(session.LmtpSession.receive, "receive")
     session.parse_client_line = after(session.parse_client_line, "parsed")
@@ -106,14 +106,14 @@ def install() -> None:
             yield output
 
     AsyncLLM.generate = traced
-    token = session.LmtpSession._token
+    token = running.RunningStreams._token
 
     def queued(self, stream, payload: dict) -> None:
         token(self, stream, payload)
         if payload.get("finish_reason") is not None:
             mark("queued")
 
-    session.LmtpSession._token = queued
+    running.RunningStreams._token = queued
 
 
 async def lmtp(ws, kind: str, body: dict, stream_id: int, model: str) -> dict[str, float]:

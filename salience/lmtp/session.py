@@ -1,4 +1,4 @@
-"""One LMTP connection: its running streams and replies (streams.py, replies.py, outbox.py).
+"""One LMTP connection: its running streams and replies (running.py, replies.py, outbox.py).
 
 Theory of operation. A transport adapter (WebSocket or TCP) feeds each
 received line to `receive` and runs `pump` to send frames. Every GENERATE or
@@ -12,15 +12,6 @@ gets, once `max_pending` payloads wait, every stream ended with an error and
 the connection closed (`closed` is set; the adapter closes its transport).
 Closing the session (client gone, server stopping) cancels every stream,
 which aborts its engine request at once.
-
-A CANCEL can come at any moment of a stream's life, even in the frame that
-started it, before its task has run: it is remembered on the stream, cancels
-the stream's work if it exists, and otherwise cancels it as it is attached
-(streams.py), before anything has reached the engine.
-
-A stream's id is taken from its request until its terminal payload (or error)
-goes out; from then on a CANCEL for it gets "not running" and a new request may
-reuse the id, even while the old task winds down.
 
 The connection's client is read from its `Identity` at each message, so a reload of the tokens
 file (SIGHUP) reaches it: a narrowed client needs its new scopes from its next message on; a
@@ -38,18 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
-
-import orjson
 
 from salience import metrics, request_ids
 from salience.auth import Client, Identity
 from salience.core.serving.sessions import SessionStore
-from salience.core.serving.status import Admitted, Phase, ServerStatus
+from salience.core.serving.status import Phase, ServerStatus
 from salience.errors import PermissionDenied, SalienceError
-from salience.lmtp import replies, streams
+from salience.lmtp import replies
 from salience.lmtp.codec import LmtpError, parse_client_line
 from salience.lmtp.config import ConnectionLimits, LmtpConfig
 from salience.lmtp.messages import (
@@ -72,16 +60,13 @@ from salience.lmtp.messages import (
     Tokenize,
 )
 from salience.lmtp.outbox import Outbox
-from salience.lmtp.streams import Stream
+from salience.lmtp.running import RunningStreams
 from salience.lmtp.terms import scopes_of, wire_field
 from salience.logs import CLIENT_NAME, REQUEST_ID
 
 __all__ = ["UNAUTHORIZED", "ConnectionLimits", "LmtpConfig", "LmtpSession"]
 
 log = logging.getLogger(__name__)
-
-_KINDS = {Generate: "generate", Score: "score", SessionGenerate: "session_generate"}
-
 
 # What a missing or wrong token gets: the close message of a connection refused at its start, and the
 # error of a message whose token names no client any more (counted as an auth failure, not an error).
@@ -117,15 +102,21 @@ class LmtpSession:
         self._request_id_prefix = request_id_prefix  # the connection's x-request-id header
         self._drop_cause: str | None = None
         self._ended = False
-        self._readout_positions = metrics.READOUT_POSITIONS.labels(frontend)
-        self._readout_bytes = metrics.READOUT_BYTES.labels(frontend)
         metrics.CONNECTIONS_ACTIVE.labels(frontend).inc()
         self._tasks: set[asyncio.Task] = set()
         self._watcher: asyncio.Task | None = None
         self._outbox = Outbox(config.limits.max_pending, config.limits.send_timeout)
-        self._streams: dict[int, Stream] = {}  # by id: those whose terminal payload has yet to go out
-        self._live: set[Stream] = set()  # every stream whose task has yet to end
         self.closed = asyncio.Event()
+        self._running = RunningStreams(
+            status,
+            sessions,
+            frontend,
+            put=self._put,
+            error=self._error,
+            spawn=self._spawn,
+            closed=self.closed,
+            ended=self._close_if_revoked,  # the last stream of a client the tokens no longer name
+        )
         config.tokens.watch(self)
 
     # ---- input -------------------------------------------------------------------
@@ -141,7 +132,7 @@ class LmtpSession:
             self._reject(exc.kind, exc.stream_id, exc.message, exc.request_id, exc.field)
             return
         if isinstance(message, Cancel):  # needs no scope, and only ends what the connection started
-            self._cancel(message.stream_id)
+            self._running.cancel(message.stream_id)
         elif client is None:
             self._refuse(message, UNAUTHORIZED, _UNAUTHORIZED_KIND)
         else:
@@ -171,7 +162,8 @@ class LmtpSession:
             return
         match message:
             case Generate() | Score() | SessionGenerate():
-                self._start(message, client)
+                request_id = message.request_id or self._new_request_id(message.stream_id)
+                self._running.start(message, request_id, client)
             case ModelInfo(stream_id=stream_id):
                 self._msg({"stream_id": stream_id, "model_info": replies.model_info(self._status)})
             case Status(stream_id=stream_id):
@@ -190,16 +182,6 @@ class LmtpSession:
                     self._answer(message.stream_id, replies.session_call(self._status, self._sessions, message, client))
                 )
 
-    def _cancel(self, stream_id: int) -> None:
-        # Every CANCEL either ends its stream "cancelled" or gets this error.
-        stream = self._streams.get(stream_id)
-        if stream is None:
-            self._error(stream_id, f"CANCEL: stream {stream_id} is not running")
-        elif not stream.cancelled:
-            stream.cancelled = True
-            if stream.work is not None:
-                self._spawn(stream.work.cancel(), stream.request_id)
-
     def _refuse(self, message: ClientMessage, error: str, kind: str) -> None:
         if isinstance(message, Generate | Score | SessionGenerate):
             self._error(message.stream_id, error, kind=kind, request_id=message.request_id)
@@ -208,11 +190,11 @@ class LmtpSession:
 
     def tokens_reloaded(self) -> None:
         """The tokens file was reloaded: a connection whose token names no client any more closes
-        now if no stream of it runs (else once the last ends, `_forget`)."""
+        now if no stream of it runs (else once the last ends)."""
         self._close_if_revoked()
 
     def _close_if_revoked(self) -> None:
-        if not self._live and not self.closed.is_set() and self._identity.client is None:
+        if self._running.idle and not self.closed.is_set() and self._identity.client is None:
             log.info("closing: the connection's token names no client any more", extra={"client": self._name})
             self.revoked = True
             self.close()
@@ -230,73 +212,6 @@ class LmtpSession:
             self._error(stream_id, message, request_id=request_id, field=field)
         else:
             self._msg(self._failed(stream_id, message, "LmtpError", request_id, field=field))
-
-    # ---- streams -------------------------------------------------------------------
-
-    def _start(self, request: Generate | Score | SessionGenerate, client: Client) -> None:
-        stream_id = request.stream_id
-        request_id = request.request_id or self._new_request_id(stream_id)
-        if stream_id in self._streams:
-            message = f"stream_id {stream_id} is already running on this connection"
-            self._error(stream_id, message, request_id=request_id)
-            return
-        try:
-            self._status.serving_engine()
-            self._status.check_model(getattr(request, "model", None))
-            admitted = self._status.admit(self._frontend, _KINDS[type(request)], **client.admission())
-        except SalienceError as exc:
-            kind = type(exc).__name__
-            field = wire_field(exc.field)
-            self._error(stream_id, str(exc), kind=kind, request_id=request_id, retry_after=exc.retry_after, field=field)
-            return
-        stream = Stream(stream_id, request_id, client)
-        emit, engine = functools.partial(self._token, stream), admitted.engine
-        # The coroutine is made when the task first runs: one made here and never awaited, because
-        # the client left before the task ran, would be reported ("never awaited") on stderr.
-        match request:
-            case Generate():
-                work = functools.partial(streams.generate, stream, engine, request, emit)
-            case Score():
-                work = functools.partial(streams.score, stream, engine, request, emit)
-            case SessionGenerate():
-                work = functools.partial(streams.session_generate, stream, engine, request, emit, self._sessions)
-        stream.task = asyncio.create_task(self._guard(stream, admitted, work))
-        self._streams[stream_id] = stream
-        self._live.add(stream)
-        stream.task.add_done_callback(lambda _: self._forget(stream, admitted))
-
-    def _forget(self, stream: Stream, admitted: Admitted) -> None:
-        # A task cancelled before it ever ran (the client left at once) never enters _guard's
-        # finally: end its admission here, or drain and the active gauge wait for it forever.
-        admitted.end("cancelled")
-        self._release(stream)
-        self._live.discard(stream)
-        self._close_if_revoked()  # the last stream of a client the tokens no longer name
-
-    def _release(self, stream: Stream) -> None:
-        """Free the stream's id, unless a new stream has taken it already."""
-        if self._streams.get(stream.id) is stream:
-            del self._streams[stream.id]
-
-    async def _guard(self, stream: Stream, admitted: Admitted, work: Callable[[], Awaitable[None]]) -> None:
-        REQUEST_ID.set(stream.request_id)  # this task's context: every line it logs names the request
-        log.debug("stream started", extra={"stream_id": stream.id, "kind": admitted.kind})
-        reason = "cancelled"
-        try:
-            await work()
-            reason = stream.finish or "cancelled"
-        except SalienceError as exc:
-            reason = "error"
-            self._end_with_error(stream, str(exc), kind=type(exc).__name__, field=wire_field(exc.field))
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            reason = "error"
-            log.exception("stream failed", extra={"stream_id": stream.id})
-            self._end_with_error(stream, "internal server error", kind="InternalError")
-        finally:
-            admitted.end(reason)
-            log.debug("stream ended", extra={"stream_id": stream.id, "finish_reason": reason})
 
     # ---- replies ---------------------------------------------------------------------
 
@@ -329,31 +244,6 @@ class LmtpSession:
 
     # ---- output ------------------------------------------------------------------------
 
-    def _token(self, stream: Stream, payload: dict) -> None:
-        terminal = payload.get("finish_reason") is not None
-        if terminal:  # the stream's terminal payload: its id is free
-            stream.finish = payload["finish_reason"]
-            payload["request_id"] = stream.request_id
-            self._release(stream)
-        if "readout" in payload and not self.closed.is_set():
-            self._readout_positions.inc()
-            self._readout_bytes.inc(len(orjson.dumps(payload["readout"])))
-        self._put("TOKEN", payload)
-        if terminal and stream.finish != "cancelled":
-            self._answer_late_cancel(stream)
-
-    def _end_with_error(self, stream: Stream, message: str, *, kind: str, field: str | None = None) -> None:
-        self._release(stream)
-        self._error(stream.id, message, kind=kind, request_id=stream.request_id, field=field)
-        self._answer_late_cancel(stream)
-
-    def _answer_late_cancel(self, stream: Stream) -> None:
-        """A CANCEL that reached a stream whose end was already made (its last token came out
-        of the engine before the abort) is answered as one after the end: every CANCEL either
-        ends its stream "cancelled" or gets "not running"."""
-        if stream.cancelled:
-            self._error(stream.id, f"CANCEL: stream {stream.id} is not running", request_id=stream.request_id)
-
     def _error(
         self,
         stream_id: int,
@@ -379,7 +269,7 @@ class LmtpSession:
         """An error payload naming its request (the running stream's, if the id names one), the
         message's field at fault (`field`, beside `error`), and `retry_after` seconds past a
         client's limit; counted and logged."""
-        running = self._streams.get(stream_id)
+        running = self._running.get(stream_id)
         request_id = request_id or (running and running.request_id) or self._new_request_id(stream_id)
         if kind == _UNAUTHORIZED_KIND:  # counted apart, as a wrong token at the start is
             metrics.AUTH_FAILURES.labels(self._frontend).inc()
@@ -415,10 +305,7 @@ class LmtpSession:
         message = f"client is not reading: more than {self._limits.max_pending} messages are waiting; closing"
         log.warning("slow client", extra={"pending": len(self._outbox)})
         self.dropping(SLOW_CLIENT)
-        for stream in list(self._streams.values()):
-            self._end_with_error(stream, message, kind="SlowClient")
-        for stream in self._live:
-            stream.task.cancel()
+        self._running.end_all(message, "SlowClient")
         self._outbox.close()  # the errors still go out
         self.closed.set()
 
@@ -439,13 +326,12 @@ class LmtpSession:
             cause = self._drop_cause
             if cause is None and self._status.phase is Phase.STOPPING:
                 cause = SERVER_SHUTDOWN
-            elif cause is None and self._streams:
+            elif cause is None and self._running:
                 cause = CLIENT_GONE
             if cause is not None:
                 metrics.CONNECTIONS_DROPPED.labels(self._frontend, cause).inc()
-                log.info("connection dropped", extra={"cause": cause, "streams": len(self._streams)})
-        for stream in self._live:
-            stream.task.cancel()
+                log.info("connection dropped", extra={"cause": cause, "streams": len(self._running)})
+        self._running.cancel_all()
         if self._watcher is not None:
             self._watcher.cancel()
         self._outbox.close()
@@ -458,6 +344,4 @@ class LmtpSession:
 
     async def wait_closed(self) -> None:
         """Until every stream task has finished (their engine requests are aborted)."""
-        tasks = [stream.task for stream in self._live]
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await self._running.wait()

@@ -116,19 +116,19 @@ async def test_a_stream_id_is_free_again_once_its_terminal_payload_is_out(tiny_e
     no client can be faster."""
     session = session_for(tiny_engine, ConnectionLimits())
     payloads: list[dict] = []
-    put = session._put
+    put = session._outbox.put
 
-    def put_then_reuse(kind: str, payload: dict, force: bool = False) -> None:
-        put(kind, payload, force)
+    def put_then_reuse(kind: str, payload: dict) -> None:
+        put(kind, payload)
         if payload.get("finish_reason") and len(payloads) == 0:
             payloads.append(payload)
-            assert any(not stream.task.done() for stream in session._live)  # the old task runs on
+            assert any(not stream.task.done() for stream in session._running._live)  # the old task runs on
             session.receive(generate(1))
             session.receive('CANCEL {"stream_id": 1}')
         elif payload.get("finish_reason") or "error" in payload:
             payloads.append(payload)
 
-    session._put = put_then_reuse
+    session._outbox.put = put_then_reuse
 
     async def send(frame: str) -> None:
         pass
@@ -146,19 +146,19 @@ async def test_a_cancel_that_meets_the_streams_end_is_told_it_is_not_running(tin
     out (the race a soak found once): the stream ends "length", then the CANCEL's answer."""
     session = session_for(tiny_engine, ConnectionLimits())
     payloads: list[dict] = []
-    token, put = session._token, session._put
+    token, put = session._running._token, session._outbox.put
 
     def cancel_then_token(stream, payload: dict) -> None:
         if payload.get("finish_reason") and not stream.cancelled:
             session.receive('CANCEL {"stream_id": 1}')
         token(stream, payload)
 
-    def record(kind: str, payload: dict, force: bool = False) -> None:
-        put(kind, payload, force)
+    def record(kind: str, payload: dict) -> None:
+        put(kind, payload)
         if payload.get("finish_reason") or "error" in payload:
             payloads.append(payload)
 
-    session._token, session._put = cancel_then_token, record
+    session._running._token, session._outbox.put = cancel_then_token, record
 
     async def send(frame: str) -> None:
         pass
@@ -186,10 +186,10 @@ async def test_a_client_gone_before_its_streams_ran_leaves_no_coroutine_behind(
     session = session_for(tiny_engine, ConnectionLimits())
     session.receive(generate(1))
     session.receive("SCORE " + json.dumps({"stream_id": 3, "prompt": [0, 5], "scored": [6, 7]}))
-    assert len(session._live) == 2
+    assert len(session._running._live) == 2
     session.close()  # in the same tick: neither task has run
     await session.wait_closed()
-    assert not session._live and not session._streams
+    assert session._running.idle and len(session._running) == 0
     assert [inspect.getcoroutinestate(c) for c in made if inspect.getcoroutinestate(c) == "CORO_CREATED"] == []
     assert session._status.in_flight == 0
 
