@@ -3,13 +3,13 @@ runs one pass (passes.py): its concepts and steering held, its residual rows and
 checked, its id claimed and routed, its hooks tagged, its prompt built, its fair-share turn.
 
 They read parts the engine gets only as it starts (the concepts, steering, SAEs, fair share), so
-they take the engine itself and read them when a request comes.
+they take the engine (its `Parts`) and read them when a request comes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from salience.core.engine.feature_steering import resolve_features
 from salience.core.engine.newcomer_scheduler import NEWCOMER
@@ -24,22 +24,45 @@ from salience.errors import InvalidArgument, under
 if TYPE_CHECKING:
     from vllm import SamplingParams
 
-    from salience.core.engine.engine import Engine
-    from salience.core.engine.fair_share import Slot
-    from salience.core.engine.live import Hold
+    from salience.core.engine.fair_share import FairShare, Slot
+    from salience.core.engine.images import Vision
+    from salience.core.engine.inflight import InFlight
+    from salience.core.engine.live import Hold, LiveConcepts
     from salience.core.engine.prompts import PlacedImage
     from salience.core.engine.requests import FeatureRequest, ResidualRequest
+    from salience.core.engine.row_budget import RowBudget
     from salience.core.engine.rows import RowPlan
+    from salience.core.engine.settings import EngineSettings
+    from salience.core.features.served import ServedSAE
     from salience.core.probes.live import ConceptView
-    from salience.core.probes.steering import Intervention
+    from salience.core.probes.readouts import ReadoutHub
+    from salience.core.probes.steering import Directions, Intervention
 
-__all__ = ["Preparation"]
+__all__ = ["Parts", "Preparation"]
+
+
+class Parts(Protocol):
+    """What preparing a request reads of its engine (engine.Engine)."""
+
+    settings: EngineSettings
+    model_name: str
+    hidden_size: int
+    block_size: int
+    vision: Vision | None
+    inflight: InFlight
+    row_budget: RowBudget
+    # Set as the engine starts (start/startup.py):
+    live: LiveConcepts
+    saes: list[ServedSAE]
+    steering: Directions | None
+    readouts: ReadoutHub | None
+    fair_share: FairShare | None
 
 
 class Preparation:
     """One engine's request preparation (Engine.preparation)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Parts) -> None:
         self._engine = engine
 
     def enter(
