@@ -89,7 +89,12 @@ class ApiRequest:
     tools: tuple[Tool, ...] = ()  # chat's functions the model may call
     tool_choice: ToolChoice = NONE  # auto when tools are given
     parallel_tool_calls: bool = True
+    # Core's field names this request's wire spells otherwise, for an error's param (run.py).
+    names: Mapping[str, str] = field(default_factory=dict)
 
+
+# Core's names that chat calls otherwise: the prompt is the rendering of its messages.
+CHAT_NAMES = MappingProxyType({"prompt": "messages", "logprobs": "top_logprobs"})
 
 # ---- readers: value and field name in, typed value out, or a 400 naming the field ------------
 
@@ -329,6 +334,7 @@ def parse_chat(body: bytes) -> ApiRequest:
         sampling = replace(sampling, structured_outputs=forced_call(tools, choice, parallel=parallel))
     return ApiRequest(
         kind=CHAT,
+        names=CHAT_NAMES,
         model=fields["model"],
         messages=fields["messages"],
         sampling=sampling,

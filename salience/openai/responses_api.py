@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 from salience.core.engine.chat_messages import ChatMessage, ContentPart, ImagePart, TextPart, ToolCall
@@ -39,6 +40,8 @@ __all__ = ["RESPONSE", "ResponsesRequest", "check_outputs", "parse_responses"]
 
 RESPONSE = "response"  # the endpoint, as metrics name its streams
 _ROLES = ("user", "system", "developer", "assistant")  # an input message's
+# Core's names that the Responses API calls otherwise: the prompt is the rendering of its input.
+RESPONSES_NAMES = MappingProxyType({"prompt": "input", "max_tokens": "max_output_tokens"})
 _TEXT_PARTS = ("input_text", "output_text")
 
 
@@ -273,6 +276,7 @@ def parse_responses(body: bytes) -> ResponsesRequest:
     return ResponsesRequest(
         chat=ApiRequest(
             kind=CHAT,
+            names=RESPONSES_NAMES,
             model=fields["model"],
             sampling=Sampling(max_tokens=fields.get("max_output_tokens"), structured_outputs=constraint_, **sampling),
             stream=fields.get("stream", False),

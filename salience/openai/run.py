@@ -44,6 +44,7 @@ _FIELDS = {
             "logit_bias",
             "prompt",
             "messages",
+            "input",
             "logprobs",
             "top_logprobs",
             "top_k",
@@ -59,8 +60,6 @@ _FIELDS = {
     },
     **{name: "salience" for name in ("steer", "features", "monitors")},
 }
-# Core's names that chat calls otherwise: the prompt is the rendering of its messages.
-_CHAT_NAMES = {"prompt": "messages", "logprobs": "top_logprobs"}
 
 
 async def prompts(engine: Engine, request: ApiRequest) -> list[Prompt]:
@@ -144,7 +143,7 @@ class Run:
                 )
                 with (
                     naming("salience" if ext is not None else None, fields=_FIELDS),
-                    under(names=_CHAT_NAMES if request.kind == CHAT else None),
+                    under(names=request.names),
                 ):
                     generation = engine.generate(
                         prompt,

@@ -319,6 +319,20 @@ async def test_a_stored_chain_carries_its_history_from_the_prefix_cache(served: 
     await asyncio.to_thread(deleted)
 
 
+async def test_an_input_with_no_room_for_its_output_is_a_400_naming_input(served: Frontends) -> None:
+    """Core names its prompt; the Responses API calls that `input` (chat calls it `messages`)."""
+
+    def refused(**ask) -> dict:
+        with pytest.raises(openai.BadRequestError) as bad:
+            client(served).responses.create(model=NAME, store=False, **ask)
+        return bad.value.body
+
+    body = await asyncio.to_thread(refused, input=RULES, max_output_tokens=2048)
+    assert (body["param"], body["code"]) == ("input", "context_length_exceeded"), body
+    body = await asyncio.to_thread(refused, input=ASK, max_output_tokens=0)
+    assert body["param"] == "max_output_tokens", body
+
+
 class Sum(pydantic.BaseModel):
     answer: int = pydantic.Field(ge=0, le=99)
 
