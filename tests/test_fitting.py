@@ -1,5 +1,6 @@
-"""The concept builder's fitting math (core/probes/fitting.py) against independent references:
-scikit-learn's logistic regression and AUROC, and direct computations. No engine needed."""
+"""The concept builder's fitting and validation math (core/probes/fitting.py, validation.py) against
+independent references: scikit-learn's logistic regression and AUROC, and direct computations.
+No engine needed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 
-from salience.core.probes import fitting
+from salience.core.probes import fitting, validation
 
 
 def _concept(
@@ -42,8 +43,8 @@ def test_auroc_counts_pairs() -> None:
         1.0 if p > n else 0.5 if p == n else 0.0
         for p, n in itertools.product(scores[labels].tolist(), scores[~labels].tolist())
     ]
-    assert fitting.auroc(scores, labels) == pytest.approx(sum(pairs) / len(pairs), abs=1e-12)
-    assert fitting.auroc(scores, labels) == pytest.approx(roc_auc_score(labels.numpy(), scores.numpy()), abs=1e-12)
+    assert validation.auroc(scores, labels) == pytest.approx(sum(pairs) / len(pairs), abs=1e-12)
+    assert validation.auroc(scores, labels) == pytest.approx(roc_auc_score(labels.numpy(), scores.numpy()), abs=1e-12)
 
 
 def test_difference_of_means_is_of_text_means() -> None:
@@ -89,9 +90,9 @@ def test_calibration_matches_scikit_learn_on_token_readouts() -> None:
 
 def test_folds_are_stratified_and_seeded() -> None:
     labels = torch.arange(50) % 5 != 0
-    fold = fitting.folds(labels, 5, seed=7)
-    assert torch.equal(fold, fitting.folds(labels, 5, seed=7))
-    assert not torch.equal(fold, fitting.folds(labels, 5, seed=8))
+    fold = validation.folds(labels, 5, seed=7)
+    assert torch.equal(fold, validation.folds(labels, 5, seed=7))
+    assert not torch.equal(fold, validation.folds(labels, 5, seed=8))
     for f in range(5):
         assert int((labels & (fold == f)).sum()) == 8 and int((~labels & (fold == f)).sum()) == 2
 
@@ -100,38 +101,38 @@ def test_cross_validation_holds_each_text_out() -> None:
     """Held-out figures of a separable concept are high, of a concept with no signal near chance;
     and a text's held-out score never comes from a fit that saw it."""
     for method in fitting.METHODS:
-        strong = fitting.cross_validate(method, 4, _concept(signal=3.0), fitting.folds(_concept().labels, 5, 0))
+        strong = fitting.cross_validate(method, 4, _concept(signal=3.0), validation.folds(_concept().labels, 5, 0))
         assert strong.auroc > 0.95 and strong.accuracy > 0.85 and strong.layer == 4
-        noise = fitting.cross_validate(method, 4, _concept(signal=0.0), fitting.folds(_concept().labels, 5, 0))
+        noise = fitting.cross_validate(method, 4, _concept(signal=0.0), validation.folds(_concept().labels, 5, 0))
         assert 0.2 < noise.auroc < 0.8, noise
     # Memorising would show: with as many dimensions as texts, fitting on all texts separates them
     # perfectly, but held-out scores of pure noise stay near chance.
     wide = _concept(texts=30, hidden=64, signal=0.0)
     fit_on_all = fitting.fit_direction("logreg", wide)
-    assert fitting.auroc(wide.means() @ fit_on_all, wide.labels) > 0.95
-    assert fitting.cross_validate("logreg", 0, wide, fitting.folds(wide.labels, 5, 0)).auroc < 0.8
+    assert validation.auroc(wide.means() @ fit_on_all, wide.labels) > 0.95
+    assert fitting.cross_validate("logreg", 0, wide, validation.folds(wide.labels, 5, 0)).auroc < 0.8
 
 
 def test_best_layer_prefers_text_auroc_less_false_positives_then_token_auroc_then_earlier() -> None:
-    def fit(layer: int, auroc: float, token_auroc: float, fpr: float | None = None) -> fitting.LayerFit:
-        return fitting.LayerFit(
+    def fit(layer: int, auroc: float, token_auroc: float, fpr: float | None = None) -> validation.LayerFit:
+        return validation.LayerFit(
             layer=layer, scale=1, offset=0, running_scale=1, running_offset=0, auroc=auroc,
             auroc_interval=(auroc, auroc), accuracy=1, accuracy_interval=(1, 1), token_auroc=token_auroc,
             token_accuracy=1, running_token_auroc=token_auroc, token_mean_auroc=auroc, brier=0, ece=0,
             background_fpr=fpr,
         )  # fmt: skip
 
-    assert fitting.best_layer([fit(0, 0.9, 0.9), fit(1, 0.95, 0.5), fit(2, 0.95, 0.6)]).layer == 2
-    assert fitting.best_layer([fit(3, 1.0, 0.8), fit(1, 1.0, 0.8)]).layer == 1
+    assert validation.best_layer([fit(0, 0.9, 0.9), fit(1, 0.95, 0.5), fit(2, 0.95, 0.6)]).layer == 2
+    assert validation.best_layer([fit(3, 1.0, 0.8), fit(1, 1.0, 0.8)]).layer == 1
     # Less the background's false positives: a layer that fires on ordinary text loses.
-    assert fitting.best_layer([fit(0, 1.0, 0.9, 0.3), fit(1, 0.98, 0.8, 0.0)]).layer == 1
+    assert validation.best_layer([fit(0, 1.0, 0.9, 0.3), fit(1, 0.98, 0.8, 0.0)]).layer == 1
 
 
 def test_logistic_regression_sees_past_a_loud_dimension() -> None:
     """Why `logreg` is offered: one dimension with noise far above the rest (as residual streams
     have) swamps a difference of means, not a regression on standardised features."""
     data = _concept(texts=150, signal=3.0, loud=40.0)
-    fold = fitting.folds(data.labels, 5, 0)
+    fold = validation.folds(data.labels, 5, 0)
     assert fitting.cross_validate("logreg", 0, data, fold).auroc > 0.95
     assert fitting.cross_validate("diff_means", 0, data, fold).auroc < 0.8
 
@@ -189,7 +190,7 @@ def test_folds_keep_pairs_together_and_deal_the_background() -> None:
     labels = torch.tensor([True, False] * 20 + [True] * 6 + [False] * 4 + [False] * 15)
     pairs = torch.tensor([i // 2 for i in range(40)] + [-1] * 25)
     background = torch.tensor([False] * 50 + [True] * 15)
-    fold = fitting.folds(labels, 5, 0, pairs=pairs, background=background)
+    fold = validation.folds(labels, 5, 0, pairs=pairs, background=background)
     assert torch.equal(fold[0:40:2], fold[1:40:2])  # each pair in one fold
     assert sorted(torch.bincount(fold[background]).tolist()) == [3] * 5
     per_fold = torch.bincount(fold[~background & labels], minlength=5)
@@ -201,7 +202,7 @@ def test_background_false_positives_are_held_out_and_calibrated_away() -> None:
     held-out background texts scoring above 0.5."""
     data = _concept(signal=3.0)
     plain = _with_background(data, shift=0.0)
-    fold = fitting.folds(plain.labels, 5, 0, background=plain.background)
+    fold = validation.folds(plain.labels, 5, 0, background=plain.background)
     fit = fitting.cross_validate("diff_means", 0, plain, fold)
     assert fit.background_texts == 30 and fit.background_fpr is not None and fit.background_fpr <= 0.1
     assert torch.allclose(
@@ -210,7 +211,7 @@ def test_background_false_positives_are_held_out_and_calibrated_away() -> None:
     # Background leaning halfway to the positives reads positive more often, and the figure says so.
     leaning = _with_background(data, shift=6.0)
     worse = fitting.cross_validate(
-        "diff_means", 0, leaning, fitting.folds(leaning.labels, 5, 0, background=leaning.background)
+        "diff_means", 0, leaning, validation.folds(leaning.labels, 5, 0, background=leaning.background)
     )
     assert worse.background_fpr > fit.background_fpr
     lo, hi = worse.background_fpr_interval
@@ -224,7 +225,7 @@ def test_bootstrap_intervals_resample_texts_within_each_class() -> None:
     background = torch.arange(40) >= 30
     labels &= ~background
     score = torch.rand(40, generator=generator, dtype=torch.float64) * 0.6 + labels.double() * 0.3
-    got = fitting.bootstrap(score, labels, background, samples=200)
+    got = validation.bootstrap(score, labels, background, samples=200)
     draws = torch.Generator().manual_seed(0)
     groups = [score[~background & labels], score[~background & ~labels], score[background]]
     picks = [g[torch.randint(0, len(g), (200, len(g)), generator=draws)] for g in groups]
@@ -232,7 +233,7 @@ def test_bootstrap_intervals_resample_texts_within_each_class() -> None:
     for pos, neg, bg in zip(*picks, strict=True):
         both = torch.cat([pos, neg])
         truth = torch.cat([torch.ones(len(pos), dtype=torch.bool), torch.zeros(len(neg), dtype=torch.bool)])
-        aurocs.append(fitting.auroc(both, truth))
+        aurocs.append(validation.auroc(both, truth))
         accuracies.append(float(((both > 0.5) == truth).double().mean()))
         fprs.append(float((bg > 0.5).double().mean()))
     for name, values in (("auroc", aurocs), ("accuracy", accuracies), ("background_fpr", fprs)):
@@ -252,7 +253,7 @@ def test_validation_scores_each_text_as_its_fold_fitted_on_its_own(method: str) 
     for all calibrations); each held-out text must score as the public functions fitted on its
     fold's texts alone score it, and the stored fit must be theirs on every text."""
     data = _with_background(_concept(signal=1.0), shift=0.5)
-    fold = fitting.folds(data.labels, 5, 0, background=data.background)
+    fold = validation.folds(data.labels, 5, 0, background=data.background)
     fit, direction = fitting.validate(method, 7, data, fold)
     token_p = torch.empty(len(data.rows), dtype=torch.float64)
     running_p = torch.empty(len(data.rows), dtype=torch.float64)
@@ -270,10 +271,10 @@ def test_validation_scores_each_text_as_its_fold_fitted_on_its_own(method: str) 
     tokens = own[data.text]
     token_labels = data.labels[data.text][tokens]
     assert fit.layer == 7 and fit.background_texts == 30
-    assert fit.auroc == pytest.approx(fitting.auroc(score[own], data.labels[own]), abs=1e-12)
+    assert fit.auroc == pytest.approx(validation.auroc(score[own], data.labels[own]), abs=1e-12)
     assert fit.background_fpr == pytest.approx(float((score[data.ordinary] > 0.5).double().mean()), abs=1e-12)
-    assert fit.token_auroc == pytest.approx(fitting.auroc(token_p[tokens], token_labels), abs=1e-12)
-    assert fit.running_token_auroc == pytest.approx(fitting.auroc(running_p[tokens], token_labels), abs=1e-12)
+    assert fit.token_auroc == pytest.approx(validation.auroc(token_p[tokens], token_labels), abs=1e-12)
+    assert fit.running_token_auroc == pytest.approx(validation.auroc(running_p[tokens], token_labels), abs=1e-12)
     assert fit.brier == pytest.approx(float(((token_p[tokens] - token_labels.double()) ** 2).mean()), abs=1e-12)
     final = fitting.fit_direction(method, data.examples())
     torch.testing.assert_close(direction, final, rtol=0, atol=1e-12)

@@ -12,7 +12,7 @@ import torch
 
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import Probes, SamplingOptions
-from salience.core.probes import fitting
+from salience.core.probes import validation
 from salience.core.probes.calibration import ReadoutView
 from salience.core.probes.concepts import ConceptSet
 from tests.conftest import start_engine
@@ -201,7 +201,7 @@ async def heldout_scores(engine: Engine, concepts: ConceptSet) -> dict[str, list
         right = [(p > 0.5) == positive for p, positive in got]
         pos = [r for r, (_, positive) in zip(right, got, strict=True) if positive]
         neg = [r for r, (_, positive) in zip(right, got, strict=True) if not positive]
-        auroc = fitting.auroc(torch.tensor([p for p, _ in got]), torch.tensor([b for _, b in got]))
+        auroc = validation.auroc(torch.tensor([p for p, _ in got]), torch.tensor([b for _, b in got]))
         print(
             f"{name:<20} {info['recommended_layer']:>5} {info['method']:<10} {auroc:>6.3f} "
             f"{sum(right) / len(right):>13.3f}  {sum(pos):>3}/{len(pos):<3} {sum(neg):>3}/{len(neg):<3}"

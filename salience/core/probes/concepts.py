@@ -11,7 +11,7 @@ File format (safetensors): one float32 tensor `layer.<L>` of shape
     model_fingerprint   see `salience.core.models.folders.model_fingerprint`
     provenance          JSON object: how the vectors were built
     concept_info        JSON list, one object or null per concept (absent in older files): how
-                        each concept validated and its calibration per layer (probes/fitting.py)
+                        each concept validated and its calibration per layer (probes/fitting.py, validation.py)
 
 Vectors are used exactly as stored: a builder normalises them, a reader never does.
 """

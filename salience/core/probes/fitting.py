@@ -25,41 +25,31 @@ says nothing about the text). At one layer:
   Calibrating the running mean directly, rather than averaging token probabilities, is what
   validates better (held-out AUROC at least as high, and a probability that means what it
   says at every length): `token_mean_auroc` publishes the other way's AUROC beside it.
-- Per-text AUROC and accuracy (score > 0.5) are what `concept_info` publishes, with 95%
-  bootstrap intervals over the held-out texts; the background's **false-positive rate** is the
-  share of held-out background texts scoring above 0.5. Per-token figures (each token labelled
-  with its text's class) are published beside them as `token_*` and `running_token_auroc`.
 
-Validation is stratified k-fold with a fixed seed (a pair stays in one fold; background texts
-are dealt like a third class): every text is held out exactly once, scored by a direction and
-calibrations fitted without it, and the figures are computed over all held-out scores. The
-directions and calibrations that are stored are then refitted on every text. The recommended
-layer is the one with the best held-out per-text AUROC less the background false-positive
-rate (then per-token AUROC, then the earliest layer).
+Validation (`validate`) takes the folds `validation.folds` deals: every text is held out exactly
+once, scored by a direction and calibrations fitted without it, and the figures of
+probes/validation.py (what `concept_info` publishes, and what picks the recommended layer) are
+computed over all held-out scores. The directions and calibrations that are stored are then
+refitted on every text.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from salience.core.probes import validation
+
 __all__ = [
-    "FEW_EXAMPLES",
     "METHODS",
     "Calibration",
-    "LayerFit",
     "Residuals",
-    "auroc",
-    "best_layer",
     "calibrate",
     "calibrate_running",
     "cross_validate",
     "fit_direction",
-    "folds",
     "logit_lens",
     "running_means",
     "validate",
@@ -69,10 +59,6 @@ METHODS = ("diff_means", "logreg")
 LOGREG_L2 = 1e-2  # on standardised per-text means: enough for a few dozen texts in hundreds of dimensions
 CALIBRATION_L2 = 1e-3  # on the standardised readout: keeps the scale finite when the classes separate
 BACKGROUND_SHARE = 0.5  # of the negative side's weight, when there is a background
-ECE_BINS = 10
-FEW_EXAMPLES = 24  # per class: below it, held-out figures are too rough to read without their intervals
-BOOTSTRAP_SAMPLES = 1000
-INTERVAL = (0.025, 0.975)
 
 
 @dataclass(frozen=True)
@@ -122,37 +108,6 @@ class Calibration:
 
     def __call__(self, raw: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.scale * raw + self.offset)
-
-
-@dataclass(frozen=True, kw_only=True)
-class LayerFit:
-    """One layer's held-out figures (k-fold) and, after the refit on every text, its calibrations."""
-
-    layer: int
-    scale: float  # the token view's calibration
-    offset: float
-    running_scale: float  # the running view's
-    running_offset: float
-    auroc: float  # per text (its running p at the last token), held out
-    auroc_interval: tuple[float, float]
-    accuracy: float
-    accuracy_interval: tuple[float, float]
-    token_auroc: float  # per token, token view, held out
-    token_accuracy: float
-    running_token_auroc: float  # per token, running view
-    token_mean_auroc: float  # per text, scored by the mean token-view p instead
-    brier: float  # per token, token view, held out
-    ece: float
-    background_fpr: float | None = None  # held-out background texts scoring above 0.5
-    background_fpr_interval: tuple[float, float] | None = None
-    background_texts: int = 0
-
-    def as_dict(self) -> dict:
-        return {
-            name: list(value) if isinstance(value, tuple) else value
-            for name in self.__dataclass_fields__
-            if (value := getattr(self, name)) is not None
-        }
 
 
 def fit_direction(method: str, data: Residuals, l2: float = LOGREG_L2) -> torch.Tensor:
@@ -248,43 +203,12 @@ def _calibrations(x: torch.Tensor, data: Residuals, fitted: torch.Tensor, share:
     ]
 
 
-def folds(
-    labels: torch.Tensor,
-    k: int,
-    seed: int,
-    *,
-    pairs: torch.Tensor | None = None,
-    background: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """[texts] fold index: each class shuffled with `seed` and dealt round-robin, so every fold
-    holds both classes in proportion. `pairs` ([texts] int, -1 for a text in no pair) keeps a
-    matched pair in one fold; `background` texts are dealt as a class of their own."""
-    generator = torch.Generator().manual_seed(seed)
-    fold = torch.empty(len(labels), dtype=torch.long)
-    pairs = torch.full_like(labels, -1, dtype=torch.long) if pairs is None else pairs
-    background = torch.zeros_like(labels) if background is None else background
-    ids = torch.unique(pairs[pairs >= 0])
-    ids = ids[torch.randperm(len(ids), generator=generator)]
-    for i, pair in enumerate(ids.tolist()):
-        fold[pairs == pair] = i % k
-    single = (pairs < 0) & ~background
-    for members, start in (
-        (single & labels, len(ids)),
-        (single & ~labels, len(ids)),
-        (background, 0),
-    ):
-        members = torch.nonzero(members).squeeze(1)
-        members = members[torch.randperm(len(members), generator=generator)]
-        fold[members] = (torch.arange(len(members)) + start) % k
-    return fold
-
-
-def cross_validate(method: str, layer: int, data: Residuals, fold: torch.Tensor) -> LayerFit:
+def cross_validate(method: str, layer: int, data: Residuals, fold: torch.Tensor) -> validation.LayerFit:
     """Held-out figures over every fold, and the calibrations of the direction refitted on every text."""
     return validate(method, layer, data, fold)[0]
 
 
-def validate(method: str, layer: int, data: Residuals, fold: torch.Tensor) -> tuple[LayerFit, torch.Tensor]:
+def validate(method: str, layer: int, data: Residuals, fold: torch.Tensor) -> tuple[validation.LayerFit, torch.Tensor]:
     """cross_validate's figures and calibrations, with the direction [hidden] refitted on every text.
 
     Every direction is fitted from the texts' means, taken once; the rows are projected onto all of
@@ -310,66 +234,28 @@ def validate(method: str, layer: int, data: Residuals, fold: torch.Tensor) -> tu
     mean_token_p = torch.zeros(data.texts, dtype=torch.float64).index_add_(0, data.text, token_p) / lengths
     tokens = own[data.text]
     token_labels = data.labels[data.text][tokens]
-    intervals = bootstrap(score, data.labels, data.ordinary)
+    intervals = validation.bootstrap(score, data.labels, data.ordinary)
     background = int(data.ordinary.sum())
-    return LayerFit(
+    return validation.LayerFit(
         layer=layer,
         scale=token[k].scale,
         offset=token[k].offset,
         running_scale=running[k].scale,
         running_offset=running[k].offset,
-        auroc=auroc(score[own], data.labels[own]),
+        auroc=validation.auroc(score[own], data.labels[own]),
         auroc_interval=intervals["auroc"],
-        accuracy=_accuracy(score[own], data.labels[own]),
+        accuracy=validation.accuracy(score[own], data.labels[own]),
         accuracy_interval=intervals["accuracy"],
-        token_auroc=auroc(token_p[tokens], token_labels),
-        token_accuracy=_accuracy(token_p[tokens], token_labels),
-        running_token_auroc=auroc(running_p[tokens], token_labels),
-        token_mean_auroc=auroc(mean_token_p[own], data.labels[own]),
+        token_auroc=validation.auroc(token_p[tokens], token_labels),
+        token_accuracy=validation.accuracy(token_p[tokens], token_labels),
+        running_token_auroc=validation.auroc(running_p[tokens], token_labels),
+        token_mean_auroc=validation.auroc(mean_token_p[own], data.labels[own]),
         brier=float(((token_p[tokens] - token_labels.double()) ** 2).mean()),
-        ece=_ece(token_p[tokens], token_labels),
+        ece=validation.ece(token_p[tokens], token_labels),
         background_fpr=float((score[data.ordinary] > 0.5).double().mean()) if background else None,
         background_fpr_interval=intervals.get("background_fpr"),
         background_texts=background,
     ), directions[:, k]
-
-
-def bootstrap(
-    score: torch.Tensor, labels: torch.Tensor, background: torch.Tensor, samples: int = BOOTSTRAP_SAMPLES
-) -> dict[str, tuple[float, float]]:
-    """95% percentile intervals of the per-text figures, resampling texts with replacement within
-    each class (positives, negatives, background) with a fixed seed."""
-    own = ~background
-    groups = [own & labels, own & ~labels] + ([background] if background.any() else [])
-    up, down, *rest = _resamples(tuple(int(members.sum()) for members in groups), samples)
-    positive, negative = score[own & labels], score[own & ~labels]
-    wins = (positive[:, None] > negative[None, :]).double() + 0.5 * (positive[:, None] == negative[None, :]).double()
-    figures = {
-        "auroc": ((up @ wins) * down).sum(1) / (len(positive) * len(negative)),
-        "accuracy": (up @ (positive > 0.5).double() + down @ (negative <= 0.5).double())
-        / (len(positive) + len(negative)),
-    }
-    if rest:
-        figures["background_fpr"] = rest[0] @ (score[background] > 0.5).double() / int(background.sum())
-    bounds = torch.tensor(INTERVAL, dtype=torch.float64)
-    return {name: tuple(torch.quantile(values, bounds).tolist()) for name, values in figures.items()}  # type: ignore[misc]
-
-
-@functools.lru_cache(maxsize=4)
-def _resamples(sizes: tuple[int, ...], samples: int) -> tuple[torch.Tensor, ...]:
-    """Per group of `sizes` members, [samples, size]: how often each member is drawn in each
-    resample, drawn in group order from seed 0. The same for every layer and method of a concept:
-    drawn once (read only)."""
-    generator = torch.Generator().manual_seed(0)
-    drawn = [torch.randint(0, n, (samples, n), generator=generator) for n in sizes]
-    return tuple(
-        torch.zeros(samples, n, dtype=torch.float64).scatter_add_(1, d, torch.ones_like(d).double())
-        for n, d in zip(sizes, drawn, strict=True)
-    )
-
-
-def best_layer(fits: Sequence[LayerFit]) -> LayerFit:
-    return max(fits, key=lambda fit: (fit.auroc - (fit.background_fpr or 0.0), fit.token_auroc, -fit.layer))
 
 
 def logit_lens(direction: torch.Tensor, norm: torch.Tensor, unembedding: torch.Tensor, k: int = 10):
@@ -378,34 +264,6 @@ def logit_lens(direction: torch.Tensor, norm: torch.Tensor, unembedding: torch.T
     positive factor for the whole vector, so it changes no ranking and is left out."""
     logits = unembedding.double() @ (norm.double() * direction.double())
     return torch.topk(logits, k).indices.tolist(), torch.topk(-logits, k).indices.tolist()
-
-
-def auroc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """P(a positive scores above a negative), ties counting half (Mann-Whitney U)."""
-    positive, negative = scores[labels], scores[~labels]
-    if not len(positive) or not len(negative):
-        return math.nan
-    ordered, order = torch.sort(scores)
-    _, run, counts = torch.unique_consecutive(ordered, return_inverse=True, return_counts=True)
-    last = torch.cumsum(counts, 0).to(scores.dtype)  # each run of equal scores' last 1-based rank
-    ranks = torch.empty_like(scores)
-    ranks[order] = (last - (counts - 1).to(scores.dtype) / 2)[run]  # ties share their mean rank
-    u = float(ranks[labels].sum()) - len(positive) * (len(positive) + 1) / 2
-    return u / (len(positive) * len(negative))
-
-
-def _accuracy(p: torch.Tensor, labels: torch.Tensor) -> float:
-    return float(((p > 0.5) == labels).double().mean())
-
-
-def _ece(p: torch.Tensor, labels: torch.Tensor) -> float:
-    """Expected calibration error: |mean p - positive rate| over ten equal-width bins, by bin size."""
-    bins = torch.clamp((p * ECE_BINS).long(), max=ECE_BINS - 1)
-    total = 0.0
-    for b in torch.unique(bins):
-        inside = bins == b
-        total += float(inside.sum()) * abs(float(p[inside].mean()) - float(labels[inside].double().mean()))
-    return total / len(p)
 
 
 def _class_weights(labels: torch.Tensor, ordinary: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,10 @@ Spec (JSON or YAML):
 An `examples` path is relative to the spec's folder; a line there may also be a matched pair,
 {"positive": ..., "negative": ..., "source": ...}: two texts that differ only in the concept,
 kept in one validation fold. Each concept needs at least MIN_EXAMPLES texts per class, and
-concept_info warns below fitting.FEW_EXAMPLES. The background's texts calibrate every concept
+concept_info warns below validation.FEW_EXAMPLES. The background's texts calibrate every concept
 they do not show (`shows` names those they do) and measure its false positives; they never fit
-a direction. How the directions and calibrations are fitted and validated is in probes/fitting.py.
+a direction. How the directions and calibrations are fitted and validated is in probes/fitting.py and
+probes/validation.py.
 
 How a build runs (the default spec's 1,231 texts: about a minute on two cores, docs/benchmarks.md):
 
@@ -56,6 +57,7 @@ from salience.core.models.folders import model_fingerprint, model_shape
 from salience.core.probes import fitting
 from salience.core.probes.calibration import calibrated
 from salience.core.probes.concepts import ConceptSet, capture_concepts
+from salience.core.probes.validation import FEW_EXAMPLES, LayerFit, best_layer, folds
 from salience.core.serving.concept_spec import SIDES, background_for
 from salience.errors import InvalidArgument
 
@@ -192,7 +194,7 @@ def fit_concept(
     )
     ordinary = torch.arange(len(texts)) >= len(texts) - len(background)
     per_class = min(int(labels.sum()), int((~labels & ~ordinary).sum()))
-    fold = fitting.folds(
+    fold = folds(
         labels,
         min(int(validation["folds"]), per_class),
         int(validation["seed"]),
@@ -200,7 +202,7 @@ def fit_concept(
         background=ordinary,
     )
     methods = fitting.METHODS if concept["method"] == "auto" else (concept["method"],)
-    fits: dict[str, list[fitting.LayerFit]] = {method: [] for method in methods}
+    fits: dict[str, list[LayerFit]] = {method: [] for method in methods}
     directions: dict[str, list[torch.Tensor]] = {method: [] for method in methods}
     for i, layer in enumerate(layers):  # one layer's rows in float64 at a time
         data = _residuals_at(residuals, texts, labels, ordinary, i)
@@ -211,8 +213,8 @@ def fit_concept(
             progress()
     allowed = set(candidates if candidates is not None else layers)
 
-    def best(method: str) -> fitting.LayerFit:
-        return fitting.best_layer([fit for fit in fits[method] if fit.layer in allowed])
+    def best(method: str) -> LayerFit:
+        return best_layer([fit for fit in fits[method] if fit.layer in allowed])
 
     method = max(methods, key=lambda m: (best(m).auroc, m == "diff_means"))
     vectors = torch.stack(directions[method]).to(torch.float32)
@@ -304,10 +306,10 @@ def _residuals_at(
 
 def few_examples(positive: int, negative: int) -> dict[str, str]:
     """concept_info's `warning` when either class is small enough that held-out figures prove little."""
-    if min(positive, negative) >= fitting.FEW_EXAMPLES:
+    if min(positive, negative) >= FEW_EXAMPLES:
         return {}
     return {
-        "warning": f"few examples ({positive} positive, {negative} negative; at least {fitting.FEW_EXAMPLES} "
+        "warning": f"few examples ({positive} positive, {negative} negative; at least {FEW_EXAMPLES} "
         "of each are advised): the held-out figures are rough, read them with their intervals"
     }
 
