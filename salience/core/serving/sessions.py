@@ -19,13 +19,8 @@ An exchange a frontend ran outside any session can be kept as one (`keep`): the 
 Responses API's stored response is a session holding its prompt's and reply's tokens and their
 conversation, so it is bounded, expires and belongs to its client like any other.
 
-A session is its owner's, the client that opened it (`Client.share`: a named client, or on an
-open server a peer address); every call names its client, and another's session is, to it, one
-that does not exist: the same NotFound as an unknown id, so an id reveals nothing.
-
-Idle sessions expire after a TTL; every call on a session refreshes it. Past the limits on
-session count or stored tokens the least recently used idle session is evicted; a session
-with a running turn is never evicted.
+The store holds its sessions in a SessionPool (session_pool.py), which decides whose each is,
+when an idle one expires and which is evicted past the limits.
 """
 
 from __future__ import annotations
@@ -50,24 +45,11 @@ from salience.core.serving import conversations
 from salience.core.serving.conversations import ChatTurn, Conversation
 from salience.core.serving.observers import OBSERVERS
 from salience.core.serving.session_images import place_images
+from salience.core.serving.session_pool import SessionLimits, SessionPool
 from salience.core.serving.turns import Range, Turn, TurnRun
-from salience.errors import (
-    ContextOverflow,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    SessionBusy,
-)
+from salience.errors import ContextOverflow, FailedPrecondition, InvalidArgument, SessionBusy
 
 __all__ = ["SessionLimits", "SessionStore"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class SessionLimits:
-    ttl: float = 1800.0  # seconds a session may sit idle
-    max_sessions: int = 4096
-    max_tokens: int = 50_000_000  # stored across all sessions (4 bytes each)
 
 
 @dataclass(eq=False)
@@ -104,63 +86,62 @@ class SessionStore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._engine = engine
-        self.limits = limits or SessionLimits()
-        self._clock = clock
-        self._sessions: dict[str, _Session] = {}  # least recently used first
+        self._pool: SessionPool[_Session] = SessionPool(limits or SessionLimits(), clock)
         OBSERVERS.store_opened(self)
 
     def __len__(self) -> int:
-        return len(self._sessions)
+        return len(self._pool)
 
     def stored_tokens(self) -> int:
-        return sum(len(s.tokens) for s in self._sessions.values())
+        return self._pool.stored_tokens()
+
+    def sweep(self) -> int:
+        """Evict sessions idle longer than the TTL; return how many went."""
+        return self._pool.sweep()
+
+    async def sweep_forever(self) -> None:
+        """Evict expired sessions even when no calls come in (their memory is not free)."""
+        await self._pool.sweep_forever()
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     def open(self, owner: str = ANONYMOUS, max_owned: int | None = None) -> str:
         """A new session of `owner`, who may hold at most `max_owned` (ResourceExhausted past it)."""
         self._engine()
-        self._check_quota(owner, max_owned)
-        self._make_room(sessions=1, tokens=0, keep=None)
+        self._pool.check_quota(owner, max_owned)
+        self._pool.make_room(sessions=1, tokens=0, keep=None)
         session = _Session(secrets.token_urlsafe(16), owner=owner)
-        self._sessions[session.id] = session
-        self._touch(session)
-        OBSERVERS.sessions_created()
+        self._pool.add(session)
         return session.id
 
     async def close(self, session_id: str, owner: str = ANONYMOUS) -> None:
         """Forget `owner`'s session, stopping its running turn. Closing twice is fine, and so, alike,
         is closing an id that is another's: that session stays."""
-        session = self._sessions.get(session_id)
-        if session is None or session.owner != owner:
-            return
-        del self._sessions[session_id]
-        if session.run is not None:
+        session = self._pool.remove(session_id, owner)
+        if session is not None and session.run is not None:
             await session.run.cancel()
 
     def fork(self, session_id: str, at_position: int, owner: str = ANONYMOUS, max_owned: int | None = None) -> str:
         """A new session of `owner` (as `open`), holding the first `at_position` tokens of its `session_id`."""
         self._engine()  # a new session: none while loading or draining
-        source = self._get(session_id, owner)
-        self._check_quota(owner, max_owned)
+        source = self._pool.get(session_id, owner)
+        self._pool.check_quota(owner, max_owned)
         if at_position > len(source.tokens):
             raise FailedPrecondition(
                 f"cannot fork at position {at_position}: the session has {len(source.tokens)} tokens"
             )
         if (block := source.block_around(at_position)) is not None:
             raise FailedPrecondition(_split_message("fork", at_position, block))
-        self._make_room(sessions=1, tokens=at_position, keep=source)
+        self._pool.make_room(sessions=1, tokens=at_position, keep=source)
         child = _Session(secrets.token_urlsafe(16), tokens=source.tokens[:at_position], owner=owner)
         child.images = [b for b in source.images if b.end <= at_position]
         child.conversation = source.conversation.cut(at_position)
         child.dp_rank = source.dp_rank
-        self._sessions[child.id] = child
-        self._touch(child)
-        OBSERVERS.sessions_created()
+        self._pool.add(child)
         return child.id
 
     def tokens(self, session_id: str, owner: str = ANONYMOUS) -> list[int]:
-        return self._get(session_id, owner).tokens.tolist()
+        return self._pool.get(session_id, owner).tokens.tolist()
 
     def keep(
         self, session_id: str, owner: str, tokens: Sequence[int], conversation: Conversation, kept: object
@@ -168,9 +149,9 @@ class SessionStore:
         """Make `owner`'s idle session hold an exchange a frontend ran outside it (the OpenAI
         Responses API's stored response): its tokens and conversation, and `kept`, the frontend's
         own record of it. The tokens count against the limits as a turn's do."""
-        session = self._get(session_id, owner)
+        session = self._pool.get(session_id, owner)
         self._check_offset(session, len(session.tokens), truncating=None)  # no turn running
-        self._make_room(sessions=0, tokens=max(len(tokens) - len(session.tokens), 0), keep=session)
+        self._pool.make_room(sessions=0, tokens=max(len(tokens) - len(session.tokens), 0), keep=session)
         session.tokens = array("I", tokens)
         session.images = []
         session.conversation = conversation
@@ -178,37 +159,7 @@ class SessionStore:
 
     def kept(self, session_id: str, owner: str) -> object:
         """What `keep` kept with `owner`'s session (None: nothing yet)."""
-        return self._get(session_id, owner).kept
-
-    def _check_quota(self, owner: str, max_owned: int | None) -> None:
-        """A client's limit on open sessions; the retry-after is when its longest idle one expires."""
-        if max_owned is None:
-            return
-        self.sweep()
-        owned = [s for s in self._sessions.values() if s.owner == owner]
-        if len(owned) >= max_owned:
-            wait = max(self.limits.ttl - (self._clock() - min(s.last_used for s in owned)), 0.0)
-            raise ResourceExhausted(
-                f"client {owner!r} holds {len(owned)} sessions, its limit: close one, or retry when its "
-                f"longest idle one expires (in {wait:.0f} s)",
-                retry_after=wait,
-            )
-
-    def sweep(self) -> int:
-        """Evict sessions idle longer than the TTL; return how many went."""
-        deadline = self._clock() - self.limits.ttl
-        expired = [s.id for s in self._sessions.values() if s.run is None and s.last_used < deadline]
-        for session_id in expired:
-            del self._sessions[session_id]
-        if expired:
-            OBSERVERS.sessions_evicted("ttl", len(expired))
-        return len(expired)
-
-    async def sweep_forever(self) -> None:
-        """Evict expired sessions even when no calls come in (their memory is not free)."""
-        while True:
-            await asyncio.sleep(min(60.0, max(self.limits.ttl / 4, 0.05)))
-            self.sweep()
+        return self._pool.get(session_id, owner).kept
 
     # ---- turns ---------------------------------------------------------------------------
 
@@ -224,7 +175,7 @@ class SessionStore:
         engine = engine or self._engine()
         facts = await self._inspect(turn, engine)
         await engine.checks.constraint(turn.sampling.structured_outputs)
-        session = self._get(session_id, turn.client)
+        session = self._pool.get(session_id, turn.client)
         self._check_offset(session, turn.offset, turn.truncating)
         run = self._commit(session, turn, engine, facts, functools.partial(self._finished, session))
         session.conversation = session.conversation.cut(turn.offset)
@@ -239,7 +190,7 @@ class SessionStore:
         engine = engine or self._engine()
         conversations.check(messages, turn, vision=engine.vision is not None)
         await engine.checks.constraint(turn.sampling.structured_outputs)
-        session = self._get(session_id, turn.client)
+        session = self._pool.get(session_id, turn.client)
         self._check_offset(session, turn.offset, truncating=None)
         appended = conversations.plan(engine.chat, engine.tokenizer, session.conversation, session.tokens, messages)
         start = appended.offset + len(appended.tokens)
@@ -305,7 +256,7 @@ class SessionStore:
         steer = engine.preparation.resolve_steer(turn.probes.steer, len(tokens)).interventions
         probes = dataclasses.replace(turn.probes, readout_ranges=readout_ranges, steer=steer)
         growth = len(tokens) - length + budget
-        self._make_room(sessions=0, tokens=max(growth, 0), keep=session)
+        self._pool.make_room(sessions=0, tokens=max(growth, 0), keep=session)
         if session.dp_rank is None:
             session.dp_rank = engine.inflight.pick_rank()
 
@@ -357,7 +308,7 @@ class SessionStore:
         session.images = images
         run = TurnRun(session.tokens, on_end, work, scoring, prefill_wanted, logprob_ranges)
         session.run = run
-        self._touch(session)
+        self._pool.touch(session)
         return run
 
     async def _inspect(self, turn: Turn, engine: Engine) -> list[ImageFacts]:
@@ -372,43 +323,8 @@ class SessionStore:
 
     def _finished(self, session: _Session) -> None:
         session.run = None
-        if session.id in self._sessions:
-            self._touch(session)
-
-    # ---- bookkeeping ---------------------------------------------------------------------
-
-    def _get(self, session_id: str, owner: str) -> _Session:
-        """`owner`'s session: another's is NotFound as an unknown one is, word for word."""
-        self.sweep()
-        session = self._sessions.get(session_id)
-        if session is None or session.owner != owner:
-            raise NotFound(f"no session {session_id!r}: it was closed, evicted after idling, or never existed")
-        self._touch(session)
-        return session
-
-    def _touch(self, session: _Session) -> None:
-        session.last_used = self._clock()
-        self._sessions[session.id] = self._sessions.pop(session.id)  # move to most recent
-
-    def _make_room(self, *, sessions: int, tokens: int, keep: _Session | None) -> None:
-        """Evict least recently used idle sessions until the new sessions and tokens fit."""
-        self.sweep()
-        limits = self.limits
-        floor = tokens + (len(keep.tokens) if keep is not None else 0)  # what stays whatever is evicted
-        if floor > limits.max_tokens:
-            raise ResourceExhausted(f"{floor} tokens exceed the server's limit of {limits.max_tokens} stored tokens")
-        stored = self.stored_tokens()
-        idle = [s for s in self._sessions.values() if s.run is None and s is not keep]
-        while len(self._sessions) + sessions > limits.max_sessions or stored + tokens > limits.max_tokens:
-            if not idle:
-                raise ResourceExhausted(
-                    f"session limits reached: {len(self._sessions)} of {limits.max_sessions} sessions, "
-                    f"{stored} of {limits.max_tokens} stored tokens, and no other session is idle to evict"
-                )
-            victim = idle.pop(0)
-            stored -= len(victim.tokens)
-            del self._sessions[victim.id]
-            OBSERVERS.sessions_evicted("lru", 1)
+        if session in self._pool:
+            self._pool.touch(session)
 
 
 def _check_ranges(what: str, ranges: Sequence[Range], end: int) -> list[Range]:
