@@ -35,10 +35,11 @@ def test_one_client_is_first_come_first_served() -> None:
     share = FairShare(max_running=3, room=4)
     slots = [share.enter("anonymous", 1.0, 8) for _ in range(5)]
     assert granted(slots) == [True, True, True, False, False]  # all of N, none of the room above it
+    assert share.waiting() == 2
     slots[1].release()
     assert granted(slots[3:]) == [True, False]
     slots[0].release()
-    assert slots[4].granted and share.running == 3
+    assert slots[4].granted and share.running == 3 and share.waiting() == 0
 
 
 def test_a_clients_line_keeps_vllms_order_and_other_clients_their_turn() -> None:
@@ -379,7 +380,9 @@ async def test_a_newcomers_generation_and_pass_both_ask_for_their_own_step(
         return generate(prompt, params, request_id, *args, **kwargs)
 
     monkeypatch.setattr(engine._llm, "generate", spy)
-    running = engine.generate(prompt(0), SamplingOptions(max_tokens=32, temperature=0.0, ignore_eos=True), client="a")
+    # The whole context, to outlast the three requests on any machine; it ends with `async with`.
+    long = SamplingOptions(max_tokens=2048 - len(prompt(0)), temperature=0.0, ignore_eos=True)
+    running = engine.generate(prompt(0), long, client="a")
     async with running:
         await anext(running)  # a runs
         await engine.prefill(prompt(1), client="b")

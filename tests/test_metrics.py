@@ -275,7 +275,8 @@ async def test_dropped_connections_are_counted_by_cause(server: Frontends) -> No
         # A client that stops reading, and one whose frame cannot be sent in time.
         for limits in [
             ConnectionLimits(max_pending=50, send_timeout=600),  # slow_client
-            ConnectionLimits(send_timeout=0.2),  # send_timeout
+            # send_timeout: short beside the streams, which must still run when it fires
+            ConnectionLimits(send_timeout=0.05),
         ]:
             session = LmtpSession(server.status, LmtpConfig(limits=limits), SessionStore(server.status.serving_engine))
             stuck = asyncio.Event()

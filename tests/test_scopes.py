@@ -293,7 +293,8 @@ async def test_each_limit_is_refused_with_its_retry_after(served: Frontends) -> 
             return await next_of(body["stream_id"])
 
         # Streams: while one runs, a second is refused on every wire.
-        first = await ask("GENERATE", stream_id=1, prompt=[1, 2, 3], max_tokens=400, ignore_eos=True, temperature=0)
+        # The whole context: it must outlast the refusals on every wire; it ends by a CANCEL.
+        first = await ask("GENERATE", stream_id=1, prompt=[1, 2, 3], max_tokens=2045, ignore_eos=True, temperature=0)
         assert "token" in first
         refused = await ask("GENERATE", stream_id=2, **LMTP_BODIES["GENERATE"])
         assert "runs 1 streams, its limit" in refused["error"] and refused["retry_after"] == 1.0

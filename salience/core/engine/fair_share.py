@@ -136,6 +136,10 @@ class FairShare:
         slot.newcomer = slot.granted and idle and others
         return slot
 
+    def waiting(self) -> int:
+        """Requests queued in front of vLLM, every client's line together."""
+        return sum(len(client.waiting) for client in self._clients.values())
+
     def counters(self) -> dict[str, float]:
         """Each known client's virtual token counter (service / weight) in this busy period."""
         return {name: client.served for name, client in self._clients.items()}
