@@ -22,11 +22,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
-from google.rpc import error_details_pb2, status_pb2
 
-from salience.core.probes.steering import Intervention, Op
-from salience.core.probes.steering_json import parse_interventions
-from salience.grpc_frontend.ledger import ChatResult, GenerateResult, Ledger, chat_message_proto, defaults
+from salience.core.probes.steering import Intervention
+from salience.grpc_frontend.error_fields import field_of
+from salience.grpc_frontend.ledger import (
+    ChatResult,
+    GenerateResult,
+    Ledger,
+    chat_message_proto,
+    defaults,
+    interventions_proto,
+)
 from salience.proto.salience.ext.v1 import extensions_pb2 as ext
 from salience.proto.salience.ext.v1 import extensions_pb2_grpc
 from salience.proto.salience.v1 import salience_pb2 as pb
@@ -44,59 +50,15 @@ __all__ = [
 ]
 
 
-def field_of(error: grpc.RpcError) -> str | None:
-    """The request field an error is about (`interventions[0].value`), from the BadRequest field
-    violation in its `grpc-status-details-bin` trailer; None for an error about no one field."""
-    trailers = error.trailing_metadata() if isinstance(error, grpc.Call | grpc.aio.AioRpcError) else None
-    raw = next((value for key, value in trailers or () if key == "grpc-status-details-bin"), None)
-    if raw is None:
-        return None
-    for detail in status_pb2.Status.FromString(raw).details:
-        bad = error_details_pb2.BadRequest()
-        if detail.Unpack(bad) and bad.field_violations:
-            return bad.field_violations[0].field
-    return None
-
-
 def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
-
-
-_OPS = {
-    Op.ADD: ext.Intervention.OP_ADD,
-    Op.SET: ext.Intervention.OP_SET,
-    Op.ABLATE: ext.Intervention.OP_ABLATE,
-    Op.CAP: ext.Intervention.OP_CAP,
-}
-
-
-def _interventions(steer: Sequence[Intervention | dict]) -> list[ext.Intervention]:
-    """`steer` as the extension's messages: Interventions, or their JSON form (as LMTP takes it)."""
-    out = []
-    for item in steer:
-        i = item if isinstance(item, Intervention) else parse_interventions([item])[0]
-        out.append(
-            ext.Intervention(
-                direction=i.direction,
-                vector=i.vector or b"",
-                layers=i.layers,
-                op=_OPS[i.op],
-                value=i.value,
-                lo=i.lo,
-                hi=i.hi,
-                prompt=i.prompt,
-                ranges=[pb.PositionRange(start=s, end=e) for s, e in i.ranges],
-                generated=i.generated,
-            )
-        )
-    return out
 
 
 def _generate_call(client, request: pb.GenerateRequest, steer: Sequence[Intervention | dict]):
     """The seed's Generate, or with interventions the extension's SteeredGenerate (same events)."""
     if not steer:
         return client._stub.Generate(request, metadata=client._metadata)
-    steered = ext.SteeredGenerateRequest(generate=request, interventions=_interventions(steer))
+    steered = ext.SteeredGenerateRequest(generate=request, interventions=interventions_proto(steer))
     return client._extensions.SteeredGenerate(steered, metadata=client._metadata)
 
 
@@ -252,7 +214,7 @@ class AsyncSession:
         under `constraint`, the text matches it."""
         request = ext.ExtendedGenerateRequest(
             generate=await self._request(append, truncate_to, params),
-            interventions=_interventions(steer),
+            interventions=interventions_proto(steer),
             residual=residual,
             features=features,
             constraint=constraint,
@@ -280,7 +242,7 @@ class AsyncSession:
         await self._sync()
         turn = ext.ExtendedGenerateRequest(
             generate=self._ledger.request((), None, **defaults(params), chat=True),
-            interventions=_interventions(steer),
+            interventions=interventions_proto(steer),
             monitors=monitors,
             readout_format=readout_format,
             residual=residual,

@@ -1,5 +1,6 @@
-"""Sans-IO: what a client knows of one session (its length, the requests it builds) and what a
-Generate or a ChatGenerate returned. client.py drives these over a channel."""
+"""Sans-IO: what a client knows of one session (its length, the requests it builds, with the
+messages and interventions it is given as protobuf) and what a Generate or a ChatGenerate
+returned. client.py drives these over a channel."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from salience.core.probes.steering import Intervention, Op
+from salience.core.probes.steering_json import parse_interventions
 from salience.proto.salience.ext.v1 import extensions_pb2 as ext
 from salience.proto.salience.v1 import salience_pb2 as pb
 
-__all__ = ["ChatResult", "GenerateResult", "Ledger", "Range", "chat_message_proto", "defaults"]
+__all__ = ["ChatResult", "GenerateResult", "Ledger", "Range", "chat_message_proto", "defaults", "interventions_proto"]
 
 # [start, end) in absolute positions; end None: through the end of the call (what the
 # session will hold after the append plus max_tokens), which the client works out, except in a
@@ -71,6 +74,36 @@ def chat_message_proto(message: Mapping[str, Any] | ext.ChatMessage) -> ext.Chat
         content = ""
     rest = {key: message[key] for key in ("name", "tool_call_id") if message.get(key) is not None}
     return ext.ChatMessage(role=message.get("role", ""), content=content, parts=parts, **rest)
+
+
+_OPS = {
+    Op.ADD: ext.Intervention.OP_ADD,
+    Op.SET: ext.Intervention.OP_SET,
+    Op.ABLATE: ext.Intervention.OP_ABLATE,
+    Op.CAP: ext.Intervention.OP_CAP,
+}
+
+
+def interventions_proto(steer: Sequence[Intervention | dict]) -> list[ext.Intervention]:
+    """`steer` as the extension's messages: Interventions, or their JSON form (as LMTP takes it)."""
+    out = []
+    for item in steer:
+        i = item if isinstance(item, Intervention) else parse_interventions([item])[0]
+        out.append(
+            ext.Intervention(
+                direction=i.direction,
+                vector=i.vector or b"",
+                layers=i.layers,
+                op=_OPS[i.op],
+                value=i.value,
+                lo=i.lo,
+                hi=i.hi,
+                prompt=i.prompt,
+                ranges=[pb.PositionRange(start=s, end=e) for s, e in i.ranges],
+                generated=i.generated,
+            )
+        )
+    return out
 
 
 class Ledger:
