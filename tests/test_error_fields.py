@@ -17,7 +17,8 @@ from salience.core.probes.monitors import parse_monitors
 from salience.core.probes.steering_json import parse_interventions
 from salience.errors import InvalidArgument, join, under
 from salience.grpc_frontend.client import field_of
-from salience.grpc_frontend.status_codes import DETAILS, details
+from salience.grpc_frontend.error_fields import DETAILS
+from salience.grpc_frontend.status_codes import details
 
 ADD = {"direction": "french", "layers": [3], "value": 2}
 

@@ -6,14 +6,16 @@ from __future__ import annotations
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
-__all__ = ["field_of"]
+__all__ = ["DETAILS", "field_of"]
+
+DETAILS = "grpc-status-details-bin"  # the trailer gRPC's rich error model travels in
 
 
 def field_of(error: grpc.RpcError) -> str | None:
     """The request field an error is about (`interventions[0].value`), from the BadRequest field
-    violation in its `grpc-status-details-bin` trailer; None for an error about no one field."""
+    violation in its DETAILS trailer; None for an error about no one field."""
     trailers = error.trailing_metadata() if isinstance(error, grpc.Call | grpc.aio.AioRpcError) else None
-    raw = next((value for key, value in trailers or () if key == "grpc-status-details-bin"), None)
+    raw = next((value for key, value in trailers or () if key == DETAILS), None)
     if raw is None:
         return None
     for detail in status_pb2.Status.FromString(raw).details:

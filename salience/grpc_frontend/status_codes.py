@@ -22,9 +22,10 @@ from google.rpc import error_details_pb2, status_pb2
 
 from salience import errors, metrics, request_ids
 from salience.grpc_frontend.auth import place_anonymous
+from salience.grpc_frontend.error_fields import DETAILS
 from salience.logs import REQUEST_ID
 
-__all__ = ["DETAILS", "abort", "code_for", "details", "translating", "translating_stream"]
+__all__ = ["abort", "code_for", "details", "translating", "translating_stream"]
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,6 @@ _CODES: dict[type[errors.SalienceError], grpc.StatusCode] = {
     errors.EngineError: grpc.StatusCode.INTERNAL,
 }
 
-DETAILS = "grpc-status-details-bin"  # the trailer gRPC's rich error model travels in
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
