@@ -7,7 +7,7 @@ model's end-of-turn token (finish_reason "stop"), whose text (`<|im_end|>`) is n
 assistant said and is neither printed nor kept. `/raw` goes back to plain completion, where a line
 is a prompt the model continues.
 
-Nothing here talks to the server: repl.py owns the connection, and these rules (what a turn keeps,
+Nothing here talks to the server: console.py owns the connection, and these rules (what a turn keeps,
 what `/history` prints) are tested without one.
 """
 

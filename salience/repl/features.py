@@ -1,6 +1,6 @@
 """The REPL's `/features [K] [SAE]`: which SAE's top features to ask for, and how they print.
 
-Kept out of repl.py so the connection loop stays short; nothing here talks to the server.
+Kept out of console.py so the connection loop stays short; nothing here talks to the server.
 """
 
 from __future__ import annotations

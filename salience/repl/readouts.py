@@ -1,6 +1,6 @@
 """The REPL's `/readout` view: which value of a readout row each concept shows, and how rows print.
 
-Kept out of repl.py so the connection loop stays short; nothing here talks to the server, so the
+Kept out of console.py so the connection loop stays short; nothing here talks to the server, so the
 table and chat mode's per-concept summary are tested without one. A readout row is flat and
 layer-major (`len(layers) * len(concepts)` values, docs/lmtp.md), so a concept's value at a layer
 is one column of it.
