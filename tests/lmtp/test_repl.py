@@ -27,6 +27,7 @@ from salience.lmtp.client import LmtpClient
 from salience.repl.chat import ChatMode, Conversation, Reply, Turn
 from salience.repl.console import Repl
 from salience.repl.constraints import constraint_field
+from salience.repl.display import stream_ending
 from salience.repl.features import choose_features
 from salience.repl.parsing import parse_line, parse_monitor, parse_steer
 from salience.repl.readouts import ReadoutView, choose_readout, readout_summary, readout_table
@@ -163,6 +164,24 @@ async def test_repl_generates_scores_cancels_and_survives_errors(lmtp_server: Lm
         await leave(terminal)
     finally:
         terminal.close()
+
+
+def test_a_streams_ending_shows_tokens_for_score_or_top_then_the_finish_and_monitor_events() -> None:
+    monitor = {"monitor": 0, "action": "flag", "concept": "joy", "layer": 2, "position": 4, "probability": 0.91}
+    payloads = [
+        {"stream_id": 1, "prompt_ids": [1, 2]},  # no token: not a line
+        {"stream_id": 1, "token": 9, "text": "x", "logprob": -3.0, "prompt": True},  # a prompt token: not shown
+        {"stream_id": 1, "token": 5, "text": "a", "logprob": -1.0, "top_logprobs": {"5": -1.0, "7": -2.0}},
+        {"stream_id": 1, "token": 6, "text": "b", "logprob": -0.5, "finish_reason": "length", "monitors": [monitor]},
+    ]
+    tokens = [
+        "      5 'a'              logprob   -1.0000  top 5:0.368, 7:0.135",
+        "      6 'b'              logprob   -0.5000",
+    ]
+    ending = ["\n[length]", "[monitor 0 flag: joy at layer 2, position 4: p=0.910]"]
+    assert stream_ending("SCORE", payloads, top=0) == [*tokens, "total logprob -1.5000", *ending]
+    assert stream_ending("GENERATE", payloads, top=0) == ending  # its text was printed as it came
+    assert stream_ending("GENERATE", payloads, top=2) == [*tokens, *ending]
 
 
 def test_parse_steer_reads_the_short_form() -> None:
