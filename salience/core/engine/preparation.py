@@ -75,7 +75,7 @@ class Preparation:
             return None
         slot = engine.fair_share.enter(client, weight, prompt_tokens, priority)
         if slot.newcomer:
-            params.extra_args = {**(params.extra_args or {}), NEWCOMER: True}
+            _tag(params, NEWCOMER, True)
         return slot
 
     def hold(self, steer: Sequence[Intervention], prompt_len: int) -> Hold:
@@ -103,7 +103,7 @@ class Preparation:
             engine.inflight.route(key, dp_rank)
             ranges = self._ask_readouts(params, key, readout_ranges, hold.view)
             for plan in plans:
-                params.extra_args = {**(params.extra_args or {}), plan.tag: plan.tag_value(key)}
+                _tag(params, plan.tag, plan.tag_value(key))
             # A position's readout and rows come from its own hidden state, its logprob from the one before.
             needed = [start for start, _ in ranges] + [start for plan in plans for start, _ in plan.ranges]
             if logprobs_from is not None:
@@ -114,7 +114,7 @@ class Preparation:
             submitted = submission(engine.vision, engine.model_name, tokens, images)
             steering = hold.steer
             if steering:
-                params.extra_args = {**(params.extra_args or {}), STEER_TAG: steering.payload()}
+                _tag(params, STEER_TAG, steering.payload())
                 # KV computed under these interventions is found only by requests stating the same ones.
                 submitted["cache_salt"] = steering.cache_salt()
             return key, ranges, submitted
@@ -182,5 +182,10 @@ class Preparation:
             )
         with under("readout_ranges"):
             checked = check_ranges(ranges)
-        params.extra_args = {**(params.extra_args or {}), TAG: [key, checked, list(view.columns)]}
+        _tag(params, TAG, [key, checked, list(view.columns)])
         return checked
+
+
+def _tag(params: SamplingParams, name: str, value: object) -> None:
+    """Tell vLLM's worker hooks and scheduler about the request, in the `extra_args` they read."""
+    params.extra_args = {**(params.extra_args or {}), name: value}
