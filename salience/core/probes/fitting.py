@@ -258,11 +258,12 @@ def validate(method: str, layer: int, data: Residuals, fold: torch.Tensor) -> tu
     ), directions[:, k]
 
 
-def logit_lens(direction: torch.Tensor, norm: torch.Tensor, unembedding: torch.Tensor, k: int = 10):
-    """The token ids a direction raises most and lowers most (k each, strongest first): the vector
-    through the final RMS norm's weight and the unembedding. The norm's scaling by 1/rms is one
-    positive factor for the whole vector, so it changes no ranking and is left out."""
-    logits = unembedding.double() @ (norm.double() * direction.double())
+def logit_lens(normed: torch.Tensor, unembedding: torch.Tensor, k: int = 10):
+    """The token ids a direction raises most and lowers most (k each, strongest first): `normed`
+    is the direction as the final norm passes it on (Family.norm_scale), through the unembedding.
+    What the model does after (Gemma 2's soft-cap, Granite's logit scaling) is monotonic per
+    token and changes no ranking."""
+    logits = unembedding.double() @ normed.double()
     return torch.topk(logits, k).indices.tolist(), torch.topk(-logits, k).indices.tolist()
 
 

@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from salience.core.features.encoder import SAEEncoder
+from salience.core.models.families import Family, family_of
 from salience.core.probes.compile_cache import load_inductor_artifacts
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import Directions
@@ -61,6 +62,7 @@ from salience.core.probes.warm_up import shorten_warm_up
 
 __all__ = [
     "CONFIG_KEY",
+    "FAMILY_ATTRIBUTE",
     "FEATURES_KEY",
     "LOAD_FORMAT",
     "STEERING_KEY",
@@ -107,9 +109,10 @@ class LayerTap(nn.Module):
     Python gate would be frozen at capture, so on an accelerator the math stays in the graph.
     """
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, family: Family) -> None:
         super().__init__()
         self.layer = layer
+        self.pair = family.stream == "pair"  # the layer returns (hidden, residual), the stream their sum
         self.readout_slot: int | None = None
         self.steering_slot: int | None = None
         self.gated = False  # steering through the gated op (CPU), not traced math
@@ -149,10 +152,10 @@ class LayerTap(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         output = self.layer(*args, **kwargs)
-        if isinstance(output, tuple):
-            hidden, residual = output[0], output[1] if len(output) > 1 else None
-        else:
-            hidden, residual = output, None
+        whole, residual = (output[0], output[1]) if self.pair else (output, None)
+        # [tokens, hidden]: vLLM runs some families' transformers layers on [1, tokens, hidden]. A
+        # view, so the gated steering's in-place write lands in the layer's output.
+        hidden = whole.view(-1, whole.shape[-1])
         if self.steering_slot is not None:
             steering = (self.directions, self.steer_add, self.steer_scale, self.steer_lo, self.steer_hi)
         if self.steering_slot is not None and self.gated:
@@ -161,8 +164,8 @@ class LayerTap(nn.Module):
         if self.steering_slot is not None and not self.gated:
             delta = steering_delta(state, *steering, self.steering_slot)
             state = state + delta
-            hidden = (hidden.float() + delta).to(hidden.dtype)
-            output = (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+            whole = (hidden.float() + delta).to(hidden.dtype).view_as(whole)
+            output = (whole, *output[1:]) if self.pair else whole
         if self.readout_slot is not None and self.gated_read:
             torch.ops.salience.readout_project(
                 state, self.out, self.staging, self.matrices, self.readout_slot, *self.readout_held
@@ -174,19 +177,18 @@ class LayerTap(nn.Module):
         return output
 
 
+FAMILY_ATTRIBUTE = "salience_family"  # set on the model by the loader: the family it was loaded as
+
+
 def decoder_stack(model: nn.Module) -> tuple[range, nn.ModuleList]:
-    """The decoder layers of the text models Salience serves (Qwen2, Llama, Qwen2-VL's
-    language model), and which of them this pipeline stage holds."""
-    for path in ("model", "language_model.model", "model.language_model"):
-        owner: Any = model
-        try:
-            for part in path.split("."):
-                owner = getattr(owner, part)
-            layers = owner.layers
-        except AttributeError:
-            continue
-        return range(getattr(owner, "start_layer", 0), getattr(owner, "end_layer", len(layers))), layers
-    raise AttributeError(f"no decoder layers found in {type(model).__name__}")
+    """The decoder layers (where the model's family says they are), and which of them this
+    pipeline stage holds."""
+    family: Family = getattr(model, FAMILY_ATTRIBUTE)
+    owner: Any = model
+    for part in family.vllm_stack.split("."):
+        owner = getattr(owner, part)
+    layers = getattr(owner, family.layers)
+    return range(getattr(owner, "start_layer", 0), getattr(owner, "end_layer", len(layers))), layers
 
 
 def taps(model: nn.Module) -> list[LayerTap]:
@@ -227,6 +229,7 @@ def _load_checked(spec: dict) -> ConceptSet:
 
 
 def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch.device) -> None:
+    family: Family = getattr(model, FAMILY_ATTRIBUTE)
     readout_spec, steering_spec, features_spec = (
         config.get(CONFIG_KEY),
         config.get(STEERING_KEY),
@@ -242,7 +245,7 @@ def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch
 
     def tap(index: int) -> LayerTap:
         if index not in tapped:
-            tapped[index] = layers[index] = LayerTap(layers[index])
+            tapped[index] = layers[index] = LayerTap(layers[index], family)
         return tapped[index]
 
     # Every layer gets its slot whether or not this pipeline stage holds it, so slots agree across stages.
@@ -306,6 +309,7 @@ def _register_loader() -> None:
             model = super().load_model(vllm_config, model_config, prefix)
             config = vllm_config.additional_config or {}
             if CONFIG_KEY in config or STEERING_KEY in config or FEATURES_KEY in config:
+                setattr(model, FAMILY_ATTRIBUTE, family_of(model_config.architectures))
                 # Every rank taps and steers (the same values); rank 0's readouts are read.
                 rows = vllm_config.scheduler_config.max_num_batched_tokens
                 device = next(model.parameters()).device

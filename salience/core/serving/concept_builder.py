@@ -219,7 +219,8 @@ def fit_concept(
     method = max(methods, key=lambda m: (best(m).auroc, m == "diff_means"))
     vectors = torch.stack(directions[method]).to(torch.float32)
     recommended = best(method).layer
-    raises, lowers = fitting.logit_lens(vectors[layers.index(recommended)], norm, unembedding)
+    normed = folders.model_family(model).norm_scale(vectors[layers.index(recommended)], norm)
+    raises, lowers = fitting.logit_lens(normed, unembedding)
     info = {
         "name": concept["name"],
         "recommended_layer": recommended,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from salience.core.engine.settings import EngineSettings
 from salience.core.engine.start.model_config import text_config
+from salience.core.models.folders import model_family
 from salience.errors import InvalidArgument, ModelError
 
 __all__ = ["check", "check_executor", "check_saes"]
@@ -13,6 +14,8 @@ __all__ = ["check", "check_executor", "check_saes"]
 
 def check(settings: EngineSettings) -> None:
     """Refuse, before anything starts, settings this start cannot serve."""
+    if settings.concepts is not None or settings.steering_set is not None:
+        model_family(settings.model)  # taps go where the family says
     check_executor(settings)
     check_saes(settings)
     if settings.max_running is not None and settings.max_running < 1:

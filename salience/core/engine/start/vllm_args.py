@@ -3,7 +3,6 @@ scheduler and worker extension, the tap config), and whether it runs the model c
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import TYPE_CHECKING
 
@@ -12,6 +11,7 @@ from salience.core.engine.settings import EngineSettings
 from salience.core.engine.start.model_config import text_config
 from salience.core.engine.start.tap_config import tap_config
 from salience.core.engine.start.transport import readouts_with_output
+from salience.core.models.folders import model_family
 from salience.core.probes.taps import LOAD_FORMAT
 
 if TYPE_CHECKING:
@@ -27,24 +27,18 @@ WORKER_EXTENSION = "salience.core.engine.worker_extension.SalienceWorker"
 NEWCOMER_SCHEDULER = "salience.core.engine.newcomer_scheduler.NewcomerScheduler"
 READOUT_SCHEDULER = "salience.core.engine.newcomer_scheduler.ReadoutNewcomerScheduler"
 
-# Architectures whose readout taps are proven exact in vLLM's compiled graph (tests/test_readouts*.py,
-# tests/grpc/test_images.py). Any other runs its taps eagerly: slower, never a wrong number.
-COMPILED_READOUTS = frozenset({"Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen2VLForConditionalGeneration"})
-
 
 def compiled(settings: EngineSettings) -> bool:
-    """Whether to compile: as asked, unless taps (readouts, steering) are on for an architecture not
-    proven compiled."""
+    """Whether to compile: as asked, unless taps (readouts, steering) are on for a family whose
+    compiled taps are not proven (models/families: `compiled`)."""
     if not settings.compile or (settings.concepts is None and settings.steering_set is None):
         return settings.compile
-    config = json.loads((settings.model / "config.json").read_text())
-    unproven = [a for a in config.get("architectures") or ["unknown"] if a not in COMPILED_READOUTS]
-    if unproven:
+    family = model_family(settings.model)
+    if not family.compiled:
         log.warning(
-            "readouts run eagerly: their compiled graph is not proven on this architecture",
-            extra={"architecture": ",".join(unproven)},
+            "readouts run eagerly: their compiled graph is not proven on this family", extra={"family": family.name}
         )
-    return not unproven
+    return family.compiled
 
 
 def executor_backend(settings: EngineSettings, cpu: bool) -> str | type | None:

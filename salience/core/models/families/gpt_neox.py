@@ -1,0 +1,16 @@
+"""GPT-NeoX (Pythia): parallel residual by default (attention and MLP both read the layer's input),
+a LayerNorm with a bias, and an untied `embed_out`. vLLM runs transformers' own layers, which see
+[1, tokens, hidden], under `model` where transformers has `gpt_neox`."""
+
+from salience.core.models.families.family import Family
+
+FAMILY = Family(
+    name="GPT-NeoX",
+    architectures=("GPTNeoXForCausalLM",),
+    hf_stack="gpt_neox",
+    stream="whole",
+    embedding="embed_in.weight",
+    final_norm="final_layer_norm",
+    norm="layer",
+    unembedding=("embed_out.weight", "lm_head.weight"),
+)
