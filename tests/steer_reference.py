@@ -5,6 +5,7 @@ interventions as a client states them, and applied in float64 to each hooked lay
 (the residual stream before the final norm), every intervention at a layer computed from the
 residual before any of them and summed, as docs/steering.md defines. A cap adds
 (clamp(<h, d>, lo, hi) - <h, d>) d; a request's own vector is its direction at every layer.
+`check_against_reference` holds a steered generation to it.
 """
 
 from __future__ import annotations
@@ -13,10 +14,20 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+import pytest
 import torch
 
+from salience.core.engine.generation import Generation
+from salience.core.engine.requests import SamplingOptions, TokenEvent
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import Intervention, Op
+from tests.reference import (
+    Reference,
+    assert_logprobs_match,
+    assert_readouts_close,
+    decoder_layers,
+    reference_readouts,
+)
 
 
 def unit(sets: Sequence[ConceptSet], name: str, layer: int) -> torch.Tensor:
@@ -70,7 +81,7 @@ def steered(model, sets: Sequence[ConceptSet], steer: Sequence[Intervention], pr
         new = (h + delta).to(hidden.dtype)[None]
         return (new, *output[1:]) if isinstance(output, tuple) else new
 
-    layers = model.model.layers
+    layers = decoder_layers(model)
     handles = [
         layers[layer].register_forward_hook(lambda m, a, o, layer=layer: hook(m, a, o, layer)) for layer in by_layer
     ]
@@ -79,3 +90,35 @@ def steered(model, sets: Sequence[ConceptSet], steer: Sequence[Intervention], pr
     finally:
         for handle in handles:
             handle.remove()
+
+
+def check_against_reference(
+    reference: Reference,
+    concepts: ConceptSet,
+    prompt: list[int],
+    interventions: Sequence[Intervention],
+    options: SamplingOptions,
+    generation: Generation,
+    events: list[TokenEvent],
+    steering_set: ConceptSet | None = None,
+) -> list[int]:
+    """A greedy generation of `options` (ignore_eos, no stop: exactly max_tokens), asked for prompt
+    logprobs and readouts at every position: its tokens, logprobs (the prompt's, and each decoded
+    token's with the options' k alternatives) and readouts equal the hooked reference. Returns the ids."""
+    assert options.temperature == 0.0 and options.ignore_eos and not options.stop_token_ids
+    assert len(events) == options.max_tokens
+    ids = prompt + [e.token_id for e in events]
+    sets = [concepts] if steering_set is None else [concepts, steering_set]
+    with steered(reference.model, sets, interventions, len(prompt)):
+        greedy = reference.greedy(prompt, options.max_tokens)
+        logprobs = reference.logprobs(ids).float()
+        want = reference_readouts(reference, concepts, ids)
+    assert ids[len(prompt) :] == greedy
+    assert_logprobs_match(events, logprobs, options.logprobs)
+    scores = generation.prompt_scores()
+    for position in range(1, len(prompt)):
+        assert scores.at(position).logprob == pytest.approx(float(logprobs[position - 1][prompt[position]]), abs=1e-4)
+    readouts = {**generation.prompt_readouts, **{e.position: e.readout for e in events}}
+    assert sorted(readouts) == list(range(len(ids)))
+    assert_readouts_close(readouts, want)
+    return ids

@@ -22,7 +22,8 @@ from salience.core.serving.sessions import SessionStore
 from salience.core.serving.turns import Turn
 from tests.conftest import start_engine
 from tests.reference import Reference, assert_readout_close, reference_readouts
-from tests.test_steering import check_against_reference, run, steer
+from tests.steer_reference import check_against_reference
+from tests.test_steering import GREEDY, run, steer
 
 pytestmark = pytest.mark.multiprocess
 
@@ -62,6 +63,7 @@ async def test_sessions_stay_on_their_rank_and_read_its_cache(
                 ),
             )
             tokens = [t async for t in started]
+            assert [t.position for t in tokens] == list(range(length, length + options.max_tokens))
             turns.append((f"s{i}-t{turn}", started.done, tokens))
         return sid, turns
 
@@ -102,8 +104,10 @@ async def test_steering_reaches_the_engine_that_runs_the_request(
         0: [steer("beta", 2, "add", 6.0, prompt=True, generated=True)],
         1: [steer("delta", (0, 3), "set", -3.0, generated=True)],
     }
-    runs = [run(engine, prompt, interventions.get(i, ())) for i, prompt in enumerate(prompts)]
+    runs = [run(engine, prompt, interventions.get(i, ()), GREEDY) for i, prompt in enumerate(prompts)]
     results = await asyncio.gather(*runs)
     assert sorted(generation.dp_rank for generation, _ in results[:2]) == [0, 1]
     for i, (generation, events) in enumerate(results):
-        check_against_reference(tiny_reference, tiny_concepts, prompts[i], interventions.get(i, ()), generation, events)
+        check_against_reference(
+            tiny_reference, tiny_concepts, prompts[i], interventions.get(i, ()), GREEDY, generation, events
+        )

@@ -27,7 +27,7 @@ from tests import sae_reference
 from tests.conftest import TINY_SAE_TOP, start_engine
 from tests.inprocess import frontends
 from tests.random_sae import random_sae
-from tests.reference import Reference
+from tests.reference import Reference, check_rows_across_a_cache_hit
 
 PROMPTS = [[0, *range(40 + 11 * i, 62 + 11 * i)] for i in range(6)]
 GREEDY = SamplingOptions(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -81,6 +81,7 @@ async def test_prompt_and_decoded_features_equal_the_reference(
     k = 8 if name == "top" else TOP
     features = FeatureRequest(sae=name, k=k, ranges=((2, 6), (len(prompt) - 1, 1000)))
     generation, events = await generate(engine, prompt, features)
+    assert len(events) == GREEDY.max_tokens
     ids = prompt + [e.token_id for e in events]
     assert sorted(generation.prompt_rows["features"]) == [2, 3, 4, 5, len(prompt) - 1]
     assert all(e.features is not None and e.readout is None for e in events)  # the last one's too
@@ -102,18 +103,24 @@ async def test_features_beside_readouts_residuals_and_other_requests(
 
     results = await asyncio.gather(*(one(i) for i in range(1, 5)))
     for i, (prompt, generation, events) in enumerate(results, start=1):
+        assert len(events) == GREEDY.max_tokens
         ids = prompt + [e.token_id for e in events]
         got = {**generation.prompt_rows["features"], **{e.position: e.features for e in events}}
         assert sorted(got) == list(range(len(ids)))
         assert all(e.readout is not None for e in events)
         assert_features(got, want_top(tiny_reference, saes["plain"], ids), 4 + i)
-        assert (i % 2 == 1) == bool(generation.prompt_residuals)
-    # Where a prefix-cache hit would skip positions asked for, the request reads no cache.
-    prompt, generation, events = results[0]
-    again, events = await generate(engine, prompt, FeatureRequest(sae="plain", k=5, ranges=((0, 1000),)))
-    got = {**again.prompt_rows["features"], **{e.position: e.features for e in events}}
-    assert sorted(got) == list(range(len(prompt) + len(events)))
-    assert_features(got, want_top(tiny_reference, saes["plain"], prompt + [e.token_id for e in events]), 5)
+        assert sorted(generation.prompt_residuals) == ([0, 1, 2] if i % 2 else [])
+
+
+async def test_a_prefix_cache_hit_still_computes_the_features(
+    engine: Engine, tiny_reference: Reference, saes: dict[str, SparseAutoencoder]
+) -> None:
+    await check_rows_across_a_cache_hit(
+        engine,
+        "features",
+        lambda start: Probes(features=FeatureRequest(sae="plain", k=5, ranges=((start, 1000),))),
+        lambda rows, ids: assert_features(rows, want_top(tiny_reference, saes["plain"], ids), 5),
+    )
 
 
 async def test_score_carries_features(
@@ -321,7 +328,7 @@ async def test_tensor_parallel_two_ranks_carry_residual_rows_and_features(
     events = [e async for e in generation]
     ids = prompt + [e.token_id for e in events]
     rows = {**generation.prompt_residuals, **{e.position: e.residual for e in events}}
-    assert sorted(rows) == list(range(len(ids)))
+    assert sorted(rows) == list(range(len(prompt) + GREEDY.max_tokens))
     want = tiny_reference.residuals(ids, (0, 3))
     for position, row in rows.items():
         for i, layer in enumerate((0, 3)):

@@ -26,7 +26,8 @@ from salience.core.serving.status import ServerStatus
 from salience.errors import ContextOverflow, InvalidArgument, ResourceExhausted, Unavailable
 from tests.conftest import TINY_CONCEPTS, TINY_LAYERS, drop_live_concepts, start_engine
 from tests.reference import Reference, assert_readouts_close, reference_readouts
-from tests.test_steering import check_against_reference, in_one_step, run
+from tests.steer_reference import check_against_reference
+from tests.test_steering import in_one_step, run
 
 SPARE = 3
 PROMPT = [0, *range(70, 101)]
@@ -103,13 +104,13 @@ async def test_a_live_concept_reads_and_steers_like_the_reference_without_a_new_
     assert manifest.concepts == (*TINY_CONCEPTS, "zeta") and manifest.live == ("zeta",)
     reference_set = extended(tiny_concepts, ("zeta", zeta))
     interventions = [steer("zeta", 2, "add", 5.0, prompt=True, generated=True)]
-    generation, events = await run(engine, PROMPT, interventions)
+    generation, events = await run(engine, PROMPT, interventions, GREEDY)
     assert len(events[0].readout) == len(TINY_LAYERS) * (len(TINY_CONCEPTS) + 1)
-    check_against_reference(tiny_reference, reference_set, PROMPT, interventions, generation, events)
+    check_against_reference(tiny_reference, reference_set, PROMPT, interventions, GREEDY, generation, events)
     # set and cap along it too
     capped = [steer("zeta", (0, 3), "cap", lo=-1.0, hi=1.5, prompt=True, generated=True)]
-    generation, events = await run(engine, PROMPT, capped)
-    check_against_reference(tiny_reference, reference_set, PROMPT, capped, generation, events)
+    generation, events = await run(engine, PROMPT, capped, GREEDY)
+    check_against_reference(tiny_reference, reference_set, PROMPT, capped, GREEDY, generation, events)
     after = await engine.readouts.graph()
     assert after["graphs"] == before["graphs"] and after["graph_breaks"] == before["graph_breaks"]
 
@@ -152,8 +153,8 @@ async def test_a_deleted_concepts_column_reads_and_writes_nothing(
     (norms,) = await engine._llm.collective_rpc("salience_column_norms")
     assert all(value == 0.0 for value in spare_columns()), norms
     # Unsteered and unread, the model is the loaded set's: exactly the reference.
-    generation, events = await run(engine, PROMPT, [])
-    check_against_reference(tiny_reference, tiny_concepts, PROMPT, [], generation, events)
+    generation, events = await run(engine, PROMPT, [], GREEDY)
+    check_against_reference(tiny_reference, tiny_concepts, PROMPT, [], GREEDY, generation, events)
 
 
 async def test_request_vectors_and_caps_match_the_reference_batched_with_named_directions(
@@ -169,9 +170,9 @@ async def test_request_vectors_and_caps_match_the_reference_batched_with_named_d
         [steer("alpha", 2, "cap", lo=-0.25, hi=0.25, prompt=True, generated=True)],
         [Intervention(direction="", vector=one, layers=(3,), op=Op.ABLATE, ranges=((5, 30),))],
     ]
-    results = await in_one_step(engine, [run(engine, PROMPT, case) for case in cases])
+    results = await in_one_step(engine, [run(engine, PROMPT, case, GREEDY) for case in cases])
     for case, (generation, events) in zip(cases, results, strict=True):
-        check_against_reference(tiny_reference, tiny_concepts, PROMPT, case, generation, events)
+        check_against_reference(tiny_reference, tiny_concepts, PROMPT, case, GREEDY, generation, events)
     assert engine.live._vectors.in_use() == 0  # every vector column is free again
 
 

@@ -55,8 +55,11 @@ def vector(seed: int) -> np.ndarray:
 
 
 async def direct(engine: Engine, steer=()) -> list:
+    """The engine's own 6 tokens after PROMPT (31 tokens), each read out."""
     options = SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True)
-    return [e async for e in engine.generate(PROMPT, options, probes=Probes(readout_ranges=[(31, 40)], steer=steer))]
+    events = [e async for e in engine.generate(PROMPT, options, probes=Probes(readout_ranges=[(31, 40)], steer=steer))]
+    assert [e.position for e in events] == list(range(31, 37))
+    return events
 
 
 async def test_lmtp_defines_reads_steers_and_deletes_a_concept(engine: Engine, served: Frontends) -> None:

@@ -143,7 +143,7 @@ async def test_probabilities_are_the_published_map_of_the_readouts(
         assert [p["token"] for p in raw if not p.get("prompt")] == decoded
         want = probabilities(calibrated, reference_readouts(reference, calibrated, continuations[0]))
         rows = torch.tensor([r["readout"] for r in raw], dtype=torch.float64)
-        assert [r["position"] for r in raw] == list(range(len(raw)))
+        assert [r["position"] for r in raw] == list(range(len(continuations[0])))
         views = {
             "probability": probabilities(calibrated, rows),
             "token": probabilities(calibrated, rows),
@@ -152,7 +152,7 @@ async def test_probabilities_are_the_published_map_of_the_readouts(
         for view, mapped in views.items():
             shown = [p async for p in client.stream("GENERATE", **fields, readout_format=view)]
             assert [p["token"] for p in shown if not p.get("prompt")] == decoded
-            assert [p["position"] for p in shown] == list(range(len(raw)))
+            assert [p["position"] for p in shown] == list(range(len(continuations[0])))
             assert shown[0]["readout"] == [None] * len(TINY_LAYERS) * len(TINY_CONCEPTS), view
             got = torch.tensor([p["readout"] for p in shown[1:]], dtype=torch.float64)
             assert torch.allclose(got, mapped if view == "running" else mapped[1:], rtol=0, atol=1e-9), view

@@ -20,14 +20,13 @@ from salience.core.probes.concepts import ConceptSet
 from tests.conftest import TINY_LAYERS, start_engine
 from tests.reference import (
     Reference,
-    assert_logprobs_match,
     assert_readout_close,
-    assert_readouts_close,
     check_concurrent_ranges,
     check_score_readouts,
     reference_readouts,
 )
-from tests.test_steering import check_against_reference, steer
+from tests.steer_reference import check_against_reference
+from tests.test_steering import run, steer
 
 pytestmark = pytest.mark.multiprocess
 
@@ -44,10 +43,6 @@ async def engine(tiny_model: Path, tiny_concepts: ConceptSet) -> AsyncIterator[E
     engine.shutdown()
 
 
-def all_readouts(generation, events) -> dict:
-    return {**generation.prompt_readouts, **{e.position: e.readout for e in events if e.readout is not None}}
-
-
 async def test_both_stages_file_their_layers(engine: Engine) -> None:
     graph = await engine.readouts.graph()
     assert graph["taps"] == len(TINY_LAYERS)  # layer 0 on stage 0, layers 2 and 3 on stage 1
@@ -57,20 +52,8 @@ async def test_both_stages_file_their_layers(engine: Engine) -> None:
 async def test_prompt_decode_and_logprobs_match_reference(
     engine: Engine, tiny_reference: Reference, tiny_concepts: ConceptSet
 ) -> None:
-    prompt = PROMPTS[0]
-    generation = engine.generate(prompt, GREEDY, probes=Probes(readout_ranges=[(0, 2000)]), prompt_logprobs=5)
-    events = [e async for e in generation]
-    ids = prompt + [e.token_id for e in events]
-    assert ids[len(prompt) :] == tiny_reference.greedy(prompt, len(events))
-    logprobs = tiny_reference.logprobs(ids).float()
-    assert_logprobs_match(events, logprobs)
-    scores = generation.prompt_scores()
-    for position in range(1, len(prompt)):
-        assert scores.at(position).logprob == pytest.approx(float(logprobs[position - 1][prompt[position]]), abs=1e-4)
-    want = reference_readouts(tiny_reference, tiny_concepts, ids)
-    readouts = all_readouts(generation, events)
-    assert sorted(readouts) == list(range(len(ids)))
-    assert_readouts_close(readouts, want)
+    generation, events = await run(engine, PROMPTS[0], (), GREEDY)
+    check_against_reference(tiny_reference, tiny_concepts, PROMPTS[0], (), GREEDY, generation, events)
 
 
 async def test_prefix_cache_hit_still_gives_every_position(
@@ -115,12 +98,8 @@ async def test_steering_on_both_stages(engine: Engine, tiny_reference: Reference
         steer("delta", 0, "add", -5.0, prompt=True, generated=True),
         steer("alpha", 3, "set", 3.0, ranges=((10, 40),)),
     ]
-    prompt = PROMPTS[1]
-    generation = engine.generate(
-        prompt, GREEDY, probes=Probes(readout_ranges=[(0, 2000)], steer=interventions), prompt_logprobs=5
-    )
-    events = [e async for e in generation]
-    check_against_reference(tiny_reference, tiny_concepts, prompt, interventions, generation, events)
+    generation, events = await run(engine, PROMPTS[1], interventions, GREEDY)
+    check_against_reference(tiny_reference, tiny_concepts, PROMPTS[1], interventions, GREEDY, generation, events)
 
 
 async def test_state_is_freed(engine: Engine) -> None:

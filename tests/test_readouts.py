@@ -50,6 +50,7 @@ async def test_prompt_and_decoded_positions_match_reference(
         probes=Probes(readout_ranges=[(0, 2000)]),
     )
     events = [e async for e in generation]
+    assert [e.position for e in events] == list(range(len(prompt), len(prompt) + 12))
     ids = prompt + [e.token_id for e in events]
     want = reference_readouts(reference, concepts, ids)
     assert sorted(generation.prompt_readouts) == list(range(len(prompt)))
@@ -89,6 +90,7 @@ async def test_readouts_come_with_the_steps_outputs_without_a_call_per_step(
         llm.collective_rpc = rpc
     assert calls == []
     for prompt, generation, events in zip(PROMPTS, generations, streams, strict=True):
+        assert len(events) == options.max_tokens
         want = reference_readouts(reference, concepts, prompt[:20] + [e.token_id for e in events])
         assert sorted(generation.prompt_readouts) == list(range(20))
         assert_readouts_close({**generation.prompt_readouts, **{e.position: e.readout for e in events}}, want)
@@ -171,7 +173,7 @@ async def test_only_requested_positions_and_none_without_ranges(engine: Engine) 
     assert sorted(generation.prompt_readouts) == [3, 4]
     assert [e.position for e in events if e.readout is not None] == [33]
     plain = [e async for e in engine.generate(prompt, SamplingOptions(max_tokens=3, temperature=0.0))]
-    assert all(e.readout is None for e in plain)
+    assert plain and all(e.readout is None for e in plain)
 
 
 async def test_score_readouts(engine: Engine, reference: Reference, concepts: ConceptSet) -> None:
@@ -253,7 +255,7 @@ async def test_a_request_aborted_mid_step_leaks_nothing_into_the_next(
     for round_ in range(3):
         done = await asyncio.gather(*(abandoned(i) for i in range(4)), *(successor(i) for i in range(4)))
         for ids, readouts in done[4:]:
-            assert sorted(readouts) == list(range(len(ids))), round_
+            assert len(ids) == 12 + options.max_tokens and sorted(readouts) == list(range(len(ids))), round_
             assert_readouts_close(readouts, reference_readouts(reference, concepts, ids))
     await asyncio.sleep(0.2)
     assert engine.num_unfinished_requests() == 0
@@ -425,6 +427,7 @@ async def test_multiprocess_layout_and_chunked_prefill(
             probes=Probes(readout_ranges=[(0, 400)]),
         )
         events = [e async for e in generation]
+        assert [e.position for e in events] == list(range(len(prompt), len(prompt) + 5))
         ids = prompt + [e.token_id for e in events]
         want = reference_readouts(reference, concepts, ids)
         assert sorted(generation.prompt_readouts) == list(range(len(prompt)))

@@ -23,7 +23,7 @@ from salience.proto.salience.ext.v1 import extensions_pb2_grpc
 from salience.proto.salience.v1 import salience_pb2 as pb
 from salience.proto.salience.v1 import salience_pb2_grpc
 from tests.inprocess import frontends
-from tests.reference import Reference
+from tests.reference import Reference, check_rows_across_a_cache_hit
 
 PROMPTS = [[0, *range(60 + 13 * i, 84 + 13 * i)] for i in range(6)]
 GREEDY = SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -59,6 +59,7 @@ async def test_prompt_and_decoded_rows_equal_the_reference(engine: Engine, tiny_
     prompt = PROMPTS[0]
     residual = ResidualRequest(layers=(3, 0), ranges=((2, 6), (len(prompt) - 1, 1000)))
     generation, events = await generate(engine, prompt, residual)
+    assert len(events) == GREEDY.max_tokens
     ids = prompt + [e.token_id for e in events]
     assert sorted(generation.prompt_residuals) == [2, 3, 4, 5, len(prompt) - 1]
     assert all(e.residual is not None and e.readout is None for e in events)  # the last one's too
@@ -81,26 +82,24 @@ async def test_concurrent_requests_get_exactly_their_rows(engine: Engine, tiny_r
     ]
     results = await asyncio.gather(*(generate(engine, p, r) for p, r in zip(PROMPTS, asks, strict=True)))
     for prompt, ask, (generation, events) in zip(PROMPTS, asks, results, strict=True):
+        assert len(events) == GREEDY.max_tokens
         rows = {**generation.prompt_residuals, **{e.position: e.residual for e in events if e.residual is not None}}
         if ask is None:
             assert rows == {}
             continue
-        total = len(prompt) + len(events)
+        total = len(prompt) + GREEDY.max_tokens
         assert sorted(rows) == [p for p in range(total) if any(s <= p < e for s, e in ask.ranges)]
         assert_rows(rows, tiny_reference, prompt + [e.token_id for e in events], ask.layers)
     assert engine.readouts.tracked() == 0
 
 
 async def test_a_prefix_cache_hit_still_computes_the_rows(engine: Engine, tiny_reference: Reference) -> None:
-    prompt = PROMPTS[4]
-    await generate(engine, prompt, None)  # fills the prefix cache
-    residual = ResidualRequest(layers=(2,), ranges=((0, len(prompt)),))
-    scores = await engine.prefill(prompt, probes=Probes(residual=residual))
-    assert sorted(scores.residuals) == list(range(len(prompt)))
-    assert_rows(scores.residuals, tiny_reference, prompt, (2,))
-    scored = await engine.score(prompt[:10], prompt[10:], probes=Probes(residual=residual))
-    assert all(token.residual is not None for token in scored)
-    assert_rows({t.position: t.residual for t in scored}, tiny_reference, prompt, (2,))
+    await check_rows_across_a_cache_hit(
+        engine,
+        "residual",
+        lambda start: Probes(residual=ResidualRequest(layers=(0, 3), ranges=((start, 1000),))),
+        lambda rows, ids: assert_rows(rows, tiny_reference, ids, (0, 3)),
+    )
 
 
 def test_a_refused_layer_names_the_read_layers_not_a_range_that_holds_it() -> None:

@@ -16,14 +16,8 @@ from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import MAX_INTERVENTIONS, Intervention, Op
 from salience.errors import InvalidArgument
 from tests.conftest import TINY_LAYERS, start_engine
-from tests.reference import (
-    Reference,
-    assert_logprobs_match,
-    assert_readout_close,
-    assert_readouts_close,
-    reference_readouts,
-)
-from tests.steer_reference import steered
+from tests.reference import Reference, assert_logprobs_match, assert_readout_close, reference_readouts
+from tests.steer_reference import check_against_reference, steered
 
 PROMPTS = [[0, *range(60 + 11 * i, 90 + 11 * i)] for i in range(8)]
 GREEDY = SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
@@ -61,27 +55,6 @@ async def in_one_step(engine: Engine, runs: list) -> list:
     return await asyncio.gather(*tasks)
 
 
-def check_against_reference(
-    reference: Reference, concepts: ConceptSet, prompt, interventions, generation, events, steering_set=None
-) -> list[int]:
-    """Greedy tokens, logprobs (prompt and decoded) and readouts (every position) equal the hooked reference."""
-    ids = prompt + [e.token_id for e in events]
-    sets = [concepts] if steering_set is None else [concepts, steering_set]
-    with steered(reference.model, sets, interventions, len(prompt)):
-        greedy = reference.greedy(prompt, len(events))
-        logprobs = reference.logprobs(ids).float()
-        want = reference_readouts(reference, concepts, ids)
-    assert ids[len(prompt) :] == greedy
-    assert_logprobs_match(events, logprobs)
-    scores = generation.prompt_scores()
-    for position in range(1, len(prompt)):
-        assert scores.at(position).logprob == pytest.approx(float(logprobs[position - 1][prompt[position]]), abs=1e-4)
-    readouts = {**generation.prompt_readouts, **{e.position: e.readout for e in events}}
-    assert sorted(readouts) == list(range(len(ids)))
-    assert_readouts_close(readouts, want)
-    return ids
-
-
 CASES = {
     "add, all positions": [steer("beta", 2, "add", 6.0, prompt=True, generated=True)],
     "set, generated positions": [steer("gamma", 0, "set", -4.0, generated=True)],
@@ -101,7 +74,7 @@ async def test_matches_reference(engine: Engine, tiny_reference: Reference, tiny
     interventions = CASES[case]
     prompt = PROMPTS[1]
     generation, events = await run(engine, prompt, interventions)
-    ids = check_against_reference(tiny_reference, tiny_concepts, prompt, interventions, generation, events)
+    ids = check_against_reference(tiny_reference, tiny_concepts, prompt, interventions, GREEDY, generation, events)
     # And the intervention did something: the logprobs are not the unsteered model's.
     plain = tiny_reference.logprobs(ids)
     scores = generation.prompt_scores()
@@ -116,8 +89,9 @@ async def test_set_and_ablate_fix_the_readout_at_their_layer(engine: Engine, tin
     width = len(tiny_concepts.concepts)
     for op, value in (("set", 7.5), ("ablate", 0.0)):
         generation, events = await run(engine, PROMPTS[2], [steer("beta", 2, op, value, prompt=True, generated=True)])
-        rows = [*generation.prompt_readouts.values(), *(e.readout for e in events)]
-        assert all(math.isclose(row[slot * width + k], value, abs_tol=1e-4) for row in rows)
+        rows = {**generation.prompt_readouts, **{e.position: e.readout for e in events}}
+        assert sorted(rows) == list(range(len(PROMPTS[2]) + GREEDY.max_tokens))
+        assert all(math.isclose(row[slot * width + k], value, abs_tol=1e-4) for row in rows.values())
 
 
 async def test_score_is_steered_like_the_generation(
@@ -130,7 +104,9 @@ async def test_score_is_steered_like_the_generation(
     options = SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True)
     events = [e async for e in engine.generate(prompt, options, probes=Probes(steer=interventions))]
     continuation = [e.token_id for e in events]
+    assert len(continuation) == options.max_tokens
     scored = await engine.score(prompt, continuation, probes=Probes(readout_ranges=[(0, 100)], steer=interventions))
+    assert [s.position for s in scored] == list(range(len(prompt), len(prompt) + options.max_tokens))
     assert [s.logprob for s in scored] == pytest.approx([e.logprob for e in events], abs=1e-5)
     ids = prompt + continuation
     with steered(tiny_reference.model, [tiny_concepts], interventions, len(prompt)):
@@ -159,8 +135,9 @@ async def test_a_batch_mixing_steered_and_unsteered_requests(
     results = await in_one_step(engine, [run(engine, PROMPTS[i], mixed.get(i, ())) for i in range(8)])
     for i, (generation, events) in enumerate(results):
         if i in mixed:
-            check_against_reference(tiny_reference, tiny_concepts, PROMPTS[i], mixed[i], generation, events)
+            check_against_reference(tiny_reference, tiny_concepts, PROMPTS[i], mixed[i], GREEDY, generation, events)
             continue
+        assert len(events) == GREEDY.max_tokens
         assert outcome(generation, events) == outcome(*plain[i])  # tokens, logprobs, readouts: every bit
         alone, alone_events = await run(engine, PROMPTS[i], ())
         assert [e.token_id for e in events] == [e.token_id for e in alone_events]
@@ -183,8 +160,8 @@ async def test_prefix_cache_never_crosses_interventions(
             events = [e async for e in generation]
             ids = prompt + [e.token_id for e in events]
             with steered(tiny_reference.model, [tiny_concepts], interventions, len(prompt)):
-                assert ids[len(prompt) :] == tiny_reference.greedy(prompt, len(events))
-                assert_logprobs_match(events, tiny_reference.logprobs(ids).float())
+                assert ids[len(prompt) :] == tiny_reference.greedy(prompt, options.max_tokens)
+                assert_logprobs_match(events, tiny_reference.logprobs(ids).float(), options.logprobs)
         # The third request repeats the first: same interventions, same prompt, the cache hits.
         assert generation.cached_tokens >= 512
 
@@ -298,7 +275,7 @@ async def test_a_steering_set_and_a_server_without_steering(
         ]
         generation, events = await run(both, PROMPTS[4], interventions)
         check_against_reference(
-            tiny_reference, tiny_concepts, PROMPTS[4], interventions, generation, events, steering_set
+            tiny_reference, tiny_concepts, PROMPTS[4], interventions, GREEDY, generation, events, steering_set
         )
         with pytest.raises(InvalidArgument, match=r"'up' has no vector at layer 0 \(it has \[1, 2\]\)"):
             both.generate(PROMPTS[0], GREEDY, probes=Probes(steer=[steer("up", 0, "add", 1.0, generated=True)]))
@@ -314,7 +291,8 @@ async def test_a_steering_set_and_a_server_without_steering(
         for prompt in PROMPTS[:3]:
             without, events_without = await run(off, prompt, ())
             with_, events_with = await run(engine, prompt, ())
-            assert events_without == events_with
+            assert len(events_with) == GREEDY.max_tokens and events_without == events_with
+            assert sorted(with_.prompt_readouts) == list(range(len(prompt)))
             assert without.prompt_readouts == with_.prompt_readouts
             assert without.prompt_scores().entries == with_.prompt_scores().entries
     finally:
@@ -329,4 +307,4 @@ async def test_tensor_parallel_ranks_steer_alike(
     same coefficients."""
     interventions = CASES["two layers at once"]
     generation, events = await run(tensor_parallel_engine, PROMPTS[5], interventions)
-    check_against_reference(tiny_reference, tiny_concepts, PROMPTS[5], interventions, generation, events)
+    check_against_reference(tiny_reference, tiny_concepts, PROMPTS[5], interventions, GREEDY, generation, events)

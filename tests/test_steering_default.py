@@ -3,20 +3,17 @@ what a person expects."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import Probes, SamplingOptions
+from salience.core.engine.requests import SamplingOptions
 from salience.core.probes.concepts import ConceptSet
-from tests.reference import (
-    Reference,
-    assert_logprobs_match,
-    assert_readouts_close,
-    reference_readouts,
-)
-from tests.steer_reference import steered
+from tests.reference import Reference
+from tests.steer_reference import check_against_reference
+from tests.test_steering import run as steered_run
 from tests.test_steering import steer
 
 # Position 0 is the attention sink (a residual thousands of times larger than the rest): leave it be.
@@ -39,12 +36,16 @@ def reference(default_model: Path) -> Reference:
     return Reference(default_model)
 
 
-async def run(engine: Engine, text: str, interventions, n: int = 12):
+GREEDY = SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+
+
+async def run(engine: Engine, text: str, interventions, n: int = GREEDY.max_tokens):
+    """`text` and n greedy tokens under `interventions`, read at every position: the prompt, the events
+    and the readouts by position."""
     prompt = engine.tokenizer.encode(text, add_special_tokens=False)
-    options = SamplingOptions(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3)
-    generation = engine.generate(prompt, options, probes=Probes(readout_ranges=[(0, 1000)], steer=interventions))
-    events = [e async for e in generation]
+    generation, events = await steered_run(engine, prompt, interventions, dataclasses.replace(GREEDY, max_tokens=n))
     readouts = {**generation.prompt_readouts, **{e.position: e.readout for e in events}}
+    assert len(events) == n and sorted(readouts) == list(range(len(prompt) + n))
     return prompt, events, readouts
 
 
@@ -63,14 +64,9 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 async def test_matches_reference(engine: Engine, reference: Reference, concepts: ConceptSet, case: str) -> None:
     interventions = CASES[case]
-    prompt, events, readouts = await run(engine, "The quick brown fox jumps over the lazy dog.", interventions)
-    ids = prompt + [e.token_id for e in events]
-    with steered(reference.model, [concepts], interventions, len(prompt)):
-        assert ids[len(prompt) :] == reference.greedy(prompt, len(events))
-        assert_logprobs_match(events, reference.logprobs(ids).float())
-        want = reference_readouts(reference, concepts, ids)
-    assert sorted(readouts) == list(range(len(ids)))
-    assert_readouts_close(readouts, want)
+    prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)
+    generation, events = await steered_run(engine, prompt, interventions, GREEDY)
+    check_against_reference(reference, concepts, prompt, interventions, GREEDY, generation, events)
 
 
 def french(concepts: ConceptSet, readout, layer: int) -> float:

@@ -53,6 +53,7 @@ async def direct(engine: Engine, prompt, n: int, steer=(CORE,)):
     options = SamplingOptions(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
     generation = engine.generate(prompt, options, probes=Probes(readout_ranges=[(0, 1000)], steer=steer))
     events = [e async for e in generation]
+    assert len(events) == n and sorted(generation.prompt_readouts) == list(range(len(prompt)))
     return generation, events
 
 

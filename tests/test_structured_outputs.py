@@ -70,6 +70,7 @@ async def test_a_constraint_stays_with_its_request_in_the_batch_and_the_prefix_c
     long = [0, *range(40, 269)]  # 230 tokens: a repeat reads its first KV block from the cache
     digits = parse_constraint({"regex": "[0-9]{40}"})
     alone = await run(tiny_engine, long, max_tokens=30, temperature=0.0, ignore_eos=True)
+    assert len(alone) == 30
     # side by side: submitted together, they share every decode step
     beside, constrained = await asyncio.gather(
         run(tiny_engine, long, max_tokens=30, temperature=0.0, ignore_eos=True),

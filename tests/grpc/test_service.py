@@ -174,7 +174,7 @@ async def test_sixteen_sessions_at_once(client: AsyncSalienceClient, tiny_refere
     prompts = [[0, *range(200 + 7 * i, 230 + 7 * i)] for i in range(16)]
     sessions = [await client.open_session(MODEL) for _ in prompts]
     results = await asyncio.gather(
-        *(s.generate(p, max_tokens=6, top_k=1) for s, p in zip(sessions, prompts, strict=False))
+        *(s.generate(p, max_tokens=6, top_k=1) for s, p in zip(sessions, prompts, strict=True))
     )
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == tiny_reference.greedy(prompt, 6)

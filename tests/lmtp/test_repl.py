@@ -22,6 +22,7 @@ import pytest
 import pytest_asyncio
 
 from salience.core.engine.engine import Engine
+from salience.core.engine.requests import SamplingOptions
 from salience.core.probes.concepts import ConceptSet
 from salience.lmtp.client import LmtpClient
 from salience.repl.chat import ChatMode, Conversation, Reply, Turn
@@ -109,13 +110,22 @@ def test_parse_line_reads_trailing_parameters_as_lmql_does() -> None:
 
 async def test_repl_generates_scores_cancels_and_survives_errors(lmtp_server: LmtpServer) -> None:
     url = lmtp_server.url.replace("http://", "ws://")
-    prompt = lmtp_server.engine.tokenizer.encode("def hello", add_special_tokens=False)
+    engine = lmtp_server.engine
+
+    def encode(text: str) -> list[int]:
+        return engine.tokenizer.encode(text, add_special_tokens=False)  # as the REPL's TOKENIZE does
+
+    prompt = encode("def hello")
     terminal = Terminal([SALIENCE, "repl", url])
     try:
         await terminal.expect(r"connected to .*tiny.*\n.*>>> ")
-        terminal.send("def hello(x): max_tokens=6 ignore_eos=true\r")
-        out = await terminal.expect(r"\[length\]")
-        assert "[length]" in out
+        line = "def hello(x): max_tokens=6 ignore_eos=true"
+        terminal.send(line + "\r")
+        out = await terminal.expect(r"\n\[length\]")
+        # The REPL prints the engine's greedy text (temperature 0 is its default): all six tokens.
+        options = SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True)
+        greedy = [e.token_id async for e in engine.generate(encode("def hello(x):"), options)]
+        assert len(greedy) == 6 and _shown_reply(out, line) == engine.tokenizer.decode(greedy)
         await terminal.expect(">>> ")
 
         terminal.send("def f max_tokens=2000 ignore_eos=true\r")
@@ -123,11 +133,17 @@ async def test_repl_generates_scores_cancels_and_survives_errors(lmtp_server: Lm
         terminal.send("\x03")
         await terminal.expect(r"\[cancelled\]")
         await terminal.expect(">>> ")
-        assert lmtp_server.engine.num_unfinished_requests() == 0
+        assert engine.num_unfinished_requests() == 0
 
         terminal.send("/score def || hello\r")
-        out = await terminal.expect(r"total logprob (-?\d+\.\d+)")
-        assert "logprob" in out
+        out = await terminal.expect(r"total logprob -?\d+\.\d{4}")
+        # Each token of "hello" and its logprob after "def", then their sum: the engine's own score.
+        scored = await engine.score(encode("def"), encode("hello"))
+        printed = re.findall(r"^ *(\d+) .* logprob +(-?\d+\.\d{4})", out, re.M)
+        assert [int(token) for token, _ in printed] == encode("hello")
+        assert [float(logprob) for _, logprob in printed] == pytest.approx([s.logprob for s in scored], abs=1e-4)
+        total = float(re.search(r"total logprob (-?\d+\.\d{4})", out)[1])
+        assert total == pytest.approx(sum(s.logprob for s in scored), abs=1e-4)
 
         terminal.send("/readout two\r")
         await terminal.expect(
@@ -150,7 +166,7 @@ async def test_repl_generates_scores_cancels_and_survives_errors(lmtp_server: Lm
         out = await terminal.expect(r"\[length\]\s*\n.*pos\s+token\s+alpha.*\n(?:.*\n){" + str(n) + "}")
         rows = [line.split() for line in out.strip().splitlines()[-n:]]
         assert [int(row[0]) for row in rows] == list(range(n))
-        expected = await lmtp_server.engine.readout(prompt, [(0, len(prompt))])
+        expected = await engine.readout(prompt, [(0, len(prompt))])
         layer = TINY_LAYERS.index(2)
         for position in range(len(prompt)):
             shown = [float(v) for v in rows[position][-len(TINY_CONCEPTS) :]]
@@ -342,7 +358,9 @@ async def _direct_features(url: str, text: str, features: dict) -> list[list[str
         payloads = [p async for p in client.stream("GENERATE", **fields)]
     finally:
         await client.close()
-    return [[f"#{i}:{a:.2f}" for i, a in p["features"]] for p in payloads if "features" in p]
+    rows = [p for p in payloads if "features" in p]
+    assert [p["position"] for p in rows] == list(range(len(prompt) + 3))  # every position asked for
+    return [[f"#{i}:{a:.2f}" for i, a in p["features"]] for p in rows]
 
 
 async def test_repl_shows_each_tokens_top_features(sae_url: str) -> None:

@@ -29,9 +29,12 @@ def generate(stream_id: int, prompt=PROMPT, **fields) -> str:
     return "GENERATE " + json.dumps(body)
 
 
-async def direct(lmtp_server: LmtpServer, prompt, **options) -> list:
-    generation = lmtp_server.engine.generate(prompt, SamplingOptions(ignore_eos=True, **options))
-    return [event async for event in generation]
+async def direct(lmtp_server: LmtpServer, prompt, max_tokens: int, **options) -> list:
+    """The engine's own events for the request: max_tokens of them (ignore_eos)."""
+    options = SamplingOptions(max_tokens=max_tokens, ignore_eos=True, **options)
+    events = [event async for event in lmtp_server.engine.generate(prompt, options)]
+    assert len(events) == max_tokens
+    return events
 
 
 async def test_generate_payloads_have_exactly_what_lmql_reads(lmtp_server: LmtpServer, connect) -> None:
@@ -91,6 +94,7 @@ async def test_text_mode_never_splits_a_character(lmtp_server: LmtpServer, conne
     await client.send(generate(7, text=True, max_tokens=20))
     payloads = await client.stream(7)
     generated = [p["token"] for p in payloads]
+    assert len(generated) == 20
     assert "".join(p["text"] for p in payloads) == lmtp_server.engine.tokenizer.decode(generated)
 
 

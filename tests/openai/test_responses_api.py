@@ -377,7 +377,7 @@ async def test_the_extension_rides_on_the_message_and_on_each_delta(served: Fron
     whole, events = await asyncio.to_thread(run)
     assert set(whole.model_extra["salience"]) >= {"concepts", "layers", "format", "tokens"}
     tokens = whole.model_extra["salience"]["tokens"]
-    assert len(tokens) == whole.usage.output_tokens and all(len(t["readout"]) > 0 for t in tokens)
+    assert 1 <= len(tokens) == whole.usage.output_tokens <= 6 and all(len(t["readout"]) > 0 for t in tokens)
     streamed = [
         t for e in events if e.type == "response.output_text.delta" for t in e.model_extra["salience"]["tokens"]
     ]

@@ -64,6 +64,7 @@ async def test_json_object_gives_a_json_object_on_both_endpoints(api: openai.Asy
     chat = await api.chat.completions.create(
         model=NAME, messages=ASK, response_format={"type": "json_object"}, n=4, max_tokens=500, seed=1
     )
+    assert [choice.index for choice in chat.choices] == list(range(4))
     for choice in chat.choices:
         assert choice.finish_reason == "stop" and isinstance(json.loads(choice.message.content), dict)
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
@@ -95,6 +96,7 @@ async def test_vllms_structured_outputs_hold_on_every_sample(
     reply = await api.chat.completions.create(
         model=NAME, messages=ASK, n=6, max_tokens=40, seed=5, extra_body={"structured_outputs": constraint}
     )
+    assert [choice.index for choice in reply.choices] == list(range(6))
     for choice in reply.choices:
         assert choice.finish_reason == "stop" and matches(choice.message.content), choice.message.content
 

@@ -91,7 +91,7 @@ async def test_a_defined_concept_joins_monitors_steering_and_the_heatmap_until_d
     heatmap_rows = pane.locator(".heatmap tbody th button")
     assert await heatmap_rows.all_text_contents() == concepts
     readouts = {p["position"]: p["readout"] for p in ui.tokens(ui.stream_id("SCORE")) if "readout" in p}
-    assert all(len(readout) == len(layers) * len(concepts) for readout in readouts.values())
+    assert readouts and all(len(readout) == len(layers) * len(concepts) for readout in readouts.values())
     await pane.locator("select.view").select_option("raw")
     last, k = len(layers) - 1, len(concepts) - 1
     await pane.locator("select.layer").select_option(str(last))
