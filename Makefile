@@ -11,9 +11,10 @@ serve: setup
 	$(VENV)/bin/salience serve $(ARGS)
 
 # Only the tests need a browser (tests/ui drives Debian's chromium); serving installs none.
+# The slowest tests and every engine start (with its seconds) close the report: where the time goes.
 test: setup
 	@bash tools/setup_browser.sh
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest --durations=25 $(ARGS)
 
 check: setup
 	$(VENV)/bin/ruff format --check salience tests tools

@@ -149,12 +149,18 @@ POOLED: list[EnginePool] = []  # the run's pool, for its summary
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """How many engines the run started: each configuration once unless the pool had to let it go;
-    then, for those started again, what the pool did and when."""
+    """How many engines the run started and what each start cost (each configuration once unless
+    the pool had to let it go; then what the pool did and when), so the next person sees the time."""
     for pool in POOLED:
         starts = pool.starts
         again = {key for key in starts if starts.count(key) > 1}
-        terminalreporter.write_line(f"test engines: {len(starts)} starts, {len(set(starts))} configurations")
+        total = sum(pool.seconds)
+        terminalreporter.write_sep("-", "test engines")
+        terminalreporter.write_line(
+            f"test engines: {len(starts)} starts, {len(set(starts))} configurations, {total:.0f} s starting"
+        )
+        for key, seconds in sorted(zip(starts, pool.seconds, strict=True), key=lambda s: -s[1]):
+            terminalreporter.write_line(f"  {seconds:6.1f} s  {key[:160]}")
         for event in pool.events:
             if any(key in event for key in again):
                 terminalreporter.write_line(f"  {event}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class EnginePool:
     # (conftest's Plan); without a plan every engine is wanted, and the least recently used goes first.
     next_use: Callable[[Collection[str]], float] = lambda fixtures: 0.0
     starts: list[str] = field(default_factory=list)  # every configuration started, in order
+    seconds: list[float] = field(default_factory=list)  # how long each of `starts` took
     events: list[str] = field(default_factory=list)  # starts and shutdowns, with the test running then
     running: Callable[[], str] = lambda: ""  # the test running now (conftest's Plan)
     _engines: dict[str, _Pooled] = field(default_factory=dict)  # least recently used first
@@ -90,8 +92,10 @@ class EnginePool:
             self._evict(self.keep - 1)
             while self._available_gib() < self.room_gib and self._evict_one():
                 pass
+            started = time.monotonic()
             pooled = _Pooled(await Engine.start(EngineSettings(model=model, **settings)), settings)
             self.starts.append(key)
+            self.seconds.append(time.monotonic() - started)
             self._event("started", key)
         self._engines[key] = pooled
         pooled.users += 1
