@@ -3,7 +3,7 @@ holds the numeric contract against transformers in float32 with hooks on its dec
 
 Per family one compiled engine reads random concepts at three layers and serves an SAE: prompt
 and decoded logprobs with their top-k, readouts (after a prefix-cache hit too), greedy tokens,
-steering with every op, residual rows and SAE features. The families the default model (Llama)
+steering with every op, residual rows, SAE features and a monitor. The families the default model (Llama)
 and the tiny model (Qwen2, Qwen2-VL) are do this in their own modules.
 """
 
@@ -18,12 +18,13 @@ import pytest_asyncio
 import torch
 
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import FeatureRequest, Probes, ResidualRequest, SamplingOptions
+from salience.core.engine.requests import FeatureRequest, FinishReason, Probes, ResidualRequest, SamplingOptions
 from salience.core.features.sae import SparseAutoencoder, load_sae
 from salience.core.models.atomic import build_folder_once
 from salience.core.models.folders import model_family, model_fingerprint
 from salience.core.models.home import salience_home
 from salience.core.probes.concepts import ConceptSet
+from salience.core.probes.monitors import Action, Monitor
 from salience.core.probes.steering import Intervention, Op
 from salience.errors import ModelError
 from tests import sae_reference
@@ -198,3 +199,25 @@ def test_a_set_built_for_other_weights_of_the_same_shape_is_refused(
     concepts.check_model(family_model)
     with pytest.raises(ModelError, match="concept set was built for model"):
         concepts.check_model(other)
+
+
+async def test_a_monitor_stops_where_the_reference_first_passes_its_threshold(
+    engine: Engine, reference: Reference, family_sae: SparseAutoencoder
+) -> None:
+    """A feature monitor (it needs no calibration, which random concepts lack) on the SAE's feature
+    that peaks on the third generated token: the generation stops at the first token whose
+    reference activation passes half that peak, the tokens up to it the reference's."""
+    prompt = LONG_PROMPT[:30]
+    ids = prompt + reference.greedy(prompt, GREEDY.max_tokens)
+    residuals = reference.residuals(ids, [SAE_LAYER])[SAE_LAYER].numpy()
+    acts = sae_reference.encode(sae_reference.read_folder(family_sae.folder), residuals)[len(prompt) :]
+    feature = int(acts[2].argmax())
+    threshold = float(acts[2, feature]) / 2
+    first = next(i for i in range(len(acts)) if acts[i, feature] > threshold)
+    monitor = Monitor(concept="", feature=feature, sae="top", above=threshold, action=Action.STOP)
+    events = [e async for e in engine.generate(prompt, GREEDY, probes=Probes(monitors=[monitor]))]
+    assert len(events) == first + 1 and events[-1].finish_reason is FinishReason.MONITOR
+    assert [e.token_id for e in events] == ids[len(prompt) : len(prompt) + first + 1]
+    stop = events[-1].stopped_by
+    assert stop is not None and (stop.feature, stop.layer, stop.position) == (feature, SAE_LAYER, len(prompt) + first)
+    assert abs(stop.probability - float(acts[first, feature])) <= 1e-4 * max(1.0, abs(float(acts[first, feature])))
