@@ -159,8 +159,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line(
             f"test engines: {len(starts)} starts, {len(set(starts))} configurations, {total:.0f} s starting"
         )
-        for key, seconds in sorted(zip(starts, pool.seconds, strict=True), key=lambda s: -s[1]):
-            terminalreporter.write_line(f"  {seconds:6.1f} s  {key[:160]}")
+        for label, seconds in sorted(zip(pool.labels, pool.seconds, strict=True), key=lambda s: -s[1]):
+            terminalreporter.write_line(f"  {seconds:6.1f} s  {label}")
         for event in pool.events:
             if any(key in event for key in again):
                 terminalreporter.write_line(f"  {event}")

@@ -74,6 +74,7 @@ class EnginePool:
     next_use: Callable[[Collection[str]], float] = lambda fixtures: 0.0
     starts: list[str] = field(default_factory=list)  # every configuration started, in order
     seconds: list[float] = field(default_factory=list)  # how long each of `starts` took
+    labels: list[str] = field(default_factory=list)  # each of `starts` as a person reads it
     events: list[str] = field(default_factory=list)  # starts and shutdowns, with the test running then
     running: Callable[[], str] = lambda: ""  # the test running now (conftest's Plan)
     _engines: dict[str, _Pooled] = field(default_factory=dict)  # least recently used first
@@ -96,6 +97,8 @@ class EnginePool:
             pooled = _Pooled(await Engine.start(EngineSettings(model=model, **settings)), settings)
             self.starts.append(key)
             self.seconds.append(time.monotonic() - started)
+            mode = "compiled" if settings.get("compile") else "eager"
+            self.labels.append(f"{model.name}, {mode}, for {', '.join(sorted(fixtures)) or self.running()}")
             self._event("started", key)
         self._engines[key] = pooled
         pooled.users += 1
