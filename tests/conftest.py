@@ -300,27 +300,35 @@ TINY_LAYERS = (0, 2, 3)  # 3 is the last layer: read before the final norm
 TINY_CONCEPTS = ("alpha", "beta", "gamma", "delta", "epsilon")
 
 
-@pytest.fixture(scope="session")
-def tiny_concepts(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> ConceptSet:
-    """Random unit vectors at three of the tiny model's four layers, saved and loaded back."""
-    generator = torch.Generator().manual_seed(1)
+def random_concepts(
+    model: Path, concepts: tuple[str, ...], layers: tuple[int, ...], seed: int, path: Path
+) -> ConceptSet:
+    """Random unit vectors of a 4-layer, hidden-128 tiny model at `layers`, saved to `path` and
+    loaded back (as a server loads a set), checked against `model`."""
+    generator = torch.Generator().manual_seed(seed)
     vectors = {}
-    for layer in TINY_LAYERS:
-        v = torch.randn(len(TINY_CONCEPTS), 128, generator=generator)
+    for layer in layers:
+        v = torch.randn(len(concepts), 128, generator=generator)
         vectors[layer] = v / v.norm(dim=1, keepdim=True)
     built = ConceptSet(
-        concepts=TINY_CONCEPTS,
+        concepts=concepts,
         vectors=vectors,
         hidden_size=128,
         num_layers=4,
-        model_fingerprint=model_fingerprint(tiny_model),
-        provenance={"method": "random unit vectors", "seed": 1},
+        model_fingerprint=model_fingerprint(model),
+        provenance={"method": "random unit vectors", "seed": seed},
     )
-    path = tmp_path_factory.mktemp("concepts") / "tiny.safetensors"
     built.save(path)
     loaded = ConceptSet.load(path)
-    loaded.check_model(tiny_model)
+    loaded.check_model(model)
     return loaded
+
+
+@pytest.fixture(scope="session")
+def tiny_concepts(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> ConceptSet:
+    """Random unit vectors at three of the tiny model's four layers."""
+    path = tmp_path_factory.mktemp("concepts") / "tiny.safetensors"
+    return random_concepts(tiny_model, TINY_CONCEPTS, TINY_LAYERS, 1, path)
 
 
 @pytest.fixture(scope="module")

@@ -59,10 +59,7 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     """A transformers *ForCausalLM's decoder layers, where its family keeps them (`model.layers`,
     GPT-2's `transformer.h`, GPT-NeoX's `gpt_neox.layers`, ...)."""
     family = family_of(model.config.architectures)
-    owner = model
-    for part in family.hf_stack.split("."):
-        owner = getattr(owner, part)
-    return getattr(owner, family.layers)
+    return family.stack(model, family.hf_stack)[1]
 
 
 @torch.no_grad()

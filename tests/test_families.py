@@ -15,20 +15,18 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-import torch
 
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import FeatureRequest, FinishReason, Probes, ResidualRequest, SamplingOptions
 from salience.core.features.sae import SparseAutoencoder, load_sae
 from salience.core.models.atomic import build_folder_once
-from salience.core.models.folders import model_family, model_fingerprint
+from salience.core.models.folders import model_family
 from salience.core.models.home import salience_home
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.monitors import Action, Monitor
 from salience.core.probes.steering import Intervention, Op
 from salience.errors import ModelError
-from tests import sae_reference
-from tests.conftest import TINY_SOURCES
+from tests.conftest import TINY_SOURCES, random_concepts
 from tests.engines import EnginePool
 from tests.random_sae import random_sae, stored
 from tests.reference import (
@@ -40,7 +38,7 @@ from tests.reference import (
     reference_readouts,
 )
 from tests.steer_reference import check_against_reference
-from tests.test_features import assert_features
+from tests.test_features import assert_features, want_top
 from tests.test_residuals import assert_rows
 from tests.tiny_families import FAMILIES, build_family_model
 
@@ -70,22 +68,8 @@ def family_model(family: str, tiny_model: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def concepts(family_model: Path, tmp_path_factory: pytest.TempPathFactory) -> ConceptSet:
-    generator = torch.Generator().manual_seed(3)
-    vectors = {}
-    for layer in LAYERS:
-        v = torch.randn(len(CONCEPTS), 128, generator=generator)
-        vectors[layer] = v / v.norm(dim=1, keepdim=True)
-    built = ConceptSet(
-        concepts=CONCEPTS,
-        vectors=vectors,
-        hidden_size=128,
-        num_layers=4,
-        model_fingerprint=model_fingerprint(family_model),
-        provenance={"method": "random unit vectors", "seed": 3},
-    )
     path = tmp_path_factory.mktemp("concepts") / "family.safetensors"
-    built.save(path)
-    return ConceptSet.load(path)
+    return random_concepts(family_model, CONCEPTS, LAYERS, 3, path)
 
 
 @pytest.fixture(scope="session")
@@ -174,9 +158,7 @@ async def test_residual_rows_and_features_equal_the_reference(
     assert_rows(rows, reference, ids, (0, 3))
     features = {**generation.prompt_rows["features"], **{e.position: e.features for e in events}}
     assert sorted(features) == list(range(len(ids)))
-    residuals = reference.residuals(ids, [SAE_LAYER])[SAE_LAYER].numpy()
-    acts = torch.from_numpy(sae_reference.encode(sae_reference.read_folder(family_sae.folder), residuals))
-    assert_features(features, acts, SAE_TOP)
+    assert_features(features, want_top(reference, family_sae, ids), SAE_TOP)
     assert_readouts_close(
         {**generation.prompt_readouts, **{e.position: e.readout for e in events}},
         reference_readouts(reference, concepts, ids),
@@ -209,8 +191,7 @@ async def test_a_monitor_stops_where_the_reference_first_passes_its_threshold(
     reference activation passes half that peak, the tokens up to it the reference's."""
     prompt = LONG_PROMPT[:30]
     ids = prompt + reference.greedy(prompt, GREEDY.max_tokens)
-    residuals = reference.residuals(ids, [SAE_LAYER])[SAE_LAYER].numpy()
-    acts = sae_reference.encode(sae_reference.read_folder(family_sae.folder), residuals)[len(prompt) :]
+    acts = want_top(reference, family_sae, ids)[len(prompt) :]
     feature = int(acts[2].argmax())
     threshold = float(acts[2, feature]) / 2
     first = next(i for i in range(len(acts)) if acts[i, feature] > threshold)

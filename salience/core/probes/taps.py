@@ -184,10 +184,7 @@ def decoder_stack(model: nn.Module) -> tuple[range, nn.ModuleList]:
     """The decoder layers (where the model's family says they are), and which of them this
     pipeline stage holds."""
     family: Family = getattr(model, FAMILY_ATTRIBUTE)
-    owner: Any = model
-    for part in family.vllm_stack.split("."):
-        owner = getattr(owner, part)
-    layers = getattr(owner, family.layers)
+    owner, layers = family.stack(model, family.vllm_stack)
     return range(getattr(owner, "start_layer", 0), getattr(owner, "end_layer", len(layers))), layers
 
 

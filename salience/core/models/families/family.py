@@ -9,7 +9,7 @@ unembedding turn a residual vector into logits. Everything that reads or writes 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -39,13 +39,20 @@ class Family:
     stream: Stream = "pair"
     hidden_key: str = "hidden_size"
     layers_key: str = "num_hidden_layers"
-    text_config: bool = False  # sizes under config.json's "text_config" (vision-language models)
     embedding: str = "embed_tokens.weight"  # the input embedding's tensor name ends so
     final_norm: str = "norm"  # the final norm's tensor name ends with `final_norm`.weight
     norm: Norm = "rms"
     unembedding: tuple[str, ...] = ("lm_head.weight",)  # else the input embedding (tied)
     # Proven exact in vLLM's compiled graph (tests/test_families.py); else the taps run eagerly.
     compiled: bool = True
+
+    def stack(self, model: Any, path: str) -> tuple[Any, Any]:
+        """The owner of the decoder layers at attribute path `path` (vllm_stack or hf_stack) from
+        `model`, and its layer list."""
+        owner = model
+        for part in path.split("."):
+            owner = getattr(owner, part)
+        return owner, getattr(owner, self.layers)
 
     def norm_scale(self, direction: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """`direction` as the final norm passes it on to the unembedding, up to one positive factor

@@ -7,7 +7,6 @@ FAMILY = Family(
     architectures=("Gemma3ForConditionalGeneration",),
     vllm_stack="language_model.model",
     hf_stack="model.language_model",
-    text_config=True,
     norm="rms_plus_one",
     compiled=False,
 )

@@ -7,5 +7,4 @@ FAMILY = Family(
     architectures=("Qwen2VLForConditionalGeneration",),
     vllm_stack="language_model.model",
     hf_stack="model.language_model",
-    text_config=True,
 )
