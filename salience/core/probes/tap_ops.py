@@ -6,6 +6,12 @@ in ops that look at a gate first (Reading, Steered): a step nobody reads or stee
 per tapped layer. The stores declare the buffer they write as mutated, as vLLM's attention ops
 declare their output buffer, so functionalization keeps the writes. Registered straight with the
 dispatcher when this module is imported (taps.py imports it in every worker process).
+
+No op raises into the forward: an exception leaving it would leave vLLM's execute_model and stop
+the engine, every request with it. An op that fails records the failure in Faults and returns,
+its side buffer stale (or, for steer, whose one write comes last, the hidden state unsteered);
+the worker fails the requests that asked for its work in that step (faults.py). A try costs
+nothing until it catches.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch.library import Library
 
-__all__ = ["STAGED_ROWS", "Capture", "Reading", "Steered", "steering_delta"]
+__all__ = ["STAGED_ROWS", "Capture", "Faults", "Reading", "Steered", "steering_delta"]
 
 
 class Capture:
@@ -43,6 +49,20 @@ class Steered:
     slots: ClassVar[frozenset[int]] = frozenset()
 
 
+class Faults:
+    """The ops that failed during the forward, as (op, slot, exception) in the order they failed:
+    appended by the ops, taken after the forward by the worker that set their gates (faults.py).
+    `injected`: tests only (faults.FaultWorker.salience_test_fault), an (op, slot) made to fail."""
+
+    raised: ClassVar[list[tuple[str, int, Exception]]] = []
+    injected: ClassVar[tuple[str, int] | None] = None
+
+
+def _inject(op: str, slot: int) -> None:
+    if Faults.injected == (op, slot):
+        raise RuntimeError(f"{op} failed on purpose at slot {slot} (the fault-injection test hook)")
+
+
 def steer(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
@@ -58,8 +78,13 @@ def steer(
     one set lookup instead of the projection onto every direction and back."""
     if slot not in Steered.slots:
         return
-    state = hidden.float() if residual is None else hidden.float() + residual.float()
-    hidden.copy_((hidden.float() + steering_delta(state, directions, add, scale, lo, hi, slot)).to(hidden.dtype))
+    try:
+        if Faults.injected is not None:
+            _inject("steer", slot)
+        state = hidden.float() if residual is None else hidden.float() + residual.float()
+        hidden.copy_((hidden.float() + steering_delta(state, directions, add, scale, lo, hi, slot)).to(hidden.dtype))
+    except Exception as exc:
+        Faults.raised.append(("steer", slot, exc))
 
 
 def steering_delta(
@@ -83,7 +108,12 @@ def readout_store(values: torch.Tensor, buffer: torch.Tensor, slot: int, state: 
     """buffer[:rows, slot] = values: the graph's one write, into a buffer at a fixed address. Where
     the worker asked for residual rows (Capture), `state`'s rows are copied out as well: an opaque
     op runs as Python at every step, so this costs one check when nothing is asked."""
-    buffer[: values.shape[0], slot].copy_(values)
+    try:
+        if Faults.injected is not None:
+            _inject("readout_store", slot)
+        buffer[: values.shape[0], slot].copy_(values)
+    except Exception as exc:
+        Faults.raised.append(("readout_store", slot, exc))
     _capture(state, slot)
 
 
@@ -108,25 +138,30 @@ def readout_project(
     the last call of this shape (slicing and a copy cost more than the product)."""
     columns = Reading.columns
     if columns:
-        rows = state.shape[0]
-        key = (buffer.data_ptr(), slot, rows, columns)
-        views = _views.get(key)
-        if views is None:
-            if len(_views) > _MAX_VIEWS:
-                _views.clear()
-            if rows <= STAGED_ROWS:
-                held = slice(first, last + 1)
-                views = (staging[slot, :rows], staging[held, :rows], matrices[held, :columns].transpose(1, 2))
-                views += (buffer[:rows, held, :columns].transpose(0, 1),)
+        try:
+            if Faults.injected is not None:
+                _inject("readout_project", slot)
+            rows = state.shape[0]
+            key = (buffer.data_ptr(), slot, rows, columns)
+            views = _views.get(key)
+            if views is None:
+                if len(_views) > _MAX_VIEWS:
+                    _views.clear()
+                if rows <= STAGED_ROWS:
+                    held = slice(first, last + 1)
+                    views = (staging[slot, :rows], staging[held, :rows], matrices[held, :columns].transpose(1, 2))
+                    views += (buffer[:rows, held, :columns].transpose(0, 1),)
+                else:
+                    views = (matrices[slot, :columns].T, buffer[:rows, slot, :columns])
+                _views[key] = views
+            if rows > STAGED_ROWS:
+                torch.mm(state, views[0], out=views[1])
             else:
-                views = (matrices[slot, :columns].T, buffer[:rows, slot, :columns])
-            _views[key] = views
-        if rows > STAGED_ROWS:
-            torch.mm(state, views[0], out=views[1])
-        else:
-            views[0].copy_(state)
-            if slot == last:
-                views[3].copy_(torch.bmm(views[1], views[2]))
+                views[0].copy_(state)
+                if slot == last:
+                    views[3].copy_(torch.bmm(views[1], views[2]))
+        except Exception as exc:
+            Faults.raised.append(("readout_project", slot, exc))
     _capture(state, slot)
 
 
@@ -137,12 +172,22 @@ _MAX_VIEWS = 4096  # batch sizes x column counts x layers seen; decode steps rep
 
 def _capture(state: torch.Tensor, slot: int) -> None:
     if Capture.rows is not None and slot in Capture.slots:
-        Capture.taken[slot] = state.index_select(0, Capture.rows).cpu()
+        try:
+            if Faults.injected is not None:
+                _inject("residual_capture", slot)
+            Capture.taken[slot] = state.index_select(0, Capture.rows).cpu()
+        except Exception as exc:
+            Faults.raised.append(("residual_capture", slot, exc))
 
 
 def feature_store(values: torch.Tensor, buffer: torch.Tensor, slot: int) -> None:
     """buffer[:rows, slot, :width] = values: an SAE's top features, as readout_store writes readouts."""
-    buffer[: values.shape[0], slot, : values.shape[1]].copy_(values)
+    try:
+        if Faults.injected is not None:
+            _inject("feature_store", slot)
+        buffer[: values.shape[0], slot, : values.shape[1]].copy_(values)
+    except Exception as exc:
+        Faults.raised.append(("feature_store", slot, exc))
 
 
 def _no_output(*args: Any) -> None:
