@@ -167,8 +167,9 @@ class LiveConcepts:
 async def install_probes(
     llm: AsyncLLM, settings: EngineSettings, cpu: bool, compiled: bool, rpc: Rpc
 ) -> tuple[ReadoutHub | None, Directions | None, LiveConcepts]:
-    """Set the workers' taps up: readouts with a concept set, steering unless it is off, and the
-    live concepts' bookkeeping over both."""
+    """Set the workers' taps up: readouts with a concept set, steering unless it is off, their
+    failures failing requests instead of the engine (probes/faults.py), and the live concepts'
+    bookkeeping over both."""
     readouts = steering = None
     if settings.concepts is not None:
         readouts = await ReadoutHub.install(
@@ -194,6 +195,8 @@ async def install_probes(
             vectors=settings.steer_vectors,
         )
         steering = await _install_steering(llm, directions)
+    if readouts is not None or steering is not None:  # last: it wraps what their setups wrapped
+        await rpc("salience_faults_setup", ())
     live = LiveConcepts(
         readouts.table if readouts else None,
         steering,

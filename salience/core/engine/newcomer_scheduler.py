@@ -18,9 +18,10 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
+from salience.core.probes.fault_scheduler import FaultScheduler
 from salience.core.probes.readout_scheduler import ReadoutScheduler
 
-__all__ = ["EVERY", "NEWCOMER", "NewcomerScheduler", "ReadoutNewcomerScheduler"]
+__all__ = ["EVERY", "NEWCOMER", "NewcomerScheduler", "ReadoutNewcomerScheduler", "TappedNewcomerScheduler"]
 
 NEWCOMER = "salience_newcomer"
 EVERY = 32
@@ -48,8 +49,13 @@ class NewcomerScheduler(Scheduler):
         return output
 
 
-class ReadoutNewcomerScheduler(NewcomerScheduler, ReadoutScheduler):
-    """With readouts carried on the step's output (probes/readout_scheduler.py): both."""
+class TappedNewcomerScheduler(FaultScheduler, NewcomerScheduler):
+    """With taps in the forward, whose failures fail requests (probes/fault_scheduler.py): both."""
+
+
+class ReadoutNewcomerScheduler(FaultScheduler, NewcomerScheduler, ReadoutScheduler):
+    """With readouts carried on the step's output (probes/readout_scheduler.py) as well: all three.
+    The faulted requests are finished first, so no readout rows go out with their error."""
 
 
 def _newcomer(request: Request) -> bool:

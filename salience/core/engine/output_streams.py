@@ -17,12 +17,21 @@ __all__ = ["Gate", "admitted", "guarded", "releasing"]
 
 
 async def guarded(outputs: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[RequestOutput]:
-    """Map vLLM's request failures to EngineError; cancellation passes through."""
+    """Map vLLM's request failures to EngineError, the engine's end of one request for a fault
+    included; cancellation passes through."""
     from vllm.exceptions import VLLMClientError
     from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
     try:
         async for out in outputs:
+            completion = out.outputs[0] if out.outputs else None
+            if (
+                completion is not None
+                and completion.finish_reason == "error"
+                and isinstance(completion.stop_reason, str)
+            ):
+                # A fault in Salience's per-step code failed this request alone (probes/faults.py).
+                raise EngineError(f"{completion.stop_reason}: this request failed; the server keeps serving")
             yield out
     except EngineDeadError as exc:
         raise EngineError("the engine has stopped") from exc

@@ -43,6 +43,9 @@ during the forward pass, compiled or eager. Theory of operation:
   setup tells the engine which slots each filing worker holds, and the engine
   merges a position once every filing stage has sent it (readouts.py). Only
   these projected floats leave a stage.
+- Failures. What the ops of the taps fail at, and what this code fails at while planning or
+  filing, fails the requests that asked for that work in the step, never the step
+  (faults.py); their rows are not filed.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ import numpy as np
 import torch
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
+from salience.core.probes.faults import taken
 from salience.core.probes.tap_ops import Capture, Reading
 from salience.core.probes.taps import (
     LayerTap,
@@ -73,6 +77,7 @@ ROWS = "salience_readout_rows"  # the ModelRunnerOutput attribute that carries a
 __all__ = ["FEATURE_TAG", "RESIDUAL_TAG", "ROWS", "TAG", "ReadoutWorker"]
 
 Blocks = list[tuple[np.ndarray, np.ndarray]]
+READ_OPS = frozenset({"readout_project", "readout_store", "residual_capture", "feature_store"})
 
 
 class ReadoutWorker:
@@ -103,6 +108,12 @@ class ReadoutWorker:
         self._ro_feature_values = _host(self._ro_features) if self._ro_features is not None else None
         # Per SAE slot, the features its rows hold: ids in [0, top), activations in [top, 2 * top).
         self._ro_feature_tops = {e.slot: e.width for tap in taps(model) for e in tap.encoders}
+        # The layer of each readout slot and of each SAE slot: what a fault names.
+        layers = list(enumerate(decoder_stack(model)[1]))
+        self._ro_layers = {
+            t.readout_slot: i for i, t in layers if isinstance(t, LayerTap) and t.readout_slot is not None
+        }
+        self._ro_sae_layers = {e.slot: i for i, t in layers if isinstance(t, LayerTap) for e in t.encoders}
         runner.execute_model = self._ro_after(runner.execute_model, file=True, send=with_output)
         runner._model_forward = self._ro_capturing(runner._model_forward)
         if with_output:
@@ -168,7 +179,10 @@ class ReadoutWorker:
         def run(*args, **kwargs):
             result = step(*args, **kwargs)
             if file:
-                self._ro_file()
+                try:
+                    self._ro_file()
+                except Exception as exc:  # not one request's: every request the step filed for fails
+                    self._ft_fail(self._ro_asking(), "filing the step's readouts", exc)
             if send and self._ro_store and isinstance(result, ModelRunnerOutput):
                 result = self._ro_send(result)
             return result
@@ -191,15 +205,46 @@ class ReadoutWorker:
     def _ro_capturing(self, model_forward):
         @functools.wraps(model_forward)
         def run(*args, **kwargs):
-            self._ro_plan()
+            try:
+                self._ro_plan()
+            except Exception as exc:  # not one request's: every request asking for rows fails
+                self._ro_picks, self._ro_capture, Capture.rows, Reading.columns = {}, [], None, 0
+                self._ft_fail(self._ro_asking(), "planning the step's readouts", exc)
             try:
                 return model_forward(*args, **kwargs)
             finally:
                 Reading.columns = 0
+                self._ro_faulted()
                 if Capture.rows is not None:
-                    self._ro_file_capture()
+                    try:
+                        self._ro_file_capture()
+                    except Exception as exc:
+                        Capture.rows, Capture.taken = None, {}
+                        self._ft_fail([r for r, *_ in self._ro_capture], "filing the step's residual rows", exc)
+                        self._ro_capture = []
 
         return run
+
+    def _ro_asking(self) -> list[str]:
+        """This step's requests asking for readouts, residual rows or features."""
+        tags = (TAG, RESIDUAL_TAG, FEATURE_TAG)
+        return list(dict.fromkeys(request_id for tag in tags for _, request_id, _ in self._ro_tagged(tag)))
+
+    def _ro_faulted(self) -> None:
+        """Fail the requests whose rows an op of the forward failed to write: every request reading
+        concepts for a projection (a row holds every read layer), those asking rows at its layer for
+        a capture, an SAE's features for its store."""
+        for op, slot, exc in taken(READ_OPS):
+            if op == "residual_capture":
+                asking = [r for r, (_, _, slots), _, _ in self._ro_capture if slot in slots]
+                layer = self._ro_layers[slot]
+            elif op == "feature_store":
+                asking = [r for r, extra, _, _ in self._ro_picks.get(FEATURE_TAG, ()) if extra[FEATURE_TAG][2] == slot]
+                layer = self._ro_sae_layers[slot]
+            else:
+                asking = [r for r, _, _, _ in self._ro_picks.get(TAG, ())]
+                layer = self._ro_layers[slot]
+            self._ft_fail(asking, f"salience::{op} at layer {layer}", exc)
 
     def _ro_plan(self) -> None:
         """Before the forward, which rows each request reads this step, and so the readout columns
@@ -235,16 +280,23 @@ class ReadoutWorker:
             Capture.rows = torch.from_numpy(rows).to(self._ro_buffer.device)
 
     def _ro_file_capture(self) -> None:
-        taken, Capture.rows, Capture.taken = Capture.taken, None, {}
-        held = sorted(taken)
-        values = torch.stack([taken[slot] for slot in held], dim=1).numpy()  # [rows, slots held, hidden]
+        copied, Capture.rows, Capture.taken = Capture.taken, None, {}
+        held = sorted(copied)
+        # [rows, slots held, hidden]; none held: every capture failed, and so every request asking
+        values = torch.stack([copied[slot] for slot in held], dim=1).numpy() if held else None
         first = 0
         for request_id, (key, _, slots), rows, at in self._ro_capture:
-            mine = values[first : first + len(rows)]
-            if list(slots) != held:
-                mine = mine[:, [held.index(slot) for slot in slots]]
-            self._ro_store.setdefault(request_id, {}).setdefault(key, []).append((at, mine))
-            first += len(rows)
+            mine, first = slice(first, first + len(rows)), first + len(rows)
+            if request_id in self._ft_failed:
+                continue
+            try:
+                block = values[mine]
+                if list(slots) != held:
+                    block = block[:, [held.index(slot) for slot in slots]]
+            except Exception as exc:
+                self._ft_fail([request_id], "filing residual rows", exc)
+                continue
+            self._ro_store.setdefault(request_id, {}).setdefault(key, []).append((at, block))
         self._ro_capture = []
 
     def _ro_rows(self, tag: str) -> list[tuple[str, dict, np.ndarray, np.ndarray]]:
@@ -264,16 +316,20 @@ class ReadoutWorker:
                 at = positions.tolist()
                 rows = np.arange(starts[n])
             s, e = starts[i], starts[i + 1]
-            if e - s == 1:  # a decode step's one row, compared as numbers (most steps' every row)
-                if any(start <= at[s] < end for start, end in extra[tag][1]):
-                    out.append((request_id, extra, rows[s:e], positions[s:e]))
+            try:
+                if e - s == 1:  # a decode step's one row, compared as numbers (most steps' every row)
+                    if any(start <= at[s] < end for start, end in extra[tag][1]):
+                        out.append((request_id, extra, rows[s:e], positions[s:e]))
+                    continue
+                if e <= s:
+                    continue
+                pos = positions[s:e]
+                wanted = np.zeros(e - s, dtype=bool)
+                for start, end in extra[tag][1]:
+                    wanted |= (pos >= start) & (pos < end)
+            except Exception as exc:  # its tag: it alone fails
+                self._ft_fail([request_id], f"picking the rows {tag} asks for", exc)
                 continue
-            if e <= s:
-                continue
-            pos = positions[s:e]
-            wanted = np.zeros(e - s, dtype=bool)
-            for start, end in extra[tag][1]:
-                wanted |= (pos >= start) & (pos < end)
             if wanted.any():
                 out.append((request_id, extra, np.nonzero(wanted)[0] + s, pos[wanted]))
         return out
@@ -306,9 +362,15 @@ class ReadoutWorker:
         block = _taken(buffer, rows, copy=not self._ro_with_output)
         first = 0
         for request_id, extra, idx, at in picks:
-            mine = select(extra[tag], block[first : first + len(idx)])
+            theirs, first = block[first : first + len(idx)], first + len(idx)
+            if request_id in self._ft_failed:
+                continue
+            try:
+                mine = select(extra[tag], theirs)
+            except Exception as exc:  # its tag: it alone fails
+                self._ft_fail([request_id], f"filing the rows {tag} asks for", exc)
+                continue
             self._ro_store.setdefault(request_id, {}).setdefault(extra[tag][0], []).append((at, mine))
-            first += len(idx)
 
 
 def _host(buffer: torch.Tensor) -> torch.Tensor | np.ndarray:

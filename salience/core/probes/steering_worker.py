@@ -22,6 +22,10 @@ from four static buffers `[max_tokens, steering layers, directions]`. Those buff
   buffers are already zero.
 
 Every rank steers (each runs the whole residual stream under tensor parallelism).
+
+A failure fails only the requests steering where it happened (faults.py): the op's at a layer
+fails those steering at that layer this step, and this code's the request it was writing (the
+rows it wrote are its own), or every steered request of the step if it was not one request's.
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ import functools
 import numpy as np
 import torch
 
+from salience.core.probes.faults import taken
 from salience.core.probes.steering import unit
 from salience.core.probes.tap_ops import Steered
 from salience.core.probes.taps import decoder_stack, steering_buffers
 
 TAG = "salience_steer"
 RESET = (0.0, 0.0, -np.inf, np.inf)  # a, b, lo, hi of a row nobody steers
+STEER_OPS = frozenset({"steer"})
 
 __all__ = ["TAG", "SteeringWorker"]
 
@@ -59,6 +65,8 @@ class SteeringWorker:
         self._st_slots = slots
         held = decoder_stack(runner.get_model())[1]
         self._st_taps = {index: held[index] for index in slots}
+        self._st_layers = {slot: index for index, slot in slots.items()}  # what a fault names
+        self._st_steering: dict[str, frozenset[int]] = {}  # this step's steered requests: the slots each steers at
         self._st_plans: dict[str, tuple[object, list]] = {}
         self._st_vectors: dict[int, str] = {}  # vector column -> the identity of the vector it holds
         runner._model_forward = self._st_around(runner._model_forward)
@@ -86,13 +94,19 @@ class SteeringWorker:
     def _st_around(self, model_forward):
         @functools.wraps(model_forward)
         def run(*args, **kwargs):
-            rows = self._st_write()
+            try:
+                rows = self._st_write()
+            except Exception as exc:  # not one request's: every steered request of the step fails
+                rows = self.model_runner.max_num_tokens
+                self._ft_fail(self._st_steered(), "writing the step's steering", exc)
             try:
                 return model_forward(*args, **kwargs)
             finally:
                 if rows:
+                    self._st_faulted()
                     self._st_clear(rows)
                     Steered.slots = frozenset()
+                    self._st_steering = {}
 
         return run
 
@@ -106,39 +120,72 @@ class SteeringWorker:
             state = runner.requests.get(request_id)
             extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
             if extra and TAG in extra:
-                steered.append((i, self._st_plan(request_id, extra[TAG])))
+                try:
+                    steered.append((request_id, i, self._st_plan(request_id, extra[TAG])))
+                except Exception as exc:  # its own payload: it alone fails
+                    self._ft_fail([request_id], "reading the steering interventions", exc)
         if not steered:
             return 0
         starts = runner.query_start_loc.cpu[: n + 1].numpy()
         total = int(starts[n])
         positions = runner.positions[:total].cpu().numpy()
-        add, scale, low, high = self._st_host
         slots: set[int] = set()
-        for i, plan in steered:
+        for request_id, i, plan in steered:
             s, e = int(starts[i]), int(starts[i + 1])
-            pos = positions[s:e]
-            for layers, column, a, b, ranges, lo, hi, vector in plan:
-                covered = np.zeros(e - s, dtype=bool)
-                for start, end in ranges:
-                    covered |= (pos >= start) & (pos < end)
-                rows = np.nonzero(covered)[0] + s
-                if not len(rows):
-                    continue
-                if vector is not None and self._st_vectors.get(column) != vector[0]:
-                    self._st_write_vector(column, vector)
-                slots.update(layers.tolist())
-                index = (rows[:, None], layers[None, :], column)
-                add[index] += a
-                scale[index] += b
-                if lo != -np.inf:
-                    low[index] = np.maximum(low[index], lo)
-                if hi != np.inf:
-                    high[index] = np.minimum(high[index], hi)
+            try:
+                mine = self._st_write_rows(plan, s, positions[s:e])
+            except Exception as exc:  # its own interventions: it alone fails (its rows are its own)
+                self._ft_fail([request_id], "writing the steering coefficients", exc)
+                continue
+            if mine:
+                self._st_steering[request_id] = mine
+                slots |= mine
         if self._st_buffers[0].device.type != "cpu":
             for device, host in zip(self._st_buffers, self._st_host, strict=True):
                 device[:total].copy_(torch.from_numpy(host[:total]))
         Steered.slots = frozenset(slots)  # the taps that steer this step (tap_ops.steer)
         return total
+
+    def _st_write_rows(self, plan: list, first: int, positions: np.ndarray) -> frozenset[int]:
+        """Add one request's interventions at its rows (from `first`, at `positions`); returns the
+        slots it steers at in this step."""
+        add, scale, low, high = self._st_host
+        slots: set[int] = set()
+        for layers, column, a, b, ranges, lo, hi, vector in plan:
+            covered = np.zeros(len(positions), dtype=bool)
+            for start, end in ranges:
+                covered |= (positions >= start) & (positions < end)
+            rows = np.nonzero(covered)[0] + first
+            if not len(rows):
+                continue
+            if vector is not None and self._st_vectors.get(column) != vector[0]:
+                self._st_write_vector(column, vector)
+            slots.update(layers.tolist())
+            index = (rows[:, None], layers[None, :], column)
+            add[index] += a
+            scale[index] += b
+            if lo != -np.inf:
+                low[index] = np.maximum(low[index], lo)
+            if hi != np.inf:
+                high[index] = np.minimum(high[index], hi)
+        return frozenset(slots)
+
+    def _st_steered(self) -> list[str]:
+        """This step's requests that asked to be steered."""
+        runner = self.model_runner
+        batch = runner.input_batch
+        steered = []
+        for request_id in batch.req_ids[: batch.num_reqs]:
+            extra = getattr(getattr(runner.requests.get(request_id), "sampling_params", None), "extra_args", None)
+            if extra and TAG in extra:
+                steered.append(request_id)
+        return steered
+
+    def _st_faulted(self) -> None:
+        """Fail the requests steering where the op failed: at that slot, in this step."""
+        for op, slot, exc in taken(STEER_OPS):
+            steering = [request_id for request_id, slots in self._st_steering.items() if slot in slots]
+            self._ft_fail(steering, f"salience::{op} at layer {self._st_layers[slot]}", exc)
 
     def _st_write_vector(self, column: int, vector: list) -> None:
         identity, values = vector

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 # pipeline-stage fix. Loaded by every engine: raw logprobs are served whatever else runs.
 WORKER_EXTENSION = "salience.core.engine.worker_extension.SalienceWorker"
 NEWCOMER_SCHEDULER = "salience.core.engine.newcomer_scheduler.NewcomerScheduler"
+TAPPED_SCHEDULER = "salience.core.engine.newcomer_scheduler.TappedNewcomerScheduler"
 READOUT_SCHEDULER = "salience.core.engine.newcomer_scheduler.ReadoutNewcomerScheduler"
 
 
@@ -97,8 +98,11 @@ def engine_args(settings: EngineSettings, cpu: bool, vision: Vision | None, comp
         kwargs["kv_cache_memory_bytes"] = round(settings.kv_cache_gib * 2**30)
     else:
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    # With taps, a scheduler that fails the requests a tap failed (probes/faults.py) instead of the engine.
     if readouts_with_output(settings, cpu):
         kwargs["scheduler_cls"] = READOUT_SCHEDULER
+    elif tapped:
+        kwargs["scheduler_cls"] = TAPPED_SCHEDULER
     elif settings.fair_share:
         kwargs["scheduler_cls"] = NEWCOMER_SCHEDULER
     if settings.distributed_executor_backend is not None:
