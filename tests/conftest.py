@@ -186,9 +186,9 @@ async def default_engine(
 
 
 def _in_mode(engines: EnginePool, name: str, model: Path, compiled: bool, **settings):
-    """The pooled engine of fixture `name` (eager) and of `name`_each_mode (eager, then compiled):
-    the eager one is both fixtures'."""
-    fixtures = (f"{name}_each_mode[compiled]",) if compiled else (name, f"{name}_each_mode[eager]")
+    """The pooled engine of fixture `name` (eager), of `name`_each_mode (eager, then compiled) and
+    of `name`_compiled: the eager one is the first two fixtures', the compiled one the last two's."""
+    fixtures = (f"{name}_each_mode[compiled]", f"{name}_compiled") if compiled else (name, f"{name}_each_mode[eager]")
     return engines.engine(model, fixtures, compile=compiled, **settings)
 
 
@@ -280,6 +280,15 @@ async def sae_engine(
 ) -> AsyncIterator[Engine]:
     """The tiny model reading `tiny_concepts` and serving the three `tiny_saes`, eager."""
     async with _sae(engines, tiny_model, tiny_concepts, tiny_saes, compiled=False) as engine:
+        yield engine
+
+
+@pytest_asyncio.fixture(scope="module")
+async def sae_engine_compiled(
+    engines: EnginePool, tiny_model: Path, tiny_concepts: ConceptSet, tiny_saes: dict[str, SparseAutoencoder]
+) -> AsyncIterator[Engine]:
+    """`sae_engine` compiled, every tap in the graph (readouts, steering, residual rows, features)."""
+    async with _sae(engines, tiny_model, tiny_concepts, tiny_saes, compiled=True) as engine:
         yield engine
 
 
