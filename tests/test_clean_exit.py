@@ -28,7 +28,7 @@ def run(command: list[str], log: Path, timeout: float = 300) -> tuple[int, list[
 def test_a_start_that_fails_in_the_engine_core_leaves_nothing_behind(tiny_model: Path, tmp_path: Path) -> None:
     """The engine core (forked from the fork server serve starts early) fails to place its KV
     cache: the fork server, the engine core and multiprocessing's resource tracker are all gone."""
-    command = [SALIENCE, "serve", "--model", str(tiny_model), "--eager", "--max-model-len", "512"]
+    command = [SALIENCE, "serve", "--model", str(tiny_model), "--eager", "--max-model-len", "512", "--no-readouts"]
     command += ["--kv-cache-gib", "100000", "--lmtp-port", str(free_port()), "--no-grpc"]
     code, left, output = run(command, tmp_path / "serve.log")
     assert code == 1 and "salience: error:" in output, output

@@ -5,6 +5,7 @@ process is running makes a start wait, saying so."""
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 from pathlib import Path
 
@@ -12,9 +13,14 @@ import pytest
 import torch
 
 from salience.core.models.atomic import build_folder_once
+from salience.core.models.folders import model_fingerprint
 from salience.core.probes.concepts import ConceptSet
 from salience.core.serving import default_concepts as shipped
 from salience.core.serving.concept_spec import load_spec
+from salience.lmtp.client import LmtpClient
+from tests.reference import Reference, assert_readouts_close, reference_readouts
+from tests.test_drain import serve
+from tests.test_families import family_folder
 
 
 def test_the_shipped_set_serves_the_default_model_without_a_build(default_model: Path) -> None:
@@ -85,3 +91,40 @@ def test_a_build_of_the_default_spec_reproduces_the_shipped_set(default_model: P
         for row, kept_row in zip(made["layers"], kept["layers"], strict=True):
             for key, value in kept_row.items():
                 assert row[key] == pytest.approx(value, abs=1e-4), (made["name"], row["layer"], key)
+
+
+async def test_a_model_of_another_family_gets_the_default_set_built_at_its_first_start(tiny_model: Path) -> None:
+    """`salience serve --model DIR` with no --concepts, on a GPT-2 whose set is not cached yet:
+    the start says it builds, shows the build's progress, waits for it, and serves the six
+    default concepts with their held-out figures; the readouts are the built vectors read on
+    transformers' layer outputs. The set is then cached by the model's fingerprint."""
+    model = family_folder("gpt2", tiny_model)
+    spec = load_spec(shipped.DEFAULT_SPEC)
+    cached = shipped.cache_folder(model, spec)
+    assert model_fingerprint(model)[:16] in cached.name and shipped.spec_digest(spec) in cached.name
+    shutil.rmtree(cached, ignore_errors=True)
+    async with serve(model) as served:
+        output = served.output()
+        assert f"building the default concept set for {model.name} once" in output, output
+        assert "the start waits for it, --no-readouts skips it" in output
+        assert "reading example texts: 100%" in output and "fitting and validating: 100%" in output, output
+        client = await LmtpClient.connect(served.http.replace("http", "ws") + "/")
+        try:
+            manifest = (await client.request("MODEL_INFO"))["model_info"]["readout_manifest"]
+            concept_set = ConceptSet.load(cached / "concepts.safetensors")
+            assert manifest["concepts"] == [c["name"] for c in spec["concepts"]] == list(concept_set.concepts)
+            assert manifest["layers"] == list(concept_set.layers) == list(range(4))
+            assert [c["recommended_layer"] for c in manifest["concept_info"]] == [
+                info["recommended_layer"] for info in concept_set.info
+            ]
+            prompt = [5, 17, 42, 99, 7, 300, 12]
+            fields = {"prompt": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True, "readout": [[0, 100]]}
+            payloads = [p async for p in client.stream("GENERATE", **fields)]
+        finally:
+            await client.close()
+    assert sum(1 for p in payloads if not p.get("prompt")) == 4
+    ids = [p["token"] for p in payloads]
+    want = reference_readouts(Reference(model), concept_set, ids)
+    assert [p["position"] for p in payloads] == list(range(len(ids)))
+    assert_readouts_close({p["position"]: p["readout"] for p in payloads}, want)
+    assert shipped.default_concepts(model) == cached / "concepts.safetensors", "built once, then read"

@@ -319,10 +319,10 @@ async def two_servers(request: pytest.FixtureRequest, tiny_model: Path) -> Async
         # (2,000 tokens, ~7 s here at 300 a second) against half a second. At 1,000 tokens and a
         # 1 s drain, a CI machine finished them all first.
         "test_drain_timeout_cancels_what_is_left_multiprocess": (
-            ("--drain-timeout", "0.5", "--multiprocess", "--max-model-len", "2048"),
+            ("--drain-timeout", "0.5", "--multiprocess", "--max-model-len", "2048", "--no-readouts"),
             True,
         ),
-        "test_a_killed_server_leaves_no_engine_process_behind": (("--no-grpc",), False),
+        "test_a_killed_server_leaves_no_engine_process_behind": (("--no-grpc", "--no-readouts"), False),
     }
     selected = [name for name in servers if name in {item.originalname for item in request.session.items}]
     async with contextlib.AsyncExitStack() as stack:

@@ -385,7 +385,7 @@ async def test_sighup_serves_a_new_certificate_while_a_stream_runs_on(
     key has a new password."""
     password = encrypt(pki.server.key, "first")
     port = free_port()
-    command = [SALIENCE, "serve", "--model", str(tiny_model), "--lmtp-port", str(port), "--no-grpc"]
+    command = [SALIENCE, "serve", "--model", str(tiny_model), "--lmtp-port", str(port), "--no-grpc", "--no-readouts"]
     command += [
         "--max-model-len",
         "512",

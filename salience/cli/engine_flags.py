@@ -129,8 +129,9 @@ def _readouts(serve: argparse.ArgumentParser) -> None:
         "--concepts",
         type=Path,
         metavar="FILE",
-        help="concept set for readouts (default: the built-in set, built once, for the default model; none for "
-        "another model)",
+        help="concept set for readouts (default: the built-in set; for a model other than the default one it is "
+        "built once, cached by the model's fingerprint, and the first start waits for the build; "
+        "docs/readouts.md#any-model)",
     )
     group.add_argument("--no-readouts", dest="readouts", action="store_false", help="no concept set, no readout taps")
     group.add_argument(

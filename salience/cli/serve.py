@@ -153,7 +153,7 @@ def _concept_sets(args: argparse.Namespace, model: Path) -> tuple:
     from salience.core.probes.concepts import ConceptSet
 
     concept_set = None
-    if args.readouts and (args.concepts is not None or args.model is None):
+    if args.readouts:
         from salience.core.serving.default_concepts import default_concepts
 
         concept_set = ConceptSet.load(args.concepts or default_concepts(model))

@@ -1,13 +1,16 @@
-"""The default model's concept set: shipped with the package, built only where it cannot serve.
+"""The default concept set for any model: shipped for the default model, built once for others.
 
 The default model's converted weights come from a pinned package, so the set built from the
 default spec (concept_specs/default.yaml) is the same on every machine: the package carries it
 (concept_specs/default.safetensors, ~540 KB) and a first start reads it instead of spending
 minutes on the build. It serves a model only if both still hold: the model's fingerprint is
 the one the shipped set was built for, and the spec (with the example files it names) is the
-one it was built from (`spec_digest` in its provenance). Otherwise the set is built once into
-the cache, as before, and the log says why. `tools/ship_default_concepts.py` rebuilds the
-shipped file after the spec or the conversion changes; a test fails until it has been run.
+one it was built from (`spec_digest` in its provenance). Otherwise (any other model, or an
+edited spec) the set is built once into the cache, named by the model's fingerprint and the
+spec's digest, so a folder moved or renamed keeps its set and other weights of the same shape
+never get it; the log says why and that the start waits for the build.
+`tools/ship_default_concepts.py` rebuilds the shipped file after the spec or the conversion
+changes; a test fails until it has been run.
 """
 
 from __future__ import annotations
@@ -26,7 +29,15 @@ from salience.core.models.home import salience_home
 from salience.core.probes.concepts import ConceptSet
 from salience.core.serving.concept_spec import load_spec
 
-__all__ = ["DEFAULT_SPEC", "SHIPPED", "build_default_concepts", "default_concepts", "shipped_mismatch", "spec_digest"]
+__all__ = [
+    "DEFAULT_SPEC",
+    "SHIPPED",
+    "build_default_concepts",
+    "cache_folder",
+    "default_concepts",
+    "shipped_mismatch",
+    "spec_digest",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +60,22 @@ def default_concepts(model: Path) -> Path:
     why = shipped_mismatch(model, digest)
     if why is None:
         return SHIPPED
-    target = salience_home() / "concepts" / f"{model.name}-{spec['name']}-{digest}"
+    target = cache_folder(model, spec)
     if not target.is_dir():
-        log.info("building the default concept set once: %s", why, extra={"folder": str(target)})
+        log.info(
+            "building the default concept set for %s once (%s); the start waits for it, --no-readouts skips it",
+            model.name,
+            why,
+            extra={"folder": str(target)},
+        )
     built = build_folder_once(target, lambda folder: build_default_concepts(model, folder / _CACHED))
     return built / _CACHED
+
+
+def cache_folder(model: Path, spec: dict[str, Any]) -> Path:
+    """Where the set `spec` builds for `model` is cached: named by the model's weights and the
+    spec's content, never by the folder's path."""
+    return salience_home() / "concepts" / f"{spec['name']}-{spec_digest(spec)}-{model_fingerprint(model)[:16]}"
 
 
 def shipped_mismatch(model: Path, digest: str) -> str | None:
