@@ -1,5 +1,6 @@
-"""The `salience` command line: each subcommand's module adds its parser and runs it (serve and
-concepts here, capture and features in salience.capture.commands); `main` parses and dispatches."""
+"""The `salience` command line: each subcommand's module adds its parser and runs it (serve,
+concepts, convert and tokens here, capture and features in salience.capture.commands); `main`
+parses and dispatches."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from salience.auth import AUTH_TOKEN_ENV, token_from_environment
 from salience.capture.commands import add_capture_parsers, run_capture, run_features
 from salience.cli.concepts import add_concepts_parser, run_concepts
+from salience.cli.convert import add_convert_parser, run_convert
 from salience.cli.serve import run_serve
 from salience.cli.serve_flags import add_serve_parser
 from salience.cli.tokens import add_tokens_parser, run_tokens
@@ -28,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(commands)
     add_concepts_parser(commands)
+    add_convert_parser(commands)
     add_capture_parsers(commands)
     add_tokens_parser(commands)
     repl = commands.add_parser("repl", help="interactive prompt against a running server")
@@ -99,6 +102,8 @@ def _run(argv: list[str]) -> int:
             return run_features(args)
         if args.command == "tokens":
             return run_tokens(args)
+        if args.command == "convert":
+            return run_convert(args)
         return run_concepts(args) if args.command == "concepts" else run_serve(args)
     except SalienceError as exc:
         print(f"salience: error: {exc}", file=sys.stderr)
