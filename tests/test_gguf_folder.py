@@ -10,6 +10,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from salience.core.models.gguf_folder import put_bos_first
+from salience.core.models.reading import text_ids
 from tests.test_serve import SALIENCE
 
 
@@ -25,6 +26,9 @@ def test_a_tokenizer_that_drops_the_gguf_bos_puts_it_first_once(tiny_model: Path
     put_bos_first(folder)  # a second pass must not add a second BOS
     after = AutoTokenizer.from_pretrained(folder)
     assert after("The cat sat.").input_ids == [after.bos_token_id, *plain]
+    # Concepts are fitted on what the model reads: BOS first where the tokenizer puts it.
+    assert text_ids(before, "The cat sat.") == plain
+    assert text_ids(after, "The cat sat.") == [after.bos_token_id, *plain]
     assert after("a", "b").input_ids == [
         after.bos_token_id,
         *before("a").input_ids,

@@ -14,6 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from salience.core.engine.requests import Probes, ResidualRequest
+from salience.core.models.reading import text_ids
 from salience.core.probes.concepts import capture_concepts
 
 __all__ = ["EngineSource", "GrpcSource", "Source"]
@@ -62,7 +63,7 @@ class EngineSource:
         return cls(await Engine.start(settings))
 
     def tokenize(self, text: str) -> list[int]:
-        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+        return text_ids(self.engine.tokenizer, text)
 
     async def rows(self, documents: Sequence[list[int]], layers: Sequence[int], start: int) -> list[Rows]:
         async def one(ids: list[int]) -> Rows:
@@ -107,7 +108,7 @@ class GrpcSource:
         return cls(client, tokenizer, client.max_model_len, manifest.hidden_size, "")
 
     def tokenize(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        return text_ids(self._tokenizer, text)
 
     async def rows(self, documents: Sequence[list[int]], layers: Sequence[int], start: int) -> list[Rows]:
         from salience.proto.salience.ext.v1 import extensions_pb2 as ext

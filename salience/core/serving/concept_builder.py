@@ -54,6 +54,7 @@ from salience.core.engine.requests import Probes, ResidualRequest
 from salience.core.engine.settings import EngineSettings
 from salience.core.models import folders
 from salience.core.models.folders import model_fingerprint, model_shape
+from salience.core.models.reading import text_ids
 from salience.core.probes import fitting
 from salience.core.probes.calibration import calibrated
 from salience.core.probes.concepts import ConceptSet, capture_concepts
@@ -260,7 +261,7 @@ async def _read_residuals(engine: Engine, spec: dict[str, Any], layers: list[int
             ]
         )
     )
-    encoded = {text: engine.tokenizer.encode(text, add_special_tokens=False) for text in texts}
+    encoded = {text: text_ids(engine.tokenizer, text) for text in texts}
     for text, ids in encoded.items():
         if len(ids) < 2:
             raise InvalidArgument(f"example text {text!r} is a single token; it needs at least two")

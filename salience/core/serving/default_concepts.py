@@ -45,6 +45,9 @@ _SPECS = Path(__file__).resolve().parents[2] / "concept_specs"
 DEFAULT_SPEC = _SPECS / "default.yaml"
 SHIPPED = _SPECS / "default.safetensors"
 _CACHED = "concepts.safetensors"  # the file in a set built into the cache
+# Bump when a build reads or fits texts differently, so sets built the old way are not reused
+# (2: texts read after the special tokens the tokenizer puts first, core/models/reading.py).
+_BUILD = 2
 
 
 def spec_digest(spec: dict[str, Any]) -> str:
@@ -75,7 +78,8 @@ def default_concepts(model: Path) -> Path:
 def cache_folder(model: Path, spec: dict[str, Any]) -> Path:
     """Where the set `spec` builds for `model` is cached: named by the model's weights and the
     spec's content, never by the folder's path."""
-    return salience_home() / "concepts" / f"{spec['name']}-{spec_digest(spec)}-{model_fingerprint(model)[:16]}"
+    fingerprint = model_fingerprint(model)[:16]
+    return salience_home() / "concepts" / f"{spec['name']}-{spec_digest(spec)}-{fingerprint}-b{_BUILD}"
 
 
 def shipped_mismatch(model: Path, digest: str) -> str | None:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from salience.core.engine.requests import Probes, ResidualRequest
+from salience.core.models.reading import text_ids
 from salience.core.probes import fitting
 from salience.core.probes.live import check_name
 from salience.core.serving.concept_builder import describe_concept, fit_concept, torch_threads
@@ -109,7 +110,7 @@ async def _fitted(engine, definition: ConceptDefinition) -> tuple[dict[int, torc
     layers = list(engine.live.table.loaded.layers)
     candidates = _checked_layers(definition.layers, layers)
     texts = list(dict.fromkeys(t for side in SIDES for t in concept[side]))
-    encoded = {text: engine.tokenizer.encode(text, add_special_tokens=False) for text in texts}
+    encoded = {text: text_ids(engine.tokenizer, text) for text in texts}
     # Each example's rows at every read layer, within what one request may hold.
     longest = min(engine.settings.max_residual_rows, engine.row_budget.rows) // len(layers) + 1
     for text, ids in encoded.items():
