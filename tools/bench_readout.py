@@ -27,11 +27,13 @@ another is measured (an idle engine waits without spinning: 1% of a core); `--wa
 (each server a way needs is started, and the default one always), which start sooner and hold
 less memory.
 
-    .venv/bin/python -m tools.bench_readout [--streams 1,8,16] [--tokens 64] [--repeats 3] [--warm]
-        [--sae DIR] [--json PATH]
+    .venv/bin/python -m tools.bench_readout [--model DIR] [--streams 1,8,16] [--tokens 64] [--repeats 3]
+        [--warm] [--sae DIR] [--json PATH]
         [--ways fastest,idle,readouts,f32,probabilities,probabilities-f32,monitors,eager,unspared,residual,sae]
 
-`--warm` skips the start with empty compile caches (the first start's cost).
+`--warm` skips the start with empty compile caches (the first start's cost). `--model DIR` measures
+another model (its default concept set, built once by its first start; the `sae` way's random SAE
+has the default model's shape, so leave it out there).
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def ways(keys: list[str], running: dict[str, Server], concepts: list[str], layer
 
 
 def start(
-    stack: ExitStack, configs: dict[str, tuple[str, list[str]]], cache: str, warm: bool
+    stack: ExitStack, configs: dict[str, tuple[str, list[str]]], cache: str, warm: bool, model: list[str]
 ) -> tuple[dict[str, Server], float]:
     """The servers, ready, one after another (stopped when `stack` closes); and how long the default
     one took to start with empty compile caches (its measured start then reuses what that start
@@ -143,12 +145,14 @@ def start(
     fresh = fresh_caches(cache)
     cold = 0.0
     if not warm:
-        with serve("default, empty compile cache", salience_serve("--max-model-len", "2048"), env=fresh) as first:
+        first_start = salience_serve("--max-model-len", "2048", *model)
+        with serve("default, empty compile cache", first_start, env=fresh) as first:
             cold = first.ready
     running = {}
     for key, (name, flags) in configs.items():
         env = fresh if key == "default" and not warm else None
-        running[key] = stack.enter_context(serve(name, salience_serve("--max-model-len", "2048", *flags), env=env))
+        command = salience_serve("--max-model-len", "2048", *model, *flags)
+        running[key] = stack.enter_context(serve(name, command, env=env))
     return running, cold
 
 
@@ -189,23 +193,26 @@ async def main() -> None:
     parser.add_argument("--warm", action="store_true", help="no start with empty compile caches")
     parser.add_argument("--sae", help="the SAE folder (default: a random 8x top-32 SAE at layer 15)")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"the ways to drive, of {','.join(WAYS)}")
+    parser.add_argument("--model", type=Path, help="a model folder (default: the embedded default model)")
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
     keys = picked(parser, args.ways, WAYS, "ways")
 
-    from salience.core.models.default_model import ensure_default_model
+    from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
     from salience.core.models.home import configure_environment
 
     configure_environment()
-    eos = _eos(ensure_default_model())
+    eos = _eos(args.model or ensure_default_model())
+    args.name = str(args.model) if args.model else DEFAULT_MODEL_NAME  # as the servers call it
+    model = ["--model", str(args.model)] if args.model else []
     report = Report("bench_readout", args)
     with tempfile.TemporaryDirectory() as cache, ExitStack() as stack:
         needed = {WAYS[key][0] for key in keys} | {"default"}  # the default one answers the manifest
         configs = {key: config for key, config in CONFIGS.items() if key in needed}
         if "sae" in configs:
             configs["sae"] = (configs["sae"][0], ["--sae", args.sae or _random_sae(Path(cache) / "sae")])
-        say(f"starting {len(configs)} servers on the default model, one after another")
-        running, cold = start(stack, configs, cache, args.warm)
+        say(f"starting {len(configs)} servers on {args.name}, one after another")
+        running, cold = start(stack, configs, cache, args.warm, model)
         client = await LmtpClient.connect(running["default"].url)
         manifest = (await client.request("MODEL_INFO"))["model_info"]["readout_manifest"]
         await client.close()
@@ -216,8 +223,6 @@ async def main() -> None:
 
 
 async def measure(driven: list[Way], counts: list[int], args: argparse.Namespace, eos: int, samples: Samples) -> None:
-    from salience.core.models.default_model import DEFAULT_MODEL_NAME
-
     # A fresh engine runs ~20% faster after a few batches than in its first (8 streams x 128
     # tokens: 8.4 s, then 7.8, 7.7, 7.2, 6.9, steady from there; 2026-11-27): rounds measured
     # before that compare engines at different points of it.
@@ -225,11 +230,11 @@ async def measure(driven: list[Way], counts: list[int], args: argparse.Namespace
     say(f"warming each engine with {WARM_BATCHES} batches of {max(counts)} streams")
     for _ in range(WARM_BATCHES):
         for way in driven:
-            await run(way, DEFAULT_MODEL_NAME, warm, args.tokens, eos)
+            await run(way, args.name, warm, args.tokens, eos)
     for n in counts:
         batch = prompts(n, args.prompt_tokens, 40000)
         for _, way in rotations(driven, args.repeats):
-            seconds, produced, read = await run(way, DEFAULT_MODEL_NAME, batch, args.tokens, eos)
+            seconds, produced, read = await run(way, args.name, batch, args.tokens, eos)
             expected = n * args.tokens
             assert produced == expected, f"{way.name}: {produced} tokens, expected {expected}"
             if way.reads:
@@ -247,13 +252,11 @@ def tabulate(
     args: argparse.Namespace,
     cold: float,
 ) -> None:
-    from salience.core.models.default_model import DEFAULT_MODEL_NAME
-
     samples = report.samples
     keys = {w.key for w in driven}
     extra = [(title, a, b) for title, a, b in EXTRA if a in keys and b in keys]
     table = report.table(
-        f"{DEFAULT_MODEL_NAME}, LMTP, greedy, {args.prompt_tokens}-token prompts, {args.tokens} tokens per stream, "
+        f"{Path(args.name).name}, LMTP, greedy, {args.prompt_tokens}-token prompts, {args.tokens} tokens per stream, "
         f"median of {args.repeats}; readouts on every generated token, every layer",
         ("streams", "{}"),
         *((f"{w.name} tok/s", "{:.1f}") for w in driven),
