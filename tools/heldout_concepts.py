@@ -112,14 +112,12 @@ async def last_running_scores(engine, concept_set, texts: list[str]) -> list[dic
     return list(await asyncio.gather(*map(one, texts)))
 
 
-async def main() -> None:
+def main() -> None:
     parser = arguments(__doc__, repeats=None)
     parser.add_argument("--model", type=Path, help="a model folder (default: the embedded default model)")
     parser.add_argument("--concepts", type=Path, help="a concept set (default: the model's default set)")
     args = parser.parse_args()
 
-    from salience.core.engine.engine import Engine
-    from salience.core.engine.settings import EngineSettings
     from salience.core.models.default_model import ensure_default_model
     from salience.core.models.home import configure_environment
     from salience.core.probes.concepts import ConceptSet
@@ -127,8 +125,15 @@ async def main() -> None:
 
     configure_environment()
     model = args.model or ensure_default_model()
-    concept_set = ConceptSet.load(args.concepts or default_concepts(model))
+    concept_set = ConceptSet.load(args.concepts or default_concepts(model))  # a build runs its own loop
     concept_set.check_model(model)
+    asyncio.run(read_and_report(args, model, concept_set))
+
+
+async def read_and_report(args, model: Path, concept_set) -> None:
+    from salience.core.engine.engine import Engine
+    from salience.core.engine.settings import EngineSettings
+
     say(f"reading the held-out texts on {model.name}")
     settings = EngineSettings(model=model, served_model_name=model.name, concepts=concept_set, max_model_len=2048)
     engine = await Engine.start(settings)
@@ -181,4 +186,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()
