@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import pytest
@@ -12,11 +11,13 @@ import torch
 
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import Probes, SamplingOptions
+from salience.core.models.reading import text_ids
 from salience.core.probes import validation
 from salience.core.probes.calibration import ReadoutView
 from salience.core.probes.concepts import ConceptSet
 from tests.conftest import start_engine
 from tests.reference import Reference, assert_readouts_close, probabilities, reference_readouts
+from tools.heldout_concepts import heldout  # texts written for the tests, never in the spec or the fit
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,7 @@ async def text_scores(engine: Engine, concepts: ConceptSet, text: str) -> dict[s
     at each concept's recommended layer, served over the whole text (position 0 is never counted).
     The whole last row is checked against the manifest's running maps of the raw rows, as a client
     would apply them."""
-    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    ids = text_ids(engine.tokenizer, text)  # as builds read their texts and tools/heldout_concepts scores them
     served = await engine.prefill(ids, probes=Probes(readout_ranges=[(0, len(ids))], readout_view=ReadoutView.RUNNING))
     raw = await engine.readout(ids, [(1, len(ids))])
     rows = torch.tensor([raw[p] for p in range(1, len(ids))], dtype=torch.float64)
@@ -175,15 +176,6 @@ async def test_texts_light_up_the_expected_concept(engine: Engine, concepts: Con
     # Minimal pairs: "A woman met a man..." reads people but no name; "I know where..." has a
     # wh-word but asks nothing. The matched contrasts and near misses of the spec put them below.
     assert present > 0.5 > absent, (present, absent)
-
-
-HELDOUT = Path(__file__).parent / "data" / "heldout"
-
-
-def heldout(concept: str) -> list[dict]:
-    """Texts written for the tests, never in the spec or the fit."""
-    lines = (HELDOUT / f"{concept}.jsonl").read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
 
 
 @pytest_asyncio.fixture(scope="module")

@@ -32,8 +32,8 @@ less memory.
         [--ways fastest,idle,readouts,f32,probabilities,probabilities-f32,monitors,eager,unspared,residual,sae]
 
 `--warm` skips the start with empty compile caches (the first start's cost). `--model DIR` measures
-another model (its default concept set, built once by its first start; the `sae` way's random SAE
-has the default model's shape, so leave it out there).
+another model (its default concept set, built once by its first start; the `sae` way there needs
+`--sae DIR`, as the random SAE has the default model's shape).
 """
 
 from __future__ import annotations
@@ -197,6 +197,8 @@ async def main() -> None:
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
     keys = picked(parser, args.ways, WAYS, "ways")
+    if args.model and "sae" in keys and not args.sae:
+        parser.error("the sae way on --model needs --sae DIR: the random SAE has the default model's shape")
 
     from salience.core.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
     from salience.core.models.home import configure_environment
