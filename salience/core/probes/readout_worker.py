@@ -156,8 +156,10 @@ class ReadoutWorker:
     def salience_readout_graph(self) -> dict:
         """What the compiler made of the model: traced graphs and graph breaks (dynamo's own
         counters, this process), how many layer taps the model holds, and the tokens of the
-        compile warm-up (probes/warm_up.py; None: vLLM's own ran, or none), and how many forwards
-        vLLM loaded from its AOT artifact (probes/compile_cache.py) or traced and compiled anew."""
+        compile warm-up (probes/warm_up.py; None: vLLM's own ran, or none), the threads Inductor
+        compiles with (probes/compile_threads.py), and how many forwards vLLM loaded from its AOT
+        artifact (probes/compile_cache.py) or traced and compiled anew."""
+        import torch._inductor.config as inductor
         from torch._dynamo.utils import counters
         from vllm.compilation.counter import compilation_counter
 
@@ -166,6 +168,7 @@ class ReadoutWorker:
             "graphs": int(counters["stats"]["unique_graphs"]),
             "graph_breaks": dict(counters["graph_break"]),
             "warm_up": warmed_up_with(),
+            "compile_threads": inductor.compile_threads,
             "aot": {
                 "loaded": compilation_counter.num_aot_artifacts_loaded,
                 "compiled": compilation_counter.num_aot_compiles,

@@ -55,6 +55,7 @@ from torch import nn
 from salience.core.features.encoder import SAEEncoder
 from salience.core.models.families import Family, family_of
 from salience.core.probes.compile_cache import load_inductor_artifacts
+from salience.core.probes.compile_threads import compile_on_every_core
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import Directions
 from salience.core.probes.tap_ops import STAGED_ROWS, steering_delta
@@ -302,6 +303,7 @@ def _register_loader() -> None:
         def load_model(self, vllm_config, model_config, prefix: str = "") -> nn.Module:
             if vllm_config.device_config.device_type == "cpu":
                 load_inductor_artifacts()
+                compile_on_every_core()
                 shorten_warm_up()
             model = super().load_model(vllm_config, model_config, prefix)
             config = vllm_config.additional_config or {}
