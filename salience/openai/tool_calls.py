@@ -83,6 +83,8 @@ class Calls:
         self._text: list[str] = []
         self._ids: list[str] = []  # the ids streamed, by call index
         self._sent = ""  # the content streamed
+        self._held = ""  # a named call's whitespace not streamed yet (_released)
+        self._begun = False  # whether a named call's arguments have begun
         self._stream: CallParser | None = None
         self._parser: CallParser | None = None
         if choice.mode == "auto":
@@ -96,11 +98,12 @@ class Calls:
         """A stream's next text: the content it releases, and the delta tool calls."""
         self._text.append(text)
         if self._choice.mode == "function":
+            arguments = self._released(text)
             if not self._ids:
                 self._ids.append(new_call_id())
                 head = {"index": 0, "id": self._ids[0], "type": "function"}
-                return "", [{**head, "function": {"name": self._choice.name, "arguments": text}}]
-            return "", [{"index": 0, "function": {"arguments": text}}] if text else []
+                return "", [{**head, "function": {"name": self._choice.name, "arguments": arguments}}]
+            return "", [{"index": 0, "function": {"arguments": arguments}}] if arguments else []
         if self._stream is None:  # required: the array is sent once whole (`end`)
             return "", []
         parsed = self._stream.feed(text, token_ids)
@@ -109,6 +112,18 @@ class Calls:
                 self._ids.append(delta["id"])
         self._sent += parsed.content or ""
         return parsed.content or "", list(parsed.calls)
+
+    def _released(self, text: str) -> str:
+        """What a named call's streamed arguments may say of `text`: the whole reply's arguments are
+        its text stripped, so whitespace before them is never sent and whitespace after waits until
+        more text follows it (a reply cut short ends in whitespace); the deltas then join to them."""
+        pending = self._held + text
+        if not self._begun:
+            pending = pending.lstrip()
+        body = pending.rstrip()
+        self._held = pending[len(body) :]
+        self._begun = self._begun or bool(body)
+        return body
 
     def end(self) -> tuple[Reply, str, list[dict]]:
         """The reply, once the stream's text is all in, and what a stream has not sent of it: a

@@ -198,6 +198,25 @@ def test_required_and_named_replies_are_their_calls() -> None:
     assert reply.calls[0].arguments == '{"city": "Oslo"}' and reply.spans == ((0, 16),)
 
 
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["\n ", ' {"city"', ": ", '"Oslo"', "}", " \n", "\t "],  # cut short in whitespace after the object
+        ['{\n  "city"', ": ", "", '"Maclethair,"', "\n  ", "  \t"],  # cut short inside it, then whitespace
+        ["  ", "", '{"city": "a  b"}'],
+    ],
+)
+def test_a_named_calls_streamed_arguments_join_to_its_arguments(pieces: list[str]) -> None:
+    """The deltas a stream sends are the arguments the reply ends with (its text stripped), so
+    `function_call_arguments.done` and a chat stream's joined deltas agree with them."""
+    named = Calls(parse_tools([WEATHER]), ToolChoice("function", "weather"), streaming=True)
+    deltas = [d for piece in pieces for d in named.feed(piece, [0])[1]]
+    reply, _, _ = named.end()
+    assert deltas[0]["function"]["name"] == "weather" and deltas[0]["id"] == reply.calls[0].id
+    assert all(d["function"]["arguments"] for d in deltas[1:])
+    assert "".join(d["function"]["arguments"] for d in deltas) == reply.calls[0].arguments == "".join(pieces).strip()
+
+
 def test_the_default_models_template_ignores_tools_so_the_fallback_renders_them(smol) -> None:
     renderer = ChatRenderer(smol)
     assert renderer.tools_template == FALLBACK_TOOLS_TEMPLATE.read_text() and renderer.tool_parser == "hermes"
