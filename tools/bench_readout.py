@@ -264,11 +264,17 @@ def tabulate(
         *((f"{w.name} tok/s", "{:.1f}") for w in driven),
         *((f"{w.name} / {driven[0].name}", "{:.2f}") for w in driven[1:]),
         *((title, "{:.2f}") for title, _, _ in extra),
+        (f"the rounds' ratios to {driven[0].name}", ""),
     )
     for n in counts:
         rates = [samples.median(f"N={n} {w.key}") for w in driven]
         ratios = [samples.paired(f"N={n} {w.key}", f"N={n} {driven[0].key}") for w in driven[1:]]
-        table.add(n, *rates, *ratios, *(samples.paired(f"N={n} {a}", f"N={n} {b}") for _, a, b in extra))
+        spread = "; ".join(
+            " ".join(f"{r:.2f}" for r in samples.rounds(f"N={n} {w.key}", f"N={n} {driven[0].key}")) for w in driven[1:]
+        )
+        table.add(
+            n, *rates, *ratios, *(samples.paired(f"N={n} {a}", f"N={n} {b}") for _, a, b in extra), spread or None
+        )
     for key, server in running.items():
         samples.series[f"{key} ready s"] = [server.ready]
     starts = ", ".join(f"{s.name} {s.ready:.0f} s" for s in running.values())

@@ -232,7 +232,11 @@ class Samples:
 
     def paired(self, a: str, b: str) -> float:
         """The median over rounds of a / b: a drift over the run cancels within a round."""
-        return statistics.median(x / y for x, y in zip(self.series[a], self.series[b], strict=True))
+        return statistics.median(self.rounds(a, b))
+
+    def rounds(self, a: str, b: str) -> list[float]:
+        """Each round's a / b, in order: their spread shows a noisy run that a median hides."""
+        return [x / y for x, y in zip(self.series[a], self.series[b], strict=True)]
 
 
 # --- the report ------------------------------------------------------------------------------
