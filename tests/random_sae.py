@@ -12,9 +12,12 @@ import torch
 from salience.core.features.sae import save_sae
 from salience.core.models.atomic import build_folder_once
 from salience.core.models.home import salience_home
+from salience.core.models.points import Point
 
 
-def random_sae(folder: Path, architecture: str, layer: int, d_sae: int, seed: int, **extra) -> Path:
+def random_sae(
+    folder: Path, architecture: str, layer: int, d_sae: int, seed: int, point: Point = "resid_post", **extra
+) -> Path:
     generator = torch.Generator().manual_seed(seed)
     w_dec = torch.randn(d_sae, 128, generator=generator)
     w_dec = w_dec / w_dec.norm(dim=1, keepdim=True)
@@ -22,6 +25,7 @@ def random_sae(folder: Path, architecture: str, layer: int, d_sae: int, seed: in
         folder,
         architecture=architecture,
         layer=layer,
+        point=point,
         W_enc=w_dec.T.contiguous() * 0.5,
         b_enc=torch.randn(d_sae, generator=generator) * 0.1,
         W_dec=w_dec,

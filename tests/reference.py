@@ -11,6 +11,7 @@ import torch
 
 from salience.core.engine.requests import Probes, SamplingOptions
 from salience.core.models.families import family_of
+from salience.core.models.points import Site
 
 
 def assert_logprobs_match(events, logprobs: torch.Tensor, k: int, tolerance: float = 1e-4) -> None:
@@ -54,6 +55,10 @@ class Reference:
         """Each layer's output (the residual stream before the final norm), [positions, hidden]."""
         return layer_outputs(self.model, decoder_layers(self.model), layers, input_ids=torch.tensor([list(ids)]))
 
+    def at(self, ids: Sequence[int], sites: Sequence[Site]) -> dict[Site, torch.Tensor]:
+        """The stream at each site, [positions, hidden]."""
+        return site_values(self.model, decoder_layers(self.model), sites, input_ids=torch.tensor([list(ids)]))
+
 
 def decoder_layers(model) -> torch.nn.ModuleList:
     """A transformers *ForCausalLM's decoder layers, where its family keeps them (`model.layers`,
@@ -62,21 +67,42 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     return family.stack(model, family.hf_stack)[1]
 
 
-@torch.no_grad()
 def layer_outputs(model, decoder, layers: Sequence[int], **inputs) -> dict[int, torch.Tensor]:
     """Runs model(**inputs) and hooks each listed decoder layer's output, [positions, hidden].
 
     A hook rather than hidden_states: transformers' last hidden state has the final norm applied.
     """
-    captured: dict[int, torch.Tensor] = {}
-    handles = [
-        decoder[layer].register_forward_hook(
-            lambda module, args, output, layer=layer: captured.__setitem__(
-                layer, (output[0] if isinstance(output, tuple) else output)[0].double()
+    found = site_values(model, decoder, [Site(layer) for layer in layers], **inputs)
+    return {site.layer: value for site, value in found.items()}
+
+
+@torch.no_grad()
+def site_values(model, decoder, sites: Sequence[Site], **inputs) -> dict[Site, torch.Tensor]:
+    """Runs model(**inputs) with a hook at each site where the model's family says its point is
+    in transformers' layer (an input's pre-hook or an output's hook, as TransformerLens hooks a
+    point), [positions, hidden]."""
+    family = family_of(model.config.architectures)
+    captured: dict[Site, torch.Tensor] = {}
+
+    def keep(site: Site, value) -> None:
+        captured[site] = (value[0] if isinstance(value, tuple) else value)[0].double()
+
+    handles = []
+    for site in sites:
+        where = family.locate(site.point, hf=True)
+        module = decoder[site.layer]
+        for part in filter(None, where.module.split(".")):
+            module = getattr(module, part)
+        if where.side == "output":
+            hook = module.register_forward_hook(lambda _m, _a, output, site=site: keep(site, output))
+        else:
+            hook = module.register_forward_pre_hook(
+                lambda _m, args, kwargs, site=site, where=where: keep(
+                    site, kwargs["hidden_states"] if "hidden_states" in kwargs else args[where.arg]
+                ),
+                with_kwargs=True,
             )
-        )
-        for layer in layers
-    ]
+        handles.append(hook)
     try:
         model(**inputs)
     finally:

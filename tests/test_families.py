@@ -1,20 +1,23 @@
 """Every family Salience reads, compiled: a tiny random model of each (tests/tiny_families.py)
 holds the numeric contract against transformers in float32 with hooks on its decoder layers.
 
-Per family one compiled engine reads random concepts at three layers and serves an SAE: prompt
-and decoded logprobs with their top-k, readouts (after a prefix-cache hit too), greedy tokens,
-steering with every op, residual rows, SAE features and a monitor. The families the default model (Llama)
+Per family one compiled engine reads random concepts at three layers and serves an SAE, and an SAE
+at each other hook point the family has: prompt and decoded logprobs with their top-k, readouts
+(after a prefix-cache hit too), greedy tokens, steering with every op, residual rows, SAE features
+at every point and a monitor. The families the default model (Llama)
 and the tiny model (Qwen2, Qwen2-VL) are do this in their own modules.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
+import torch
 
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import FeatureRequest, FinishReason, Probes, ResidualRequest, SamplingOptions
@@ -22,10 +25,12 @@ from salience.core.features.sae import SparseAutoencoder, load_sae
 from salience.core.models.atomic import build_folder_once
 from salience.core.models.folders import model_family
 from salience.core.models.home import salience_home
+from salience.core.models.points import Point, Site
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.monitors import Action, Monitor
 from salience.core.probes.steering import Intervention, Op
 from salience.errors import ModelError
+from tests import sae_reference
 from tests.conftest import TINY_SOURCES, random_concepts
 from tests.engines import EnginePool
 from tests.random_sae import random_sae, stored
@@ -78,16 +83,42 @@ def family_sae(tmp_path_factory: pytest.TempPathFactory) -> SparseAutoencoder:
     return load_sae(stored(random_sae(root / "top", "topk", SAE_LAYER, 256, 5, k=SAE_TOP)), name="top")
 
 
+# An SAE at each point but resid_post (family_sae's), each at a layer of its own where it can be:
+# resid_pre at layer 0 reads the embeddings as the model scales them.
+POINT_LAYERS: dict[Point, int] = {"resid_pre": 0, "resid_mid": 1, "attn_out": 3, "mlp_in": 0, "mlp_out": 1}
+
+
+@pytest.fixture(scope="session")
+def every_point_sae(tmp_path_factory: pytest.TempPathFactory) -> dict[Point, SparseAutoencoder]:
+    root = tmp_path_factory.mktemp("point-saes")
+    return {
+        point: load_sae(stored(random_sae(root / point, "topk", layer, 64, 7, point=point, k=SAE_TOP)), name=point)
+        for point, layer in POINT_LAYERS.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def point_saes(family_model: Path, every_point_sae: dict[Point, SparseAutoencoder]) -> list[SparseAutoencoder]:
+    """The SAEs at the points the family has."""
+    points = model_family(family_model).vllm_points
+    return [sae for point, sae in every_point_sae.items() if point in points]
+
+
 @pytest_asyncio.fixture(scope="module")
 async def engine(
-    engines: EnginePool, family: str, family_model: Path, concepts: ConceptSet, family_sae: SparseAutoencoder
+    engines: EnginePool,
+    family: str,
+    family_model: Path,
+    concepts: ConceptSet,
+    family_sae: SparseAutoencoder,
+    point_saes: list[SparseAutoencoder],
 ) -> AsyncIterator[Engine]:
     async with engines.engine(
         family_model,
         (f"family[{family}]",),
         max_model_len=1024,
         concepts=concepts,
-        saes=(family_sae,),
+        saes=(family_sae, *point_saes),
         sae_top=SAE_TOP,
         compile=True,
     ) as engine:
@@ -99,10 +130,10 @@ def reference(family_model: Path) -> Reference:
     return Reference(family_model)
 
 
-async def test_it_runs_compiled(engine: Engine, family_model: Path) -> None:
+async def test_it_runs_compiled(engine: Engine, family_model: Path, point_saes: list[SparseAutoencoder]) -> None:
     assert model_family(family_model).compiled and engine.compiled
     graph = await engine.readouts.graph()
-    assert graph["taps"] == len(LAYERS) and not graph["graph_breaks"], graph
+    assert graph["taps"] == len(LAYERS) + len(point_saes) and not graph["graph_breaks"], graph
 
 
 async def test_logprobs_readouts_and_greedy_equal_the_reference(
@@ -163,6 +194,59 @@ async def test_residual_rows_and_features_equal_the_reference(
         {**generation.prompt_readouts, **{e.position: e.readout for e in events}},
         reference_readouts(reference, concepts, ids),
     )
+
+
+def test_the_references_points_add_up_to_transformers_hidden_states(reference: Reference, family_model: Path) -> None:
+    """The reference's hooks (where each family's `hf_points` say each point is) against what
+    transformers says itself: resid_pre and resid_post are its hidden_states (the first the scaled
+    embeddings), and what attention and the MLP add sums to them, through resid_mid unless the
+    residual is parallel. Granite's adds are scaled outside any module, which is why it has no
+    attn_out or mlp_out."""
+    points = model_family(family_model).hf_points
+    ids = LONG_PROMPT[:20]
+    found = reference.at(ids, [Site(layer, point) for layer in range(4) for point in points])
+    with torch.no_grad():
+        hidden = reference.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    for layer in range(4):
+        at = {point: found[Site(layer, point)] for point in points}
+        torch.testing.assert_close(at["resid_pre"], hidden[layer][0].double(), rtol=0, atol=1e-6)
+        if layer < 3:  # transformers' last hidden state has the final norm applied
+            torch.testing.assert_close(at["resid_post"], hidden[layer + 1][0].double(), rtol=0, atol=1e-6)
+        if "attn_out" not in at:
+            continue
+        if "resid_mid" in at:
+            torch.testing.assert_close(at["resid_pre"] + at["attn_out"], at["resid_mid"], rtol=0, atol=1e-5)
+            torch.testing.assert_close(at["resid_mid"] + at["mlp_out"], at["resid_post"], rtol=0, atol=1e-5)
+        else:
+            added = at["resid_pre"] + at["attn_out"] + at["mlp_out"]
+            torch.testing.assert_close(added, at["resid_post"], rtol=0, atol=1e-5)
+
+
+async def test_features_at_every_point_equal_the_reference(
+    engine: Engine, reference: Reference, point_saes: list[SparseAutoencoder], family_model: Path
+) -> None:
+    """Each SAE encodes the stream at its own point (TransformerLens's hook there, in transformers):
+    the points sit in different modules of each family's layer, and a point read wrongly (the
+    module's input for its output, a norm's output for its input, a pair without its residual)
+    gives other features."""
+    absent = set(POINT_LAYERS) - set(model_family(family_model).vllm_points)
+    assert len(point_saes) == len(POINT_LAYERS) - len(absent)
+    prompt = LONG_PROMPT[:30]
+    ids = prompt + reference.greedy(prompt, GREEDY.max_tokens)
+    want = reference.at(ids, [sae.site for sae in point_saes])
+
+    async def features(sae: SparseAutoencoder) -> dict[int, tuple]:
+        ask = Probes(features=FeatureRequest(sae=sae.name, k=SAE_TOP, ranges=((0, 2000),)))
+        generation = engine.generate(prompt, GREEDY, probes=ask)
+        events = [e async for e in generation]
+        assert [e.token_id for e in events] == ids[len(prompt) :]
+        return {**generation.prompt_rows["features"], **{e.position: e.features for e in events}}
+
+    got = await asyncio.gather(*(features(sae) for sae in point_saes))
+    for sae, rows in zip(point_saes, got, strict=True):
+        assert sorted(rows) == list(range(len(ids))), sae.name
+        acts = sae_reference.encode(sae_reference.read_folder(sae.folder), want[sae.site].numpy())
+        assert_features(rows, torch.from_numpy(acts), SAE_TOP)
 
 
 async def test_rows_after_a_prefix_cache_hit_equal_the_reference(engine: Engine, reference: Reference) -> None:

@@ -4,6 +4,7 @@ every malformed folder refused with a message naming it. Fast; no engine."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 from salience.core.features import sae as sae_module
-from salience.core.features.sae import ARCHITECTURES, check_fits, load_sae, parse_hook_layer, save_sae
+from salience.core.features.sae import ARCHITECTURES, check_fits, load_sae, save_sae
+from salience.core.models.points import Site, parse_hook
 from salience.errors import ModelError
 from tests import sae_reference as ref
 
@@ -95,7 +97,8 @@ def test_save_then_load_round_trips(tmp_path: Path, architecture: str) -> None:
     assert json.loads(json.dumps(info)) == info
     assert info == {
         "name": "my-sae", "layer": 5, "d_in": D_IN, "d_sae": D_SAE, "architecture": architecture, "k": k,
-        "hook_name": "blocks.5.hook_resid_post", "apply_b_dec_to_input": True, "sha256": sae.sha256,
+        "point": "resid_post", "hook_name": "blocks.5.hook_resid_post", "apply_b_dec_to_input": True,
+        "sha256": sae.sha256,
     }  # fmt: skip
     assert len(sae.sha256) == 64 and load_sae(folder, name="other").sha256 == sae.sha256
     assert load_sae(folder, name="other").name == "other"
@@ -130,7 +133,12 @@ def test_v5_flat_topk_loads(tmp_path: Path) -> None:
     }  # fmt: skip
     folder = ref.write_folder(tmp_path / "v5", cfg, weights("topk") | {"scaling_factor": torch.ones(D_SAE)})
     sae = load_sae(folder)
-    assert (sae.architecture, sae.k, sae.layer, sae.hook_name) == ("topk", 5, 2, "blocks.3.hook_resid_pre")
+    assert (sae.architecture, sae.k, sae.site, sae.hook_name) == (
+        "topk",
+        5,
+        Site(3, "resid_pre"),
+        "blocks.3.hook_resid_pre",
+    )
     assert sae.apply_b_dec_to_input is False
     assert_matches_reference(folder, sae)
 
@@ -250,10 +258,8 @@ MALFORMED: dict[str, tuple[tuple[str, Case], str]] = {
     "rescale not a bool": (cfg_edit("topk", rescale_acts_by_decoder_norm="yes"), "'rescale_acts_by_decoder_norm'"),
     "apply_b_dec a string": (cfg_edit(apply_b_dec_to_input="true"), "'apply_b_dec_to_input' as bool"),
     "unknown dtype": (cfg_edit(dtype="int8"), "dtype 'int8' is not one of"),
-    "mlp_out hook": (cfg_edit(metadata__hook_name="blocks.2.hook_mlp_out"), "not the residual stream after a decoder"),
-    "resid_mid hook": (cfg_edit(metadata__hook_name="blocks.2.hook_resid_mid"), "not the residual stream"),
-    "attn module": (cfg_edit(metadata__hook_name="model.layers.2.self_attn"), "not the residual stream"),
-    "resid_pre 0": (cfg_edit(metadata__hook_name="blocks.0.hook_resid_pre"), "reads the embeddings"),
+    "hook_z name": (cfg_edit(metadata__hook_name="blocks.2.attn.hook_z"), "'blocks.2.attn.hook_z' is not a point"),
+    "attn module": (cfg_edit(metadata__hook_name="model.layers.2.self_attn"), "is not a point Salience reads"),
     "no hook": (cfg_edit(metadata__hook_name=DELETE), "names no hook"),
     "no W_dec": (weights_edit("standard", lambda w: w.pop("W_dec")), "needs W_dec, missing from"),
     "extra tensor": (
@@ -329,38 +335,57 @@ def test_check_fits(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("hook", "layer"),
+    ("hook", "site"),
     [
-        ("blocks.0.hook_resid_post", 0),
-        ("blocks.11.hook_resid_post", 11),
-        ("blocks.1.hook_resid_pre", 0),
-        ("blocks.12.hook_resid_pre", 11),
-        ("model.layers.4", 4),
-        ("model.language_model.layers.17", 17),
-        ("language_model.model.layers.2", 2),
+        ("blocks.0.hook_resid_post", Site(0)),
+        ("blocks.11.hook_resid_post", Site(11)),
+        ("blocks.0.hook_resid_pre", Site(0, "resid_pre")),
+        ("blocks.12.hook_resid_pre", Site(12, "resid_pre")),
+        ("blocks.3.hook_resid_mid", Site(3, "resid_mid")),
+        ("blocks.3.hook_attn_out", Site(3, "attn_out")),
+        ("blocks.3.hook_mlp_out", Site(3, "mlp_out")),
+        ("blocks.3.ln2.hook_normalized", Site(3, "mlp_in")),
+        ("blocks.2.hook_in", Site(2, "resid_pre")),
+        ("blocks.2.ln2.hook_in", Site(2, "resid_mid")),
+        ("blocks.2.attn.hook_out", Site(2, "attn_out")),
+        ("blocks.2.mlp.hook_in", Site(2, "mlp_in")),
+        ("blocks.2.mlp.hook_out", Site(2, "mlp_out")),
+        ("blocks.2.hook_out", Site(2)),
+        ("model.layers.4", Site(4)),
+        ("transformer.h.5", Site(5)),
+        ("model.language_model.layers.17", Site(17)),
+        ("language_model.model.layers.2", Site(2)),
     ],
 )
-def test_parse_hook_layer(hook: str, layer: int) -> None:
-    assert parse_hook_layer(hook) == layer
+def test_a_hook_name_is_read_as_its_site(hook: str, site: Site) -> None:
+    assert parse_hook(hook) == site
 
 
 @pytest.mark.parametrize(
-    ("hook", "message"),
+    "hook",
     [
-        ("blocks.0.hook_resid_pre", "reads the embeddings"),
-        ("blocks.3.hook_resid_mid", "not the residual stream after a decoder layer"),
-        ("blocks.3.hook_mlp_out", "not the residual stream"),
-        ("blocks.3.attn.hook_z", "not the residual stream"),
-        ("blocks.3.hook_attn_out", "not the residual stream"),
-        ("model.layers.3.mlp", "not the residual stream"),
-        ("model.layers.x", "not the residual stream"),
-        ("hook_embed", "not the residual stream"),
-        ("blocks.3.hook_resid_post.extra", "not the residual stream"),
+        *("blocks.3.attn.hook_z", "blocks.3.attn.hook_pattern", "model.layers.3.mlp", "model.layers.x"),
+        *("hook_embed", "blocks.3.hook_resid_post.extra", "blocks.x.hook_resid_pre"),
     ],
 )
-def test_parse_hook_layer_refuses(hook: str, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        parse_hook_layer(hook)
+def test_a_hook_that_is_no_point_is_refused_naming_the_points(hook: str) -> None:
+    with pytest.raises(ValueError, match=rf"hook '{re.escape(hook)}' is not a point Salience reads; it reads "):
+        parse_hook(hook)
+
+
+def test_an_sae_at_a_point_its_family_lacks_is_refused_naming_both(tmp_path: Path) -> None:
+    from salience.core.models.families import family_of
+
+    save_sae(tmp_path / "s", architecture="standard", layer=2, point="resid_mid", **weights("standard"))
+    sae = load_sae(tmp_path / "s")
+    assert (sae.site, sae.hook_name, sae.info()["point"]) == (
+        Site(2, "resid_mid"),
+        "blocks.2.hook_resid_mid",
+        "resid_mid",
+    )
+    check_fits(sae, hidden_size=sae.d_in, num_layers=4, family=family_of(["LlamaForCausalLM"]))
+    with pytest.raises(ModelError, match=r"SAE s reads blocks\.2\.hook_resid_mid, but GPT-NeoX models have no hook "):
+        check_fits(sae, hidden_size=sae.d_in, num_layers=4, family=family_of(["GPTNeoXForCausalLM"]))
 
 
 # --- saving ---------------------------------------------------------------------------------------

@@ -166,6 +166,8 @@ def _check(folder: Path, sae: SparseAutoencoder, feature: int, count: int, conte
         raise InvalidArgument(f"{folder} is not a capture folder (no {MANIFEST}): write one with salience capture")
     manifest = json.loads(path.read_text())
     layers = manifest.get("layers", [])
+    if sae.point != "resid_post":  # a capture holds residual rows, the layers' outputs
+        raise InvalidArgument(f"the SAE reads {sae.hook_name}, but a capture holds the residual after each layer")
     if sae.layer not in layers:
         held = ", ".join(str(layer) for layer in layers) or "none"
         raise InvalidArgument(f"the SAE reads layer {sae.layer}, but the capture in {folder} holds layers {held}")

@@ -20,8 +20,9 @@ token's input and undo it after decoding; expected_average_only_in scales inputs
 dataset-wide factor the folder does not carry, which SAELens's load_from_disk ignores), hook_z
 reshaping, an attention head index, an old activation function other than relu and topk (SAELens
 6 turns tanh-relu into relu), topk without k (SAELens 6 makes an old one standard, a new one
-k=100), a finetuning scaling_factor other than 1, and hooks other than the residual stream after
-a decoder layer. A topk SAE with rescale_acts_by_decoder_norm is accepted: its decoder norms are
+k=100), a finetuning scaling_factor other than 1, and a hook that is no point of a layer
+(models/points.py reads the hook names; the model's family says whether it has the point).
+A topk SAE with rescale_acts_by_decoder_norm is accepted: its decoder norms are
 folded into W_enc, b_enc and W_dec at load, as SAELens does when it saves an inference SAE,
 which leaves encode and decode as they were.
 
@@ -43,14 +44,18 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import safetensors.torch
 import torch
 
+from salience.core.models.points import Point, Site, parse_hook
 from salience.errors import ModelError
 
-__all__ = ["ARCHITECTURES", "SparseAutoencoder", "check_fits", "load_sae", "parse_hook_layer", "save_sae"]
+if TYPE_CHECKING:
+    from salience.core.models.families import Family
+
+__all__ = ["ARCHITECTURES", "SparseAutoencoder", "check_fits", "load_sae", "save_sae"]
 
 ARCHITECTURES = ("standard", "topk", "jumprelu")
 CFG_FILE = "cfg.json"
@@ -63,9 +68,18 @@ _NORMALISATIONS = {
     "constant_norm_rescale": "each token's input is rescaled to norm sqrt(d_in)",
     "expected_average_only_in": "inputs are scaled by a dataset-wide factor the folder does not carry",
 }
-_INFO_KEYS = ("name", "layer", "d_in", "d_sae", "architecture", "k", "hook_name", "apply_b_dec_to_input", "sha256")
-_TL_HOOK = re.compile(r"blocks\.(\d+)\.hook_resid_(pre|post)")
-_HF_LAYER = re.compile(r"(?:\w+\.)*layers\.(\d+)")
+_INFO_KEYS = (
+    "name",
+    "layer",
+    "point",
+    "d_in",
+    "d_sae",
+    "architecture",
+    "k",
+    "hook_name",
+    "apply_b_dec_to_input",
+    "sha256",
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,6 +90,7 @@ class SparseAutoencoder:
     folder: Path
     architecture: str
     layer: int
+    point: Point  # the hook point of `layer` it reads (models/points.py)
     hook_name: str
     d_in: int
     d_sae: int
@@ -112,6 +127,10 @@ class SparseAutoencoder:
         """[..., d_sae] -> [..., d_in]: the reconstruction of the residual."""
         return acts.to(self.W_dec.dtype) @ self.W_dec + self.b_dec
 
+    @property
+    def site(self) -> Site:
+        return Site(self.layer, self.point)
+
     def to(self, device: torch.device | str) -> SparseAutoencoder:
         """A copy whose tensors live on `device`."""
         moved = {f: getattr(self, f).to(device) for f in ("W_enc", "b_enc", "W_dec", "b_dec")}
@@ -123,29 +142,17 @@ class SparseAutoencoder:
         return {key: getattr(self, key) for key in _INFO_KEYS}
 
 
-def parse_hook_layer(hook_name: str) -> int:
-    """The decoder layer whose output (the residual after it) a hook reads; ValueError if none."""
-    if m := _TL_HOOK.fullmatch(hook_name):
-        block = int(m.group(1))
-        if m.group(2) == "post":
-            return block
-        if block == 0:
-            raise ValueError(f"hook {hook_name!r} reads the embeddings, before any decoder layer")
-        return block - 1  # the residual entering block L left block L-1
-    if m := _HF_LAYER.fullmatch(hook_name):
-        return int(m.group(1))
-    raise ValueError(
-        f"hook {hook_name!r} is not the residual stream after a decoder layer; supported are "
-        "blocks.L.hook_resid_post, blocks.L.hook_resid_pre (L >= 1) and module paths like model.layers.L"
-    )
-
-
-def check_fits(sae: SparseAutoencoder, *, hidden_size: int, num_layers: int) -> None:
-    """ModelError unless the SAE reads a residual this model has."""
+def check_fits(sae: SparseAutoencoder, *, hidden_size: int, num_layers: int, family: Family | None = None) -> None:
+    """ModelError unless the SAE reads a residual this model has (at a point its `family` has)."""
     if sae.d_in != hidden_size:
         raise ModelError(f"SAE {sae.name} reads d_in {sae.d_in} but the model's hidden size is {hidden_size}")
     if not 0 <= sae.layer < num_layers:
         raise ModelError(f"SAE {sae.name} reads layer {sae.layer} but the model has layers 0..{num_layers - 1}")
+    if family is not None:
+        try:
+            family.locate(sae.point)
+        except ModelError as e:
+            raise ModelError(f"SAE {sae.name} reads {sae.hook_name}, but {e}") from None
 
 
 def load_sae(folder: Path, *, name: str | None = None) -> SparseAutoencoder:
@@ -245,7 +252,8 @@ def _read_cfg(cfg: dict) -> tuple[dict[str, Any], bool]:
     if not isinstance(hook, str):
         raise ValueError(f"{CFG_FILE} names no hook (metadata.hook_name, or hook_name in older layouts)")
     apply_b_dec = _typed(cfg.get("apply_b_dec_to_input", True), "apply_b_dec_to_input", bool)
-    fields = {"architecture": architecture, "layer": parse_hook_layer(hook), "hook_name": hook, "d_in": d_in}
+    site = parse_hook(hook)
+    fields = {"architecture": architecture, "layer": site.layer, "point": site.point, "hook_name": hook, "d_in": d_in}
     return fields | {"d_sae": d_sae, "k": k, "apply_b_dec_to_input": apply_b_dec}, rescale
 
 
@@ -283,6 +291,7 @@ def save_sae(
     *,
     architecture: str,
     layer: int,
+    point: Point = "resid_post",
     W_enc,
     b_enc,
     W_dec,
@@ -312,7 +321,7 @@ def save_sae(
         raise ValueError(f"W_enc must be [d_in, d_sae], got shape {list(tensors['W_enc'].shape)}")
     d_in, d_sae = tensors["W_enc"].shape
     # SAELens tells the layouts apart by sae_lens_version; without it, it drops this metadata.
-    metadata = {"sae_lens_version": "6.0.0", "model_name": model_name, "hook_name": f"blocks.{layer}.hook_resid_post"}
+    metadata = {"sae_lens_version": "6.0.0", "model_name": model_name, "hook_name": str(Site(layer, point))}
     metadata |= {"hook_head_index": None, "prepend_bos": True}
     if clash := {"sae_lens_version", "hook_name", "hook_head_index"} & (extra_metadata or {}).keys():
         raise ValueError(f"extra_metadata may not set {', '.join(sorted(clash))}")

@@ -61,8 +61,6 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from salience.core.probes.faults import taken
 from salience.core.probes.tap_ops import Capture, Reading
 from salience.core.probes.taps import (
-    LayerTap,
-    decoder_stack,
     feature_buffer,
     readout_buffer,
     taps,
@@ -109,11 +107,8 @@ class ReadoutWorker:
         # Per SAE slot, the features its rows hold: ids in [0, top), activations in [top, 2 * top).
         self._ro_feature_tops = {e.slot: e.width for tap in taps(model) for e in tap.encoders}
         # The layer of each readout slot and of each SAE slot: what a fault names.
-        layers = list(enumerate(decoder_stack(model)[1]))
-        self._ro_layers = {
-            t.readout_slot: i for i, t in layers if isinstance(t, LayerTap) and t.readout_slot is not None
-        }
-        self._ro_sae_layers = {e.slot: i for i, t in layers if isinstance(t, LayerTap) for e in t.encoders}
+        self._ro_layers = {t.readout_slot: t.site.layer for t in taps(model) if t.readout_slot is not None}
+        self._ro_sae_layers = {e.slot: t.site.layer for t in taps(model) for e in t.encoders}
         runner.execute_model = self._ro_after(runner.execute_model, file=True, send=with_output)
         runner._model_forward = self._ro_capturing(runner._model_forward)
         if with_output:
@@ -139,10 +134,10 @@ class ReadoutWorker:
     def salience_concept_write(self, column: int, vectors: dict[int, bytes] | None) -> None:
         """Column `column` of every readout tap's matrix: `vectors[layer]` (float32 bytes, as
         given), or zero (None). Every rank writes (each projects)."""
-        for index, tap in enumerate(decoder_stack(self.model_runner.get_model())[1]):
-            if not isinstance(tap, LayerTap) or tap.readout_slot is None:
+        for tap in taps(self.model_runner.get_model()):
+            if tap.readout_slot is None:
                 continue
-            vector = vectors.get(index) if vectors else None
+            vector = vectors.get(tap.site.layer) if vectors else None
             if vector is None:
                 tap.matrix[:, column] = 0.0
             else:

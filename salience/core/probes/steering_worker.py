@@ -1,6 +1,6 @@
 """Inside the vLLM worker: write each step's steering coefficients before the model runs.
 
-Theory of operation. The taps (taps.LayerTap) add
+Theory of operation. The taps (taps.Tap) add
 `(a + b * p + clamp(p, lo, hi) - p) @ D.T` to the residual (p = h @ D), reading a, b, lo and hi
 from four static buffers `[max_tokens, steering layers, directions]`. Those buffers hold
 (0, 0, -inf, inf) except during the forward of a step that holds a steered request:
@@ -38,7 +38,7 @@ import torch
 from salience.core.probes.faults import taken
 from salience.core.probes.steering import unit
 from salience.core.probes.tap_ops import Steered
-from salience.core.probes.taps import decoder_stack, steering_buffers
+from salience.core.probes.taps import steering_buffers, steering_taps
 
 TAG = "salience_steer"
 RESET = (0.0, 0.0, -np.inf, np.inf)  # a, b, lo, hi of a row nobody steers
@@ -63,8 +63,7 @@ class SteeringWorker:
         on_cpu = buffers[0].device.type == "cpu"
         self._st_host = tuple((b if on_cpu else b.cpu().pin_memory()).numpy() for b in buffers)
         self._st_slots = slots
-        held = decoder_stack(runner.get_model())[1]
-        self._st_taps = {index: held[index] for index in slots}
+        self._st_taps = steering_taps(runner.get_model())
         self._st_layers = {slot: index for index, slot in slots.items()}  # what a fault names
         self._st_steering: dict[str, frozenset[int]] = {}  # this step's steered requests: the slots each steers at
         self._st_plans: dict[str, tuple[object, list]] = {}

@@ -6,15 +6,20 @@ forward hooks do not fire in a compiled graph. So readouts and steering must be
 part of the model the compiler sees:
 
 - `SalienceLoader`, registered as vLLM load format `salience_readouts`, loads
-  the weights as vLLM's default loader does and then wraps each layer that
-  readouts read or steering can name in a `LayerTap`. vLLM resolves the worker
-  extension (engine/worker_extension.py, which imports this module) before it loads the model,
-  so the registration is in place in every worker process.
-- A `LayerTap` runs its decoder layer; takes the residual `hidden + residual`
-  (the layer's output before the final norm, in vLLM's fused add-norm layers)
-  in float32; applies the step's steering coefficients to it (see LayerTap),
+  the weights as vLLM's default loader does and then wraps the module at each
+  site (a hook point of a layer, models/points.py) that readouts read,
+  steering can name or an SAE encodes in a `Tap`: the decoder layer for
+  resid_pre and resid_post, a module inside it (attention, the MLP, a norm)
+  for the other points, where the model's family says each point is. vLLM
+  resolves the worker extension (engine/worker_extension.py, which imports
+  this module) before it loads the model, so the registration is in place in
+  every worker process.
+- A `Tap` runs its module; takes the residual at its point (`hidden +
+  residual` where vLLM's fused add-norm layers carry it as a pair: at
+  resid_post, the layer's output before the final norm) in float32; applies
+  the step's steering coefficients to it (see Tap),
   which the worker wrote into two static buffers before the step
-  (steering_worker.py); and projects the result onto the layer's
+  (steering_worker.py); and projects the result onto the site's
   `[hidden, concepts]` matrix, writing the `[tokens, concepts]` result into
   slot i of one persistent, statically addressed buffer
   `[max_tokens, layers, concepts]` through the op `salience::readout_store`,
@@ -25,7 +30,7 @@ part of the model the compiler sees:
   in the op `salience::readout_project` instead, gated per step as steering is
   (tap_ops.py: Reading, Steered): a step nobody reads projects nothing, and the spare columns
   of live concepts are projected only once a request reads one.
-- A tap at a sparse autoencoder's layer (`--sae`) also encodes the (steered)
+- A tap at a sparse autoencoder's site (`--sae`: its hook, any point) also encodes the (steered)
   residual with it (`SAEEncoder`: SAELens's math, features/encoder.py) and keeps
   each token's `top` largest feature activations and their ids, written into
   slot i of a second buffer `[max_tokens, SAEs, 2 * top]` through
@@ -54,6 +59,7 @@ from torch import nn
 
 from salience.core.features.encoder import SAEEncoder
 from salience.core.models.families import Family, family_of
+from salience.core.models.points import Location, Site
 from salience.core.probes.compile_cache import load_inductor_artifacts
 from salience.core.probes.compile_threads import compile_on_every_core
 from salience.core.probes.concepts import ConceptSet
@@ -67,12 +73,13 @@ __all__ = [
     "FEATURES_KEY",
     "LOAD_FORMAT",
     "STEERING_KEY",
-    "LayerTap",
+    "Tap",
     "decoder_stack",
     "feature_buffer",
     "file_digest",
     "readout_buffer",
     "steering_buffers",
+    "steering_taps",
     "taps",
 ]
 
@@ -86,38 +93,43 @@ CONFIG_KEY = "salience_readouts"
 # concept set's vectors and those of the steering set, if any, then `spare` columns for live
 # concepts and `vectors` for requests' own vectors. Absent: no steering in the graph.
 STEERING_KEY = "salience_steering"
-STEERING_BUFFERS = ("steer_add", "steer_scale", "steer_lo", "steer_hi")  # a, b, lo, hi (LayerTap)
+STEERING_BUFFERS = ("steer_add", "steer_scale", "steer_lo", "steer_hi")  # a, b, lo, hi (Tap)
 # {"saes": [{"path", "sha256", "top"}, ...]}: the sparse autoencoders to encode with, in slot order.
 FEATURES_KEY = "salience_features"
 
 
-class LayerTap(nn.Module):
-    """A decoder layer followed by its steering and its concept projection (either may be absent).
+class Tap(nn.Module):
+    """A module of a decoder layer, with steering, a concept projection and SAEs at one hook
+    point of it: its input or its output, where the family's `Location` says the point is
+    (models/points.py). Any of the three may be absent.
 
-    Steering: with h the layer's output residual (float32), D the layer's `[hidden, K]` unit
+    Steering: with h the residual at the point (float32), D the site's `[hidden, K]` unit
     directions and p = h @ D, h' = h + (a + b * p + clamp(p, lo, hi) - p) @ D.T, where a, b, lo
-    and hi are this layer's `[tokens, K]` slices of four buffers the worker fills before each step
-    (steering_worker.py). The delta goes into the layer's `hidden` output, so the next layer's
-    fused add-norm sees h'; an unsteered row has a = b = 0, lo = -inf and hi = inf and gets
-    exactly 0.0 added. The readout projects h'. Columns of D and of the readout matrix that hold no
-    direction are zero and contribute exactly nothing; the worker writes live concepts and
-    request vectors into them between steps (the graph reads these buffers, never copies them).
+    and hi are the site's `[tokens, K]` slices of four buffers the worker fills before each step
+    (steering_worker.py). The delta goes into the point's first tensor (vLLM's `hidden` where
+    the stream is a (hidden, residual) pair), so what reads the point next (the module, for an
+    input; the rest of the layer, for an output) sees h'; an unsteered row has a = b = 0,
+    lo = -inf and hi = inf and gets exactly 0.0 added. The readout and the SAEs read h'.
+    Columns of D and of the readout matrix that hold no direction are zero and contribute
+    exactly nothing; the worker writes live concepts and request vectors into them between
+    steps (the graph reads these buffers, never copies them).
 
     On CPU the steering runs in the op `salience::steer`, which the worker gates per step and
-    layer (Steered): most steps steer nowhere and most steered requests steer one or two layers,
+    site (Steered): most steps steer nowhere and most steered requests steer one or two layers,
     while the same math traced into the graph cost ~28 us at every layer of every step (two small
     GEMMs and a fused kernel, 30 layers: 2% of a 16-stream decode step). Under CUDA graphs a
     Python gate would be frozen at capture, so on an accelerator the math stays in the graph.
     """
 
-    def __init__(self, layer: nn.Module, family: Family) -> None:
+    def __init__(self, module: nn.Module, site: Site, where: Location) -> None:
         super().__init__()
-        self.layer = layer
-        self.pair = family.stream == "pair"  # the layer returns (hidden, residual), the stream their sum
+        self.module = module
+        self.site = site
+        self.where = where
         self.readout_slot: int | None = None
         self.steering_slot: int | None = None
         self.gated = False  # steering through the gated op (CPU), not traced math
-        self.encoders = nn.ModuleList()  # the SAEs at this layer
+        self.encoders = nn.ModuleList()  # the SAEs at this site
 
     def encode_into(self, encoder: SAEEncoder, buffer: torch.Tensor) -> None:
         self.encoders.append(encoder)
@@ -147,15 +159,33 @@ class LayerTap(nn.Module):
         self.steering_slot = slot
         self.gated = directions.device.type == "cpu"
         self.register_buffer("directions", directions, persistent=False)  # [hidden, K] float32
-        # a, b, lo, hi: each [rows, steering layers, K], shared by every tap
+        # a, b, lo, hi: each [rows, steering sites, K], shared by every tap
         for name, buffer in zip(STEERING_BUFFERS, coefficients, strict=True):
             self.register_buffer(name, buffer, persistent=False)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        output = self.layer(*args, **kwargs)
-        whole, residual = (output[0], output[1]) if self.pair else (output, None)
+        if self.where.side == "output":
+            return self._at(self.module(*args, **kwargs))
+        keyword = "hidden_states" in kwargs
+        given = kwargs["hidden_states"] if keyword else args[self.where.arg]
+        residual = args[self.where.arg + 1] if self.where.pair else None
+        hidden = self._at(given if residual is None else (given, residual))
+        hidden = hidden[0] if residual is not None else hidden
+        if keyword:
+            kwargs = {**kwargs, "hidden_states": hidden}
+        else:
+            args = (*args[: self.where.arg], hidden, *args[self.where.arg + 1 :])
+        return self.module(*args, **kwargs)
+
+    def _at(self, value: Any) -> Any:
+        """Steers, reads out and encodes the stream in `value` (a tensor, or a tuple whose first
+        tensor is the point's, and whose second is the residual where the stream is a pair), and
+        returns `value` as the model goes on with it. A pair's residual is None before vLLM's
+        first layer, where the stream is the hidden states alone."""
+        whole = value[0] if isinstance(value, tuple) else value
+        residual = value[1] if isinstance(value, tuple) and self.where.pair else None
         # [tokens, hidden]: vLLM runs some families' transformers layers on [1, tokens, hidden]. A
-        # view, so the gated steering's in-place write lands in the layer's output.
+        # view, so the gated steering's in-place write lands in the tensor the model goes on with.
         hidden = whole.view(-1, whole.shape[-1])
         if self.steering_slot is not None:
             steering = (self.directions, self.steer_add, self.steer_scale, self.steer_lo, self.steer_hi)
@@ -166,7 +196,7 @@ class LayerTap(nn.Module):
             delta = steering_delta(state, *steering, self.steering_slot)
             state = state + delta
             whole = (hidden.float() + delta).to(hidden.dtype).view_as(whole)
-            output = (whole, *output[1:]) if self.pair else whole
+            value = (whole, *value[1:]) if isinstance(value, tuple) else whole
         if self.readout_slot is not None and self.gated_read:
             torch.ops.salience.readout_project(
                 state, self.out, self.staging, self.matrices, self.readout_slot, *self.readout_held
@@ -175,7 +205,7 @@ class LayerTap(nn.Module):
             torch.ops.salience.readout_store(state @ self.matrix, self.out, self.readout_slot, state)
         for encoder in self.encoders:
             torch.ops.salience.feature_store(encoder(state), self.features, encoder.slot)
-        return output
+        return value
 
 
 FAMILY_ATTRIBUTE = "salience_family"  # set on the model by the loader: the family it was loaded as
@@ -189,8 +219,9 @@ def decoder_stack(model: nn.Module) -> tuple[range, nn.ModuleList]:
     return range(getattr(owner, "start_layer", 0), getattr(owner, "end_layer", len(layers))), layers
 
 
-def taps(model: nn.Module) -> list[LayerTap]:
-    return [layer for layer in decoder_stack(model)[1] if isinstance(layer, LayerTap)]
+def taps(model: nn.Module) -> list[Tap]:
+    """Every tap this pipeline stage holds, in module order."""
+    return [module for module in decoder_stack(model)[1].modules() if isinstance(module, Tap)]
 
 
 def readout_buffer(model: nn.Module) -> torch.Tensor | None:
@@ -203,16 +234,36 @@ def feature_buffer(model: nn.Module) -> torch.Tensor | None:
     return next((tap.features for tap in taps(model) if len(tap.encoders)), None)
 
 
+def steering_taps(model: nn.Module) -> dict[int, Tap]:
+    """The steerable taps this stage holds, by layer."""
+    return {tap.site.layer: tap for tap in taps(model) if tap.steering_slot is not None}
+
+
 def steering_buffers(model: nn.Module) -> tuple[tuple[torch.Tensor, ...], dict[int, int]] | None:
     """The coefficient buffers (a, b, lo, hi) and each steerable layer's slot in them, or None
     without steering."""
-    held = decoder_stack(model)[1]
-    slots = {index: layer.steering_slot for index, layer in enumerate(held) if isinstance(layer, LayerTap)}
-    slots = {index: slot for index, slot in slots.items() if slot is not None}
-    if not slots:
+    steered = steering_taps(model)
+    if not steered:
         return None
-    first = held[next(iter(slots))]
-    return tuple(getattr(first, name) for name in STEERING_BUFFERS), slots
+    first = next(iter(steered.values()))
+    return tuple(getattr(first, name) for name in STEERING_BUFFERS), {i: t.steering_slot for i, t in steered.items()}
+
+
+def _wrap(layers: nn.ModuleList, site: Site, where: Location) -> Tap:
+    """A tap at `site`, around the module of layer `site.layer` that `where` names (the layer
+    itself, or a module inside it, through any taps already around the layer)."""
+    if not where.module:
+        layers[site.layer] = Tap(layers[site.layer], site, where)
+        return layers[site.layer]
+    owner = layers[site.layer]
+    while isinstance(owner, Tap):
+        owner = owner.module
+    *path, name = where.module.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    tap = Tap(getattr(owner, name), site, where)
+    setattr(owner, name, tap)
+    return tap
 
 
 def file_digest(path: Path) -> str:
@@ -239,12 +290,12 @@ def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch
         extra = _load_checked(steering_spec["steering"]) if steering_spec.get("steering") else None
         directions = Directions(concepts, extra, spare=steering_spec["spare"], vectors=steering_spec["vectors"])
     held, layers = decoder_stack(model)
-    tapped: dict[int, LayerTap] = {}
+    tapped: dict[Site, Tap] = {}
 
-    def tap(index: int) -> LayerTap:
-        if index not in tapped:
-            tapped[index] = layers[index] = LayerTap(layers[index], family)
-        return tapped[index]
+    def tap(site: Site) -> Tap:
+        if site not in tapped:
+            tapped[site] = _wrap(layers, site, family.locate(site.point))
+        return tapped[site]
 
     # Every layer gets its slot whether or not this pipeline stage holds it, so slots agree across stages.
     if concepts is not None:
@@ -262,7 +313,7 @@ def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch
         if device.type == "cpu":  # the gated op's (Reading)
             staging = torch.zeros(len(concepts.layers), STAGED_ROWS, concepts.hidden_size, device=device)
         for slot in slots:
-            tap(concepts.layers[slot]).read_into(slot, matrices, buffer, (slots[0], slots[-1]), staging)
+            tap(Site(concepts.layers[slot])).read_into(slot, matrices, buffer, (slots[0], slots[-1]), staging)
     if directions is not None:
         shape = (max_tokens, len(directions.layers), directions.width)
         coefficients = tuple(
@@ -270,7 +321,7 @@ def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch
         )
         for slot, index in enumerate(directions.layers):
             if index in held:
-                tap(index).steer_from(slot, directions.matrix(index).to(device).contiguous(), coefficients)
+                tap(Site(index)).steer_from(slot, directions.matrix(index).to(device).contiguous(), coefficients)
     if features_spec is not None:
         from salience.core.features.sae import load_sae
 
@@ -281,11 +332,11 @@ def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch
             sae = load_sae(Path(spec["path"]))
             if sae.sha256 != spec["sha256"]:
                 raise RuntimeError(f"SAE {spec['path']} changed after the engine was configured")
-            if sae.layer in held:
+            if sae.site.layer in held:
                 encoder = SAEEncoder(sae, spec["top"], slot).to(device)
                 encoder.prepack()
-                tap(sae.layer).encode_into(encoder, buffer)
-    log.debug("layer taps installed", extra={"layers": sorted(tapped), "rows": max_tokens})
+                tap(sae.site).encode_into(encoder, buffer)
+    log.debug("taps installed", extra={"sites": [str(site) for site in sorted(tapped)], "rows": max_tokens})
 
 
 def _register_loader() -> None:

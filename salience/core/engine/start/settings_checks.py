@@ -55,5 +55,6 @@ def check_saes(settings: EngineSettings) -> None:
     from salience.core.features.sae import check_fits
 
     text = text_config(settings)
+    family = model_family(settings.model)
     for sae in settings.saes:
-        check_fits(sae, hidden_size=text.hidden_size, num_layers=text.num_hidden_layers)
+        check_fits(sae, hidden_size=text.hidden_size, num_layers=text.num_hidden_layers, family=family)

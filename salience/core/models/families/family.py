@@ -8,21 +8,51 @@ unembedding turn a residual vector into logits. Everything that reads or writes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+from salience.core.models.points import Location, Point
+from salience.errors import ModelError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Family", "Norm", "Stream"]
+__all__ = ["HF_POINTS", "VLLM_POINTS", "Family", "Norm", "points_of"]
 
 # How the final norm scales a vector: RMS with weight w (x * w), Gemma's RMS (x * (1 + w)), or a
 # LayerNorm (x centred, times w, plus a bias that adds the same to every vector).
 Norm = Literal["rms", "rms_plus_one", "layer"]
-# How vLLM's decoder layer hands on the residual stream: a pair (hidden, residual) whose sum it
-# is (the fused add-norm layers), or the stream itself (possibly [1, tokens, hidden] where vLLM
-# runs transformers' own layers).
-Stream = Literal["pair", "whole"]
+Points = Mapping[Point, Location]
+
+
+def points_of(
+    *,
+    attn_out: str = "self_attn",
+    mid: str = "post_attention_layernorm",
+    mlp: str = "mlp",
+    mlp_out: str | None = None,
+    pair: bool,
+    layer_arg: int = 0,
+) -> Points:
+    """A layer laid out as most are: attention's output is `attn_out`'s, the MLP's input and
+    output are `mlp`'s (or `mlp_out`'s output, a post-norm), and the residual between them is the
+    input of `mid` (the norm before the MLP). With `pair`, the stream is vLLM's (hidden,
+    residual) pair at the layer's input and output and at `mid`'s input; the layer takes its
+    hidden states as argument `layer_arg`."""
+    return {
+        "resid_pre": Location("", "input", pair=pair, arg=layer_arg),
+        "resid_mid": Location(mid, "input", pair=pair),
+        "attn_out": Location(attn_out, "output"),
+        "mlp_in": Location(mlp, "input"),
+        "mlp_out": Location(mlp_out or mlp, "output"),
+        "resid_post": Location("", "output", pair=pair),
+    }
+
+
+# Llama's layout, which most families copy: vLLM's layer is called (positions, hidden, residual).
+VLLM_POINTS = points_of(pair=True, layer_arg=1)
+HF_POINTS = points_of(pair=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,7 +66,6 @@ class Family:
     vllm_stack: str = "model"  # the owner of the layer list in vLLM's model
     hf_stack: str = "model"  # the same in transformers' *ForCausalLM
     layers: str = "layers"  # the layer list's attribute on both owners
-    stream: Stream = "pair"
     hidden_key: str = "hidden_size"
     layers_key: str = "num_hidden_layers"
     embedding: str = "embed_tokens.weight"  # the input embedding's tensor name ends so
@@ -45,6 +74,18 @@ class Family:
     unembedding: tuple[str, ...] = ("lm_head.weight",)  # else the input embedding (tied)
     # Proven exact in vLLM's compiled graph (tests/test_families.py); else the taps run eagerly.
     compiled: bool = True
+    # Where each hook point is in a vLLM and in a transformers decoder layer; a point a family
+    # lacks is absent (a parallel residual has no resid_mid).
+    vllm_points: Points = field(default_factory=lambda: VLLM_POINTS)
+    hf_points: Points = field(default_factory=lambda: HF_POINTS)
+
+    def locate(self, point: Point, *, hf: bool = False) -> Location:
+        """Where `point` is in vLLM's layer (`hf`: transformers'); ModelError if the family has none."""
+        where = (self.hf_points if hf else self.vllm_points).get(point)
+        if where is None:
+            have = ", ".join(self.vllm_points)
+            raise ModelError(f"{self.name} models have no hook point {point} (they have {have})")
+        return where
 
     def stack(self, model: Any, path: str) -> tuple[Any, Any]:
         """The owner of the decoder layers at attribute path `path` (vllm_stack or hf_stack) from

@@ -1,6 +1,20 @@
 """Gemma 2 (Gemma Scope): Gemma's norms, post-norms on attention and MLP outputs, and soft-capped
 logits (tanh, monotonic: a logit lens's ranking is the uncapped one)."""
 
-from salience.core.models.families.family import Family
+from salience.core.models.families.family import Family, points_of
 
-FAMILY = Family(name="Gemma 2", architectures=("Gemma2ForCausalLM",), norm="rms_plus_one")
+# Attention's and the MLP's outputs are the post-norms' (what the residual gets), and the residual
+# between them enters the pre-feedforward norm; Gemma 3 is laid out the same.
+POST_NORMED = dict(
+    attn_out="post_attention_layernorm", mid="pre_feedforward_layernorm", mlp_out="post_feedforward_layernorm"
+)
+VLLM_POINTS = points_of(**POST_NORMED, pair=True, layer_arg=1)
+HF_POINTS = points_of(**POST_NORMED, pair=False)
+
+FAMILY = Family(
+    name="Gemma 2",
+    architectures=("Gemma2ForCausalLM",),
+    norm="rms_plus_one",
+    vllm_points=VLLM_POINTS,
+    hf_points=HF_POINTS,
+)

@@ -2,5 +2,12 @@
 Gemma3ForConditionalGeneration, whose sizes sit under text_config."""
 
 from salience.core.models.families.family import Family
+from salience.core.models.families.gemma2 import HF_POINTS, VLLM_POINTS
 
-FAMILY = Family(name="Gemma 3", architectures=("Gemma3ForCausalLM",), norm="rms_plus_one")
+FAMILY = Family(
+    name="Gemma 3",
+    architectures=("Gemma3ForCausalLM",),
+    norm="rms_plus_one",
+    vllm_points=VLLM_POINTS,
+    hf_points=HF_POINTS,
+)

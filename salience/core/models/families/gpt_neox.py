@@ -2,15 +2,19 @@
 a LayerNorm with a bias, and an untied `embed_out`. vLLM runs transformers' own layers, which see
 [1, tokens, hidden], under `model` where transformers has `gpt_neox`."""
 
-from salience.core.models.families.family import Family
+from salience.core.models.families.family import Family, points_of
+
+# Parallel residual: both branches read the layer's input, so there is no residual between them.
+POINTS = {point: where for point, where in points_of(attn_out="attention", pair=False).items() if point != "resid_mid"}
 
 FAMILY = Family(
     name="GPT-NeoX",
     architectures=("GPTNeoXForCausalLM",),
     hf_stack="gpt_neox",
-    stream="whole",
     embedding="embed_in.weight",
     final_norm="final_layer_norm",
     norm="layer",
     unembedding=("embed_out.weight", "lm_head.weight"),
+    vllm_points=POINTS,
+    hf_points=POINTS,
 )

@@ -1,6 +1,18 @@
 """Granite: Llama-like weights, but each layer returns the whole stream (its residual multiplier
 applied inside), and the embedding and logits are scaled by config multipliers."""
 
-from salience.core.models.families.family import Family
+from salience.core.models.families.family import Family, points_of
 
-FAMILY = Family(name="Granite", architectures=("GraniteForCausalLM",), stream="whole")
+
+def _unscaled(points: dict) -> dict:
+    """Attention and the MLP add their outputs times residual_multiplier, which no module returns:
+    the points between the adds only."""
+    return {point: where for point, where in points.items() if point not in ("attn_out", "mlp_out")}
+
+
+FAMILY = Family(
+    name="Granite",
+    architectures=("GraniteForCausalLM",),
+    vllm_points=_unscaled(points_of(pair=False, layer_arg=1)),
+    hf_points=_unscaled(points_of(pair=False)),
+)
