@@ -114,7 +114,7 @@ class ResidualRequest:
 class FeatureRequest:
     """A sparse autoencoder's most active features a request asks for at each position `ranges`
     cover: up to `k` (feature id, activation) pairs, largest first, active ones only. `sae` names
-    one of the served SAEs (None: the only one). Read where readouts read, after any steering."""
+    one of the served SAEs (None: the only one). Read at the SAE's hook point (features.md)."""
 
     sae: str | None
     k: int

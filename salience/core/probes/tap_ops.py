@@ -73,7 +73,7 @@ def steer(
     hi: torch.Tensor,
     slot: int,
 ) -> None:
-    """hidden += (a + b * p + clamp(p, lo, hi) - p) @ D.T at a steered slot (LayerTap), else
+    """hidden += (a + b * p + clamp(p, lo, hi) - p) @ D.T at a steered slot (Tap), else
     nothing: an opaque op runs as Python at every step, so a step that steers nowhere here costs
     one set lookup instead of the projection onto every direction and back."""
     if slot not in Steered.slots:
