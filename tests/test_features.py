@@ -276,11 +276,14 @@ async def test_manifest_and_wire(engine: Engine, tiny_reference: Reference, saes
             await channel.close()
     assert [s["name"] for s in info["saes"]] == ["top", "plain", "jump"]
     top = info["saes"][0]
-    assert (top["layer"], top["d_sae"], top["architecture"], top["k"], top["top"]) == (2, 512, "topk", 8, 8)
-    assert [(s.name, s.layer, s.d_sae, s.architecture, s.k, s.top) for s in manifest.saes] == [
-        ("top", 2, 512, "topk", 8, 8),
-        ("plain", 1, 256, "standard", 0, TOP),
-        ("jump", 3, 256, "jumprelu", 0, TOP),
+    assert (top["layer"], top["point"], top["d_sae"], top["architecture"], top["k"], top["top"]) == (
+        *(2, "resid_post", 512),
+        *("topk", 8, 8),
+    )
+    assert [(s.name, s.layer, s.point, s.d_sae, s.architecture, s.k, s.top) for s in manifest.saes] == [
+        ("top", 2, "resid_post", 512, "topk", 8, 8),
+        ("plain", 1, "resid_post", 256, "standard", 0, TOP),
+        ("jump", 3, "resid_post", 256, "jumprelu", 0, TOP),
     ]
     lmtp = {p["position"]: tuple((i, a) for i, a in p["features"]) for p in payloads if "features" in p}
     ids = prompt + [p["token"] for p in payloads if not p.get("prompt")]
