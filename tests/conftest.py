@@ -32,6 +32,7 @@ from salience.core.models.atomic import build_folder_once  # noqa: E402
 from salience.core.models.default_model import ensure_default_model  # noqa: E402
 from salience.core.models.folders import model_fingerprint  # noqa: E402
 from salience.core.models.home import salience_home  # noqa: E402
+from salience.core.models.points import Point  # noqa: E402
 from salience.core.probes.concepts import ConceptSet  # noqa: E402
 from salience.core.serving import default_concepts as default_concept_set  # noqa: E402
 from tests.engines import EnginePool, engine_settings  # noqa: E402
@@ -310,10 +311,10 @@ TINY_CONCEPTS = ("alpha", "beta", "gamma", "delta", "epsilon")
 
 
 def random_concepts(
-    model: Path, concepts: tuple[str, ...], layers: tuple[int, ...], seed: int, path: Path
+    model: Path, concepts: tuple[str, ...], layers: tuple[int, ...], seed: int, path: Path, point: Point = "resid_post"
 ) -> ConceptSet:
-    """Random unit vectors of a 4-layer, hidden-128 tiny model at `layers`, saved to `path` and
-    loaded back (as a server loads a set), checked against `model`."""
+    """Random unit vectors of a 4-layer, hidden-128 tiny model at `point` of `layers`, saved to
+    `path` and loaded back (as a server loads a set), checked against `model`."""
     generator = torch.Generator().manual_seed(seed)
     vectors = {}
     for layer in layers:
@@ -326,10 +327,12 @@ def random_concepts(
         num_layers=4,
         model_fingerprint=model_fingerprint(model),
         provenance={"method": "random unit vectors", "seed": seed},
+        point=point,
     )
     built.save(path)
     loaded = ConceptSet.load(path)
     loaded.check_model(model)
+    assert loaded.point == point
     return loaded
 
 

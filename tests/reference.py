@@ -11,7 +11,7 @@ import torch
 
 from salience.core.engine.requests import Probes, SamplingOptions
 from salience.core.models.families import family_of
-from salience.core.models.points import Site
+from salience.core.models.points import Point, Site
 
 
 def assert_logprobs_match(events, logprobs: torch.Tensor, k: int, tolerance: float = 1e-4) -> None:
@@ -51,9 +51,13 @@ class Reference:
             ids.append(int(self.logits(ids)[-1].argmax()))
         return ids[len(prompt) :]
 
-    def residuals(self, ids: Sequence[int], layers: Sequence[int]) -> dict[int, torch.Tensor]:
-        """Each layer's output (the residual stream before the final norm), [positions, hidden]."""
-        return layer_outputs(self.model, decoder_layers(self.model), layers, input_ids=torch.tensor([list(ids)]))
+    def residuals(
+        self, ids: Sequence[int], layers: Sequence[int], point: Point = "resid_post"
+    ) -> dict[int, torch.Tensor]:
+        """The stream at `point` of each layer (by default its output: the residual stream before
+        the final norm), [positions, hidden]."""
+        found = self.at(ids, [Site(layer, point) for layer in layers])
+        return {site.layer: value for site, value in found.items()}
 
     def at(self, ids: Sequence[int], sites: Sequence[Site]) -> dict[Site, torch.Tensor]:
         """The stream at each site, [positions, hidden]."""
@@ -76,33 +80,45 @@ def layer_outputs(model, decoder, layers: Sequence[int], **inputs) -> dict[int, 
     return {site.layer: value for site, value in found.items()}
 
 
+def hook_site(model, decoder, site: Site, change: Callable[[torch.Tensor], torch.Tensor | None]):
+    """A hook at `site` where the model's family says its point is in transformers' layer (an
+    input's pre-hook or an output's hook, as TransformerLens hooks a point): `change` gets the
+    stream there, [batch, positions, hidden], and returns what the model goes on with (None: the
+    same). Returns the hook's handle."""
+    where = family_of(model.config.architectures).locate(site.point, hf=True)
+    module = decoder[site.layer]
+    for part in filter(None, where.module.split(".")):
+        module = getattr(module, part)
+    if where.side == "output":
+
+        def output_hook(_module, _args, output):
+            new = change(output[0] if isinstance(output, tuple) else output)
+            if new is None:
+                return None
+            return (new, *output[1:]) if isinstance(output, tuple) else new
+
+        return module.register_forward_hook(output_hook)
+
+    def input_hook(_module, args, kwargs):
+        keyword = "hidden_states" in kwargs
+        new = change(kwargs["hidden_states"] if keyword else args[where.arg])
+        if new is None:
+            return None
+        if keyword:
+            return args, {**kwargs, "hidden_states": new}
+        return (*args[: where.arg], new, *args[where.arg + 1 :]), kwargs
+
+    return module.register_forward_pre_hook(input_hook, with_kwargs=True)
+
+
 @torch.no_grad()
 def site_values(model, decoder, sites: Sequence[Site], **inputs) -> dict[Site, torch.Tensor]:
-    """Runs model(**inputs) with a hook at each site where the model's family says its point is
-    in transformers' layer (an input's pre-hook or an output's hook, as TransformerLens hooks a
-    point), [positions, hidden]."""
-    family = family_of(model.config.architectures)
+    """Runs model(**inputs) and keeps the stream at each site (hook_site), [positions, hidden]."""
     captured: dict[Site, torch.Tensor] = {}
-
-    def keep(site: Site, value) -> None:
-        captured[site] = (value[0] if isinstance(value, tuple) else value)[0].double()
-
-    handles = []
-    for site in sites:
-        where = family.locate(site.point, hf=True)
-        module = decoder[site.layer]
-        for part in filter(None, where.module.split(".")):
-            module = getattr(module, part)
-        if where.side == "output":
-            hook = module.register_forward_hook(lambda _m, _a, output, site=site: keep(site, output))
-        else:
-            hook = module.register_forward_pre_hook(
-                lambda _m, args, kwargs, site=site, where=where: keep(
-                    site, kwargs["hidden_states"] if "hidden_states" in kwargs else args[where.arg]
-                ),
-                with_kwargs=True,
-            )
-        handles.append(hook)
+    handles = [
+        hook_site(model, decoder, site, lambda value, site=site: captured.__setitem__(site, value[0].double()))
+        for site in sites
+    ]
     try:
         model(**inputs)
     finally:
@@ -112,12 +128,13 @@ def site_values(model, decoder, sites: Sequence[Site], **inputs) -> dict[Site, t
 
 
 def reference_readouts(reference, concepts, ids: Sequence[int], images: Sequence | None = None) -> torch.Tensor:
-    """[positions, layers * concepts]: each layer's output (no final norm) · each concept vector.
+    """[positions, layers * concepts]: the stream at the set's point of each layer (resid_post: the
+    layer's output, no final norm) · each concept vector.
 
     `reference` is a Reference, or a VlReference given the prompt's images in order.
     """
     if images is None:
-        residuals = reference.residuals(ids, concepts.layers)
+        residuals = reference.residuals(ids, concepts.layers, concepts.point)
     else:
         residuals = reference.residuals(ids, images, concepts.layers)
     rows = [residuals[layer] @ concepts.vectors[layer].double().T for layer in concepts.layers]

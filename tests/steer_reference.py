@@ -1,8 +1,8 @@
 """The reference for steering: the same interventions applied to transformers by forward hooks.
 
 Independent of the serving code: positions, layers and coefficients are taken from the
-interventions as a client states them, and applied in float64 to each hooked layer's output
-(the residual stream before the final norm), every intervention at a layer computed from the
+interventions as a client states them, and applied in float64 to the stream at the sets' point
+of each hooked layer (resid_post: its output, before the final norm), every intervention at a layer computed from the
 residual before any of them and summed, as docs/steering.md defines. A cap adds
 (clamp(<h, d>, lo, hi) - <h, d>) d; a request's own vector is its direction at every layer.
 `check_against_reference` holds a steered generation to it.
@@ -19,6 +19,7 @@ import torch
 
 from salience.core.engine.generation import Generation
 from salience.core.engine.requests import SamplingOptions, TokenEvent
+from salience.core.models.points import Site
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import Intervention, Op
 from tests.reference import (
@@ -26,6 +27,7 @@ from tests.reference import (
     assert_logprobs_match,
     assert_readouts_close,
     decoder_layers,
+    hook_site,
     reference_readouts,
 )
 
@@ -58,8 +60,7 @@ def steered(model, sets: Sequence[ConceptSet], steer: Sequence[Intervention], pr
         for layer in intervention.layers:
             by_layer.setdefault(layer, []).append(intervention)
 
-    def hook(module, args, output, layer: int):
-        hidden = output[0] if isinstance(output, tuple) else output
+    def change(hidden: torch.Tensor, layer: int) -> torch.Tensor:
         h = hidden[0].double()  # [positions, hidden]
         delta = torch.zeros_like(h)
         for i in by_layer[layer]:
@@ -78,12 +79,12 @@ def steered(model, sets: Sequence[ConceptSet], steer: Sequence[Intervention], pr
                 a, b = {Op.ADD: (i.value, 0.0), Op.SET: (i.value, -1.0), Op.ABLATE: (0.0, -1.0)}[i.op]
                 change = a + b * p
             delta += mask * change[:, None] * d[None, :]
-        new = (h + delta).to(hidden.dtype)[None]
-        return (new, *output[1:]) if isinstance(output, tuple) else new
+        return (h + delta).to(hidden.dtype)[None]
 
-    layers = decoder_layers(model)
+    layers, point = decoder_layers(model), sets[0].point
     handles = [
-        layers[layer].register_forward_hook(lambda m, a, o, layer=layer: hook(m, a, o, layer)) for layer in by_layer
+        hook_site(model, layers, Site(layer, point), lambda hidden, layer=layer: change(hidden, layer))
+        for layer in by_layer
     ]
     try:
         yield

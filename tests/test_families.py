@@ -71,10 +71,25 @@ def family_model(family: str, tiny_model: Path) -> Path:
     return family_folder(family, tiny_model)
 
 
+# The point each family's concept set reads (and steering, and residual rows, act at): every point
+# on some family, each where its family's layer puts it somewhere of its own (a fused norm's
+# input pair, a post-norm's output, a transformers module's tuple output, the layer's input).
+CONCEPT_POINTS: dict[str, Point] = {
+    "qwen3": "resid_mid",
+    "mistral": "resid_pre",
+    "gpt2": "resid_pre",
+    "gemma2": "attn_out",
+    "gpt_neox": "attn_out",
+    "gemma3": "mlp_out",
+    "olmo2": "mlp_in",
+    "phi3": "mlp_in",
+}
+
+
 @pytest.fixture(scope="module")
-def concepts(family_model: Path, tmp_path_factory: pytest.TempPathFactory) -> ConceptSet:
+def concepts(family: str, family_model: Path, tmp_path_factory: pytest.TempPathFactory) -> ConceptSet:
     path = tmp_path_factory.mktemp("concepts") / "family.safetensors"
-    return random_concepts(family_model, CONCEPTS, LAYERS, 3, path)
+    return random_concepts(family_model, CONCEPTS, LAYERS, 3, path, point=CONCEPT_POINTS.get(family, "resid_post"))
 
 
 @pytest.fixture(scope="session")
@@ -186,7 +201,7 @@ async def test_residual_rows_and_features_equal_the_reference(
     ids = prompt + [e.token_id for e in events]
     rows = {**generation.prompt_residuals, **{e.position: e.residual for e in events}}
     assert sorted(rows) == list(range(len(ids)))
-    assert_rows(rows, reference, ids, (0, 3))
+    assert_rows(rows, reference, ids, (0, 3), concepts.point)
     features = {**generation.prompt_rows["features"], **{e.position: e.features for e in events}}
     assert sorted(features) == list(range(len(ids)))
     assert_features(features, want_top(reference, family_sae, ids), SAE_TOP)
@@ -249,12 +264,14 @@ async def test_features_at_every_point_equal_the_reference(
         assert_features(rows, torch.from_numpy(acts), SAE_TOP)
 
 
-async def test_rows_after_a_prefix_cache_hit_equal_the_reference(engine: Engine, reference: Reference) -> None:
+async def test_rows_after_a_prefix_cache_hit_equal_the_reference(
+    engine: Engine, reference: Reference, concepts: ConceptSet
+) -> None:
     await check_rows_across_a_cache_hit(
         engine,
         "residual",
         lambda start: Probes(residual=ResidualRequest(layers=(2,), ranges=((start, 2000),))),
-        lambda rows, ids: assert_rows(rows, reference, ids, (2,)),
+        lambda rows, ids: assert_rows(rows, reference, ids, (2,), concepts.point),
     )
 
 

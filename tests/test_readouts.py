@@ -346,6 +346,7 @@ async def test_readouts_over_lmtp(engine: Engine, concepts: ConceptSet) -> None:
             "layers": list(TINY_LAYERS),
             "hidden_size": 128,
             "dtype": "float32",
+            "point": "resid_post",  # the layer's output: a set that names no point
             "concept_info": [None] * len(TINY_CONCEPTS),  # a set built by hand has no calibration
             "version": engine.live.view().version,  # defines and deletes count, on a shared engine too
             "live": [],

@@ -16,6 +16,7 @@ from salience.core.engine.generation import Generation
 from salience.core.engine.requests import FinishReason, Probes, ResidualRequest, SamplingOptions, TokenEvent
 from salience.core.engine.row_budget import RowBudget
 from salience.core.engine.rows import layer_names, residual_plan
+from salience.core.models.points import Point
 from salience.errors import InvalidArgument
 from salience.lmtp.client import LmtpClient, LmtpStreamError
 from salience.proto.salience.ext.v1 import extensions_pb2 as ext
@@ -34,8 +35,15 @@ def engine(read_engine_each_mode: Engine) -> Engine:
     return read_engine_each_mode
 
 
-def assert_rows(rows: dict[int, np.ndarray], reference: Reference, ids: list[int], layers: tuple[int, ...]) -> None:
-    want = reference.residuals(ids, layers)
+def assert_rows(
+    rows: dict[int, np.ndarray],
+    reference: Reference,
+    ids: list[int],
+    layers: tuple[int, ...],
+    point: Point = "resid_post",
+) -> None:
+    """Each position's rows are the reference's stream at `point` (the concept set's) of `layers`."""
+    want = reference.residuals(ids, layers, point)
     for position, row in rows.items():
         assert row.shape == (len(layers), 128) and row.dtype == np.float32
         for i, layer in enumerate(layers):

@@ -131,7 +131,7 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
         view = self._status.serving_engine().concept_view()
         manifest = ext.ConceptManifest()
         if view is not None:
-            manifest.version = view.version
+            manifest.version, manifest.point = view.version, view.point
             for name, info in zip(view.concepts, view.info, strict=True):
                 concept = manifest.concepts.add(name=name, live=name in view.live)
                 if calibrated(info):

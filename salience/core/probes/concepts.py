@@ -12,6 +12,8 @@ File format (safetensors): one float32 tensor `layer.<L>` of shape
     provenance          JSON object: how the vectors were built
     concept_info        JSON list, one object or null per concept (absent in older files): how
                         each concept validated and its calibration per layer (probes/fitting.py, validation.py)
+    point               the hook point of each layer the vectors read (models/points.py); absent
+                        in older files and for resid_post, the residual after the layer
 
 Vectors are used exactly as stored: a builder normalises them, a reader never does.
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 from salience.core.models.folders import model_fingerprint, model_shape
+from salience.core.models.points import POINTS, Point
 from salience.errors import InvalidArgument, ModelError
 
 __all__ = ["ConceptSet", "ReadoutManifest", "capture_concepts"]
@@ -42,6 +45,7 @@ class ReadoutManifest:
     layers: tuple[int, ...]
     hidden_size: int
     dtype: str = "float32"
+    point: Point = "resid_post"  # the hook point of each layer readouts read (models/points.py)
     # Per concept, in the order of `concepts`: {name, recommended_layer, method, n_fit, n_heldout,
     # layers: [{layer, scale, offset, auroc, accuracy, ...}], ...}, or None where it was not
     # validated (a set built before calibration, or by hand).
@@ -59,10 +63,13 @@ class ConceptSet:
     model_fingerprint: str
     provenance: dict = field(default_factory=dict)
     info: tuple[dict | None, ...] = ()  # concept_info, see ReadoutManifest; () when the file has none
+    point: Point = "resid_post"  # where in each layer the vectors read (models/points.py)
 
     def __post_init__(self) -> None:
         if self.info and len(self.info) != len(self.concepts):
             raise ModelError(f"concept_info has {len(self.info)} entries for {len(self.concepts)} concepts")
+        if self.point not in POINTS:
+            raise ModelError(f"concept set point {self.point!r} is not one of {', '.join(POINTS)}")
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -75,11 +82,14 @@ class ConceptSet:
             layers=self.layers,
             hidden_size=self.hidden_size,
             concept_info=self.info or (None,) * len(self.concepts),
+            point=self.point,
         )
 
     def digest(self) -> str:
-        """sha256 of what readouts depend on: names, layers, shape, model and every vector's bytes."""
-        h = hashlib.sha256(json.dumps([self.concepts, self.layers, self.hidden_size, self.model_fingerprint]).encode())
+        """sha256 of what readouts depend on: names, layers, shape, model, point (a set at resid_post
+        keeps the digest it had before there were others) and every vector's bytes."""
+        what = [self.concepts, self.layers, self.hidden_size, self.model_fingerprint]
+        h = hashlib.sha256(json.dumps(what if self.point == "resid_post" else [*what, self.point]).encode())
         for layer in self.layers:
             h.update(self.vectors[layer].to(torch.float32).contiguous().numpy().tobytes())
         return h.hexdigest()
@@ -110,6 +120,8 @@ class ConceptSet:
         }
         if self.info:
             metadata["concept_info"] = json.dumps(list(self.info))
+        if self.point != "resid_post":
+            metadata["point"] = self.point
         return tensors, metadata
 
     @classmethod
@@ -132,6 +144,7 @@ class ConceptSet:
                     model_fingerprint=meta["model_fingerprint"],
                     provenance=json.loads(meta.get("provenance") or "{}"),
                     info=tuple(json.loads(meta["concept_info"])) if "concept_info" in meta else (),
+                    point=meta.get("point", "resid_post"),
                 )
         except ModelError:
             raise

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from salience.core.models.points import Point
 from salience.core.probes.calibration import Calibration
 from salience.core.probes.concepts import ConceptSet, ReadoutManifest
 from salience.core.probes.steering import ResolvedSteer
@@ -65,6 +66,7 @@ class ConceptView:
     layers: tuple[int, ...]
     hidden_size: int
     info: tuple[dict | None, ...]
+    point: Point = "resid_post"  # the concept set's, where every concept here reads (live ones too)
     live: frozenset[str] = field(default_factory=frozenset)
     identities: Mapping[str, str] = field(default_factory=dict)  # live concept -> LiveConcept.identity
 
@@ -75,6 +77,7 @@ class ConceptView:
             layers=self.layers,
             hidden_size=self.hidden_size,
             concept_info=self.info,
+            point=self.point,
             version=self.version,
             live=tuple(name for name in self.concepts if name in self.live),
         )
@@ -140,6 +143,7 @@ class ConceptTable:
             columns=(*range(len(loaded.concepts)), *(c.column for c in live)),
             layers=loaded.layers,
             hidden_size=loaded.hidden_size,
+            point=loaded.point,
             info=(*info, *({**c.info, "live": True} if c.info else {"name": c.name, "live": True} for c in live)),
             live=frozenset(self._live),
             identities={c.name: c.identity for c in live},

@@ -169,8 +169,14 @@ class Directions:
             shared = sorted(set(concepts.concepts) & set(steering.concepts))
             if shared:
                 raise ModelError(f"the steering set names {shared}, which the concept set names too")
+            if concepts.point != steering.point:
+                raise ModelError(
+                    f"the steering set steers at {steering.point} and the concept set reads {concepts.point}: "
+                    "steering acts where readouts read, so they must be one point"
+                )
         self.hidden_size = sets[0].hidden_size
         self.num_layers = sets[0].num_layers
+        self.point = sets[0].point  # where in each layer every direction steers
         self.names: tuple[str, ...] = tuple(name for s in sets for name in s.concepts)
         self._sets = sets
         self._column = {name: k for k, name in enumerate(self.names)}

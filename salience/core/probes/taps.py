@@ -313,7 +313,8 @@ def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch
         if device.type == "cpu":  # the gated op's (Reading)
             staging = torch.zeros(len(concepts.layers), STAGED_ROWS, concepts.hidden_size, device=device)
         for slot in slots:
-            tap(Site(concepts.layers[slot])).read_into(slot, matrices, buffer, (slots[0], slots[-1]), staging)
+            site = Site(concepts.layers[slot], concepts.point)
+            tap(site).read_into(slot, matrices, buffer, (slots[0], slots[-1]), staging)
     if directions is not None:
         shape = (max_tokens, len(directions.layers), directions.width)
         coefficients = tuple(
@@ -321,7 +322,8 @@ def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch
         )
         for slot, index in enumerate(directions.layers):
             if index in held:
-                tap(Site(index)).steer_from(slot, directions.matrix(index).to(device).contiguous(), coefficients)
+                matrix = directions.matrix(index).to(device).contiguous()
+                tap(Site(index, directions.point)).steer_from(slot, matrix, coefficients)
     if features_spec is not None:
         from salience.core.features.sae import load_sae
 

@@ -298,12 +298,14 @@ class GetConceptManifestRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ConceptManifest(_message.Message):
-    __slots__ = ("concepts", "version")
+    __slots__ = ("concepts", "version", "point")
     CONCEPTS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    POINT_FIELD_NUMBER: _ClassVar[int]
     concepts: _containers.RepeatedCompositeFieldContainer[Concept]
     version: int
-    def __init__(self, concepts: _Optional[_Iterable[_Union[Concept, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
+    point: str
+    def __init__(self, concepts: _Optional[_Iterable[_Union[Concept, _Mapping]]] = ..., version: _Optional[int] = ..., point: _Optional[str] = ...) -> None: ...
 
 class Concept(_message.Message):
     __slots__ = ("name", "info", "live")
