@@ -16,6 +16,9 @@ Written from SAELens 6's source, independent of salience's code:
   rescaling. Ties are broken here towards the lowest feature ids (a stable sort), which SAELens
   leaves unspecified; tests that compare ids avoid ties.
 - decode: acts @ W_dec + b_dec.
+- saes/transcoder.py: a transcoder's process_sae_in never subtracts b_dec (it is d_out wide, the
+  output hook's); "transcoder" and "skip_transcoder" encode as standard, "jumprelu_transcoder" as
+  jumprelu; a skip transcoder's output adds x @ W_skip.T to the decode.
 
 `write_folder` writes a folder as another tool would, for the tests to craft any cfg.json.
 """
@@ -76,14 +79,19 @@ def _rescales(ref: dict[str, Any]) -> bool:
     return ref["cfg"]["architecture"] == "topk" and bool(ref["cfg"].get("rescale_acts_by_decoder_norm", False))
 
 
+TRANSCODERS = {"transcoder": "standard", "skip_transcoder": "standard", "jumprelu_transcoder": "jumprelu"}
+
+
 def pre_activations(ref: dict[str, Any], x: np.ndarray) -> np.ndarray:
-    sae_in = np.asarray(x, np.float64) - ref["b_dec"] * float(ref["cfg"]["apply_b_dec_to_input"])
+    sae_in = np.asarray(x, np.float64)
+    if ref["cfg"]["apply_b_dec_to_input"] and ref["cfg"]["architecture"] not in TRANSCODERS:
+        sae_in = sae_in - ref["b_dec"]
     return sae_in @ ref["W_enc"] + ref["b_enc"]
 
 
 def encode(ref: dict[str, Any], x: np.ndarray) -> np.ndarray:
     pre = pre_activations(ref, x)
-    arch = ref["cfg"]["architecture"]
+    arch = TRANSCODERS.get(ref["cfg"]["architecture"], ref["cfg"]["architecture"])
     if arch == "standard":
         return np.maximum(pre, 0.0)
     if arch == "jumprelu":
@@ -102,6 +110,12 @@ def decode(ref: dict[str, Any], acts: np.ndarray) -> np.ndarray:
     if _rescales(ref):
         acts = acts / np.linalg.norm(ref["W_dec"], axis=-1)
     return acts @ ref["W_dec"] + ref["b_dec"]
+
+
+def transcode(ref: dict[str, Any], x: np.ndarray) -> np.ndarray:
+    """A transcoder's output for input x: decode(encode(x)), plus x @ W_skip.T for a skip transcoder."""
+    out = decode(ref, encode(ref, x))
+    return out + np.asarray(x, np.float64) @ ref["W_skip"].T if "W_skip" in ref else out
 
 
 def write_folder(folder: Path, cfg: dict[str, Any] | str | None, tensors: dict[str, Any] | bytes | None) -> Path:

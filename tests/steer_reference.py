@@ -19,7 +19,7 @@ import torch
 
 from salience.core.engine.generation import Generation
 from salience.core.engine.requests import SamplingOptions, TokenEvent
-from salience.core.models.points import Site
+from salience.core.models.points import STREAM, Site
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import Intervention, Op
 from tests.reference import (
@@ -60,7 +60,9 @@ def steered(model, sets: Sequence[ConceptSet], steer: Sequence[Intervention], pr
         for layer in intervention.layers:
             by_layer.setdefault(layer, []).append(intervention)
 
-    def change(hidden: torch.Tensor, layer: int) -> torch.Tensor:
+    def change(hidden: torch.Tensor, layer: int) -> torch.Tensor | None:
+        """The steered stream: written into the stream's own tensor at a resid_* point, which the
+        layer's residual holds too (STREAM), and passed on as a new one at a branch's."""
         h = hidden[0].double()  # [positions, hidden]
         delta = torch.zeros_like(h)
         for i in by_layer[layer]:
@@ -79,7 +81,11 @@ def steered(model, sets: Sequence[ConceptSet], steer: Sequence[Intervention], pr
                 a, b = {Op.ADD: (i.value, 0.0), Op.SET: (i.value, -1.0), Op.ABLATE: (0.0, -1.0)}[i.op]
                 change = a + b * p
             delta += mask * change[:, None] * d[None, :]
-        return (h + delta).to(hidden.dtype)[None]
+        new = (h + delta).to(hidden.dtype)[None]
+        if point in STREAM:
+            hidden.copy_(new)
+            return None
+        return new
 
     layers, point = decoder_layers(model), sets[0].point
     handles = [

@@ -145,10 +145,18 @@ def reference(family_model: Path) -> Reference:
     return Reference(family_model)
 
 
-async def test_it_runs_compiled(engine: Engine, family_model: Path, point_saes: list[SparseAutoencoder]) -> None:
+async def test_it_runs_compiled(
+    engine: Engine,
+    family_model: Path,
+    concepts: ConceptSet,
+    family_sae: SparseAutoencoder,
+    point_saes: list[SparseAutoencoder],
+) -> None:
+    """One tap per site read: the concept set's layers at its point, and each SAE's site."""
     assert model_family(family_model).compiled and engine.compiled
     graph = await engine.readouts.graph()
-    assert graph["taps"] == len(LAYERS) + len(point_saes) and not graph["graph_breaks"], graph
+    sites = {Site(layer, concepts.point) for layer in LAYERS} | {sae.site for sae in (family_sae, *point_saes)}
+    assert graph["taps"] == len(sites) and not graph["graph_breaks"], graph
 
 
 async def test_logprobs_readouts_and_greedy_equal_the_reference(

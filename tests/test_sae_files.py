@@ -240,7 +240,7 @@ MALFORMED: dict[str, tuple[tuple[str, Case], str]] = {
     "metadata a list": (cfg_edit(metadata=[1]), "'metadata' is not an object"),
     "no architecture": (cfg_edit(architecture=DELETE), "cfg.json has no 'architecture'"),
     "gated": (cfg_edit(architecture="gated"), "'gated' is not supported (supported: standard, topk, jumprelu)"),
-    "transcoder": (cfg_edit(architecture="jumprelu_transcoder"), "'jumprelu_transcoder' is not supported"),
+    "crosscoder": (cfg_edit(architecture="crosscoder"), "'crosscoder' is not supported"),
     "layer_norm": (cfg_edit(normalize_activations="layer_norm"), "normalize_activations 'layer_norm' is not supported"),
     "constant_norm_rescale": (cfg_edit(normalize_activations="constant_norm_rescale"), "changes the input per token"),
     "expected_average": (cfg_edit(normalize_activations="expected_average_only_in"), "does not carry"),
@@ -386,6 +386,65 @@ def test_an_sae_at_a_point_its_family_lacks_is_refused_naming_both(tmp_path: Pat
     check_fits(sae, hidden_size=sae.d_in, num_layers=4, family=family_of(["LlamaForCausalLM"]))
     with pytest.raises(ModelError, match=r"SAE s reads blocks\.2\.hook_resid_mid, but GPT-NeoX models have no hook "):
         check_fits(sae, hidden_size=sae.d_in, num_layers=4, family=family_of(["GPTNeoXForCausalLM"]))
+
+
+TRANSCODER_HOOKS = {"hook_name": "blocks.2.ln2.hook_normalized", "hook_name_out": "blocks.2.hook_mlp_out"}
+D_OUT = 12
+
+
+def transcoder_folder(folder: Path, kind: str, **cfg_changes: Any) -> Path:
+    g = torch.Generator().manual_seed(4)
+    w = weights("jumprelu" if kind == "jumprelu_transcoder" else "standard")
+    w |= {"W_dec": torch.randn(D_SAE, D_OUT, generator=g) / 4, "b_dec": torch.randn(D_OUT, generator=g) / 4}
+    if kind == "skip_transcoder":
+        w["W_skip"] = torch.randn(D_OUT, D_IN, generator=g) / 4
+    cfg = v6_cfg(kind, d_out=D_OUT) | cfg_changes
+    cfg["metadata"] |= TRANSCODER_HOOKS
+    return ref.write_folder(folder, cfg, w)
+
+
+@pytest.mark.parametrize("kind", ["transcoder", "skip_transcoder", "jumprelu_transcoder"])
+def test_a_transcoder_reads_the_mlp_input_and_encodes_as_saelens(tmp_path: Path, kind: str) -> None:
+    """Its features are read where its hook is (the MLP's normalized input), encoded without b_dec
+    (the output's), and its decode plus a skip transcoder's W_skip @ x is SAELens's output."""
+    folder = transcoder_folder(tmp_path / kind, kind)
+    sae, reference, x = load_sae(folder), ref.read_folder(folder), inputs()
+    assert (sae.site, sae.transcoder, sae.hook_name_out, sae.d_out) == (
+        *(Site(2, "mlp_in"), kind),
+        *("blocks.2.hook_mlp_out", D_OUT),
+    )
+    assert {key: sae.info()[key] for key in ("point", "transcoder", "hook_name_out", "d_out")} == {
+        "point": "mlp_in",
+        "transcoder": kind,
+        "hook_name_out": "blocks.2.hook_mlp_out",
+        "d_out": D_OUT,
+    }
+    acts = sae.encode(x)
+    np.testing.assert_allclose(acts.numpy(), ref.encode(reference, x.numpy()), atol=1e-5, rtol=0)
+    assert (acts > 0).any() and (acts == 0).any()
+    out = sae.decode(acts) + (x @ sae.W_skip.T if sae.W_skip is not None else 0)
+    np.testing.assert_allclose(out.numpy(), ref.transcode(reference, x.numpy()), atol=1e-5, rtol=0)
+
+
+def test_a_transcoder_without_its_output_hook_or_skip_matrix_is_refused(tmp_path: Path) -> None:
+    folder = transcoder_folder(tmp_path / "t", "transcoder")
+    cfg = json.loads((folder / "cfg.json").read_text())
+    del cfg["metadata"]["hook_name_out"]
+    (folder / "cfg.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        ModelError, match=r"a transcoder names the hook it reconstructs: cfg\.json has no hook_name_out"
+    ):
+        load_sae(folder)
+    skip = transcoder_folder(tmp_path / "s", "skip_transcoder")
+    cfg = json.loads((skip / "cfg.json").read_text())
+    (tmp_path / "s" / "cfg.json").write_text(json.dumps(cfg | {"architecture": "transcoder"}))
+    with pytest.raises(ModelError, match=r"unexpected tensors W_skip in sae_weights\.safetensors for a transcoder SAE"):
+        load_sae(skip)
+    (tmp_path / "s" / "cfg.json").write_text(json.dumps(cfg | {"d_out": D_IN}))
+    with pytest.raises(
+        ModelError, match=r"W_dec has shape \[48, 12\], expected \[48, 16\] \(d_in 16, d_sae 48, d_out 16\)"
+    ):
+        load_sae(skip)
 
 
 # --- saving ---------------------------------------------------------------------------------------

@@ -58,6 +58,10 @@ if TYPE_CHECKING:
 __all__ = ["ARCHITECTURES", "SparseAutoencoder", "check_fits", "load_sae", "save_sae"]
 
 ARCHITECTURES = ("standard", "topk", "jumprelu")
+# SAELens's transcoders, by the encoder math each uses: they read one hook (the MLP's input) and
+# reconstruct another (its output, cfg.json's hook_name_out, d_out wide); b_dec is the output's,
+# so SAELens never subtracts it from the input. A skip transcoder adds W_skip @ x to its output.
+TRANSCODERS = {"transcoder": "standard", "skip_transcoder": "standard", "jumprelu_transcoder": "jumprelu"}
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
 _FOLDER_FILES = {CFG_FILE, WEIGHTS_FILE, "sparsity.safetensors"}  # what save_sae may overwrite
@@ -80,6 +84,7 @@ _INFO_KEYS = (
     "apply_b_dec_to_input",
     "sha256",
 )
+_TRANSCODER_KEYS = ("transcoder", "hook_name_out", "d_out")
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,6 +107,11 @@ class SparseAutoencoder:
     b_dec: torch.Tensor
     threshold: torch.Tensor | None
     sha256: str
+    # A transcoder's: its kind (TRANSCODERS), the hook and width it reconstructs, its skip matrix.
+    transcoder: str | None = None
+    hook_name_out: str | None = None
+    d_out: int | None = None
+    W_skip: torch.Tensor | None = None
 
     def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
         """[..., d_in] -> [..., d_sae], before the architecture's nonlinearity."""
@@ -124,7 +134,8 @@ class SparseAutoencoder:
         return torch.where(keep, pre.relu(), 0.0)
 
     def decode(self, acts: torch.Tensor) -> torch.Tensor:
-        """[..., d_sae] -> [..., d_in]: the reconstruction of the residual."""
+        """[..., d_sae] -> [..., d_in]: the reconstruction of the residual (a transcoder's:
+        [..., d_out] of its output hook, without a skip transcoder's W_skip @ x)."""
         return acts.to(self.W_dec.dtype) @ self.W_dec + self.b_dec
 
     @property
@@ -134,12 +145,15 @@ class SparseAutoencoder:
     def to(self, device: torch.device | str) -> SparseAutoencoder:
         """A copy whose tensors live on `device`."""
         moved = {f: getattr(self, f).to(device) for f in ("W_enc", "b_enc", "W_dec", "b_dec")}
-        threshold = None if self.threshold is None else self.threshold.to(device)
-        return dataclasses.replace(self, threshold=threshold, **moved)
+        optional = {
+            f: None if getattr(self, f) is None else getattr(self, f).to(device) for f in ("threshold", "W_skip")
+        }
+        return dataclasses.replace(self, **optional, **moved)
 
     def info(self) -> dict[str, Any]:
-        """What clients are told about the SAE (JSON-able)."""
-        return {key: getattr(self, key) for key in _INFO_KEYS}
+        """What clients are told about the SAE (JSON-able): a transcoder's kind and output too."""
+        keys = _INFO_KEYS + (_TRANSCODER_KEYS if self.transcoder else ())
+        return {key: getattr(self, key) for key in keys}
 
 
 def check_fits(sae: SparseAutoencoder, *, hidden_size: int, num_layers: int, family: Family | None = None) -> None:
@@ -181,7 +195,7 @@ def _build(folder: Path, name: str, cfg_bytes: bytes, weight_bytes: bytes) -> Sp
     if not isinstance(cfg, dict):
         raise ValueError(f"{CFG_FILE} is not a JSON object")
     fields, rescale = _read_cfg(cfg)
-    w = _read_weights(weight_bytes, fields["architecture"], fields["d_in"], fields["d_sae"])
+    w = _read_weights(weight_bytes, fields)
     if rescale:  # SAELens scales pre by ||W_dec row|| and divides acts by it in decode: fold both
         norms = w["W_dec"].norm(dim=-1)
         if not bool((norms > 0).all()):
@@ -214,6 +228,8 @@ def _read_cfg(cfg: dict) -> tuple[dict[str, Any], bool]:
     if not legacy and "architecture" not in cfg:
         raise ValueError(f"{CFG_FILE} has no 'architecture'")
     architecture, k = cfg.get("architecture", "standard"), cfg.get("k")
+    transcoder = architecture if architecture in TRANSCODERS else None
+    architecture = TRANSCODERS.get(architecture, architecture)
     act = cfg.get("activation_fn_str", cfg.get("activation_fn")) or "relu"
     if act not in ("relu", "topk"):
         raise ValueError(f"activation function {act!r} is not supported (relu, or topk with a k)")
@@ -254,10 +270,22 @@ def _read_cfg(cfg: dict) -> tuple[dict[str, Any], bool]:
     apply_b_dec = _typed(cfg.get("apply_b_dec_to_input", True), "apply_b_dec_to_input", bool)
     site = parse_hook(hook)
     fields = {"architecture": architecture, "layer": site.layer, "point": site.point, "hook_name": hook, "d_in": d_in}
-    return fields | {"d_sae": d_sae, "k": k, "apply_b_dec_to_input": apply_b_dec}, rescale
+    fields |= {"d_sae": d_sae, "k": k, "apply_b_dec_to_input": apply_b_dec and transcoder is None}
+    if transcoder is not None:
+        out = meta.get("hook_name_out") or cfg.get("hook_name_out")
+        if not isinstance(out, str):
+            raise ValueError(f"a {transcoder} names the hook it reconstructs: {CFG_FILE} has no hook_name_out")
+        d_out = _typed(cfg.get("d_out", d_in), "d_out", int)
+        if d_out < 1:
+            raise ValueError(f"{CFG_FILE} has d_out {d_out}; it must be positive")
+        fields |= {"transcoder": transcoder, "hook_name_out": out, "d_out": d_out}
+    return fields, rescale
 
 
-def _read_weights(blob: bytes, architecture: str, d_in: int, d_sae: int) -> dict[str, Any]:
+def _read_weights(blob: bytes, fields: dict[str, Any]) -> dict[str, Any]:
+    """The tensors `fields` (from _read_cfg) call for, checked and in float32."""
+    architecture, d_in, d_sae = fields["architecture"], fields["d_in"], fields["d_sae"]
+    d_out = fields.get("d_out") or d_in
     try:
         raw = safetensors.torch.load(blob)
     except Exception as e:  # safetensors raises its own error types for a bad header
@@ -265,9 +293,12 @@ def _read_weights(blob: bytes, architecture: str, d_in: int, d_sae: int) -> dict
     scaling = raw.pop("scaling_factor", None)  # SAELens drops it when all ones, and cannot apply it otherwise
     if scaling is not None and not bool((scaling == 1).all()):
         raise ValueError("a finetuning scaling_factor other than 1 (it rescales activations) is not supported")
-    shapes = {"W_enc": (d_in, d_sae), "b_enc": (d_sae,), "W_dec": (d_sae, d_in), "b_dec": (d_in,)}
+    shapes = {"W_enc": (d_in, d_sae), "b_enc": (d_sae,), "W_dec": (d_sae, d_out), "b_dec": (d_out,)}
     if architecture == "jumprelu":
         shapes["threshold"] = (d_sae,)
+    if fields.get("transcoder") == "skip_transcoder":
+        shapes["W_skip"] = (d_out, d_in)
+    architecture = fields.get("transcoder") or architecture
     if missing := sorted(shapes.keys() - raw.keys()):
         hint = "; log_threshold is a training checkpoint's, SAELens saves threshold" if "log_threshold" in raw else ""
         raise ValueError(f"a {architecture} SAE needs {', '.join(missing)}, missing from {WEIGHTS_FILE}{hint}")
@@ -277,7 +308,8 @@ def _read_weights(blob: bytes, architecture: str, d_in: int, d_sae: int) -> dict
     for key, shape in shapes.items():
         t = raw[key]
         if tuple(t.shape) != shape:
-            raise ValueError(f"{key} has shape {list(t.shape)}, expected {list(shape)} (d_in {d_in}, d_sae {d_sae})")
+            sizes = f"d_in {d_in}, d_sae {d_sae}" + (f", d_out {d_out}" if "d_out" in fields else "")
+            raise ValueError(f"{key} has shape {list(t.shape)}, expected {list(shape)} ({sizes})")
         if t.dtype not in _FLOATS:
             raise ValueError(f"{key} is {t.dtype}, not a float tensor")
         out[key] = t.to(torch.float32).contiguous()

@@ -22,10 +22,15 @@ import re
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-__all__ = ["POINTS", "Location", "Point", "Site", "parse_hook"]
+__all__ = ["POINTS", "STREAM", "Location", "Point", "Site", "parse_hook"]
 
 Point = Literal["resid_pre", "resid_mid", "attn_out", "mlp_in", "mlp_out", "resid_post"]
 POINTS: tuple[Point, ...] = get_args(Point)
+# The residual stream itself, as against a branch off it: where the layer's code holds the stream
+# in one tensor that the residual and a branch both read (transformers' `residual = hidden_states`
+# before a norm), a write at a stream point reaches both, and a write at a branch point (an MLP
+# input that is that same tensor, as OLMo 2's is) must reach the branch alone.
+STREAM: frozenset[Point] = frozenset({"resid_pre", "resid_mid", "resid_post"})
 
 
 @dataclass(frozen=True, order=True)

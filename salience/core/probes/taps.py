@@ -59,7 +59,7 @@ from torch import nn
 
 from salience.core.features.encoder import SAEEncoder
 from salience.core.models.families import Family, family_of
-from salience.core.models.points import Location, Site
+from salience.core.models.points import STREAM, Location, Site
 from salience.core.probes.compile_cache import load_inductor_artifacts
 from salience.core.probes.compile_threads import compile_on_every_core
 from salience.core.probes.concepts import ConceptSet
@@ -168,6 +168,8 @@ class Tap(nn.Module):
             return self._at(self.module(*args, **kwargs))
         keyword = "hidden_states" in kwargs
         given = kwargs["hidden_states"] if keyword else args[self.where.arg]
+        if self.steering_slot is not None and self.site.point not in STREAM:
+            given = given.clone()  # a branch's input may be the stream's own tensor (STREAM)
         residual = args[self.where.arg + 1] if self.where.pair else None
         hidden = self._at(given if residual is None else (given, residual))
         hidden = hidden[0] if residual is not None else hidden
