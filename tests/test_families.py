@@ -33,7 +33,7 @@ from salience.errors import ModelError
 from tests import sae_reference
 from tests.conftest import TINY_SOURCES, random_concepts
 from tests.engines import EnginePool
-from tests.random_sae import random_sae, stored
+from tests.random_sae import random_sae, random_transcoder, stored
 from tests.reference import (
     LONG_PROMPT,
     Reference,
@@ -99,17 +99,23 @@ def family_sae(tmp_path_factory: pytest.TempPathFactory) -> SparseAutoencoder:
 
 
 # An SAE at each point but resid_post (family_sae's), each at a layer of its own where it can be:
-# resid_pre at layer 0 reads the embeddings as the model scales them.
+# resid_pre at layer 0 reads the embeddings as the model scales them. The one at mlp_in is a
+# transcoder, as SAEs there are.
 POINT_LAYERS: dict[Point, int] = {"resid_pre": 0, "resid_mid": 1, "attn_out": 3, "mlp_in": 0, "mlp_out": 1}
 
 
 @pytest.fixture(scope="session")
 def every_point_sae(tmp_path_factory: pytest.TempPathFactory) -> dict[Point, SparseAutoencoder]:
     root = tmp_path_factory.mktemp("point-saes")
-    return {
-        point: load_sae(stored(random_sae(root / point, "topk", layer, 64, 7, point=point, k=SAE_TOP)), name=point)
-        for point, layer in POINT_LAYERS.items()
-    }
+
+    def folder(point: Point, layer: int) -> Path:
+        if point == "mlp_in":
+            return random_transcoder(root / point, layer, 64, 7)
+        return random_sae(root / point, "topk", layer, 64, 7, point=point, k=SAE_TOP)
+
+    saes = {point: load_sae(stored(folder(point, layer)), name=point) for point, layer in POINT_LAYERS.items()}
+    assert saes["mlp_in"].transcoder == "transcoder"
+    return saes
 
 
 @pytest.fixture(scope="module")

@@ -202,7 +202,7 @@ class SAEManifest(_message.Message):
     def __init__(self, saes: _Optional[_Iterable[_Union[SAEInfo, _Mapping]]] = ...) -> None: ...
 
 class SAEInfo(_message.Message):
-    __slots__ = ("name", "layer", "d_in", "d_sae", "architecture", "k", "top", "hook_name", "sha256", "point")
+    __slots__ = ("name", "layer", "d_in", "d_sae", "architecture", "k", "top", "hook_name", "sha256", "point", "transcoder", "hook_name_out", "d_out")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     D_IN_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,9 @@ class SAEInfo(_message.Message):
     HOOK_NAME_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     POINT_FIELD_NUMBER: _ClassVar[int]
+    TRANSCODER_FIELD_NUMBER: _ClassVar[int]
+    HOOK_NAME_OUT_FIELD_NUMBER: _ClassVar[int]
+    D_OUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     layer: int
     d_in: int
@@ -223,7 +226,10 @@ class SAEInfo(_message.Message):
     hook_name: str
     sha256: str
     point: str
-    def __init__(self, name: _Optional[str] = ..., layer: _Optional[int] = ..., d_in: _Optional[int] = ..., d_sae: _Optional[int] = ..., architecture: _Optional[str] = ..., k: _Optional[int] = ..., top: _Optional[int] = ..., hook_name: _Optional[str] = ..., sha256: _Optional[str] = ..., point: _Optional[str] = ...) -> None: ...
+    transcoder: str
+    hook_name_out: str
+    d_out: int
+    def __init__(self, name: _Optional[str] = ..., layer: _Optional[int] = ..., d_in: _Optional[int] = ..., d_sae: _Optional[int] = ..., architecture: _Optional[str] = ..., k: _Optional[int] = ..., top: _Optional[int] = ..., hook_name: _Optional[str] = ..., sha256: _Optional[str] = ..., point: _Optional[str] = ..., transcoder: _Optional[str] = ..., hook_name_out: _Optional[str] = ..., d_out: _Optional[int] = ...) -> None: ...
 
 class Residual(_message.Message):
     __slots__ = ("layers", "ranges")
