@@ -63,6 +63,7 @@ class _Pooled:
     settings: dict[str, Any]  # held so the objects the key names by id stay alive
     users: int = 0
     fixtures: set[str] = field(default_factory=set)  # the fixtures that ask for it, "name" or "name[param]"
+    last_test: str = ""  # the test that last let go of it
 
 
 @dataclass
@@ -89,6 +90,12 @@ class EnginePool:
         settings = engine_settings(model, settings)
         key = _part({"model": model, **settings})
         pooled = self._engines.pop(key, None)
+        if pooled is not None and pooled.users == 0 and pooled.engine.llm.errored:
+            # A dead engine fails the module that killed it, not every later module that shares it;
+            # the summary names where it was found (the cause is in that module's captured output).
+            self._event(f"found stopped (last let go of by {pooled.last_test or 'none'}); starting again", key)
+            pooled.engine.shutdown()
+            pooled = None
         if pooled is None:
             self._evict(self.keep - 1)
             while self._available_gib() < self.room_gib and self._evict_one():
@@ -107,6 +114,7 @@ class EnginePool:
             yield pooled.engine
         finally:
             pooled.users -= 1
+            pooled.last_test = self.running()
             self._engines[key] = self._engines.pop(key)  # most recently used last
             assert await settled(pooled.engine) == 0, f"a module left requests running on {key}"
             table = pooled.engine.live.table  # None without a concept set
