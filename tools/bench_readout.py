@@ -8,6 +8,8 @@ Up to five servers on the default model, started once, driven over LMTP in one r
 - `--eager`: readouts in eager mode (the path before readouts were compiled);
 - `--spare-concepts 0`: readouts without the spare columns live concepts take (what those
   16 zero columns cost);
+- `--point P` (default mlp_out): the built-in concept set's vectors read at another hook point of
+  each layer (docs/readouts.md), its taps around a module inside the layer instead of the layer;
 - `--sae DIR`: readouts plus a sparse autoencoder's encoder at a middle layer (docs/features.md),
   driven with readouts and the top 32 features on every generated token. DIR is `--sae` here, by
   default a random top-k SAE of the shape tools/train_sae.py makes (8x, k = 32): the cost
@@ -29,7 +31,8 @@ less memory.
 
     .venv/bin/python -m tools.bench_readout [--model DIR] [--streams 1,8,16] [--tokens 64] [--repeats 3]
         [--warm] [--sae DIR] [--json PATH]
-        [--ways fastest,idle,readouts,f32,probabilities,probabilities-f32,monitors,eager,unspared,residual,sae]
+        [--point P] [--ways fastest,idle,readouts,f32,probabilities,probabilities-f32,monitors,eager,unspared,
+        residual,sae,point]
 
 `--warm` skips the start with empty compile caches (the first start's cost). `--model DIR` measures
 another model (its default concept set, built once by its first start; the `sae` way there needs
@@ -50,6 +53,7 @@ from pathlib import Path
 if not __package__:  # run as `python tools/bench_readout.py`: the checkout is not on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from salience.core.models.points import POINTS
 from salience.lmtp.client import LmtpClient
 from salience.lmtp.codec import readout_values
 from tools.harness import (
@@ -72,6 +76,7 @@ CONFIGS = {  # the servers, by key: name and flags
     "eager": ("eager + readouts", ["--eager"]),
     "unspared": ("readouts, no spare columns", ["--spare-concepts", "0"]),
     "sae": ("readouts + SAE", ["--sae"]),  # the folder is appended
+    "point": ("readouts at another point", ["--concepts"]),  # the set's file is appended
 }
 # The ways to drive them, by key: the server and whether every generated token asks for readouts.
 WAYS = {
@@ -86,6 +91,7 @@ WAYS = {
     "unspared": ("unspared", True),
     "residual": ("default", True),
     "sae": ("sae", True),
+    "point": ("point", True),
 }
 WARM_BATCHES = 4  # batches of the most streams each way runs before the rounds
 # Ratios between two ways besides "/ first": (title, numerator, denominator).
@@ -96,6 +102,7 @@ EXTRA = (
     ("readouts / no spare columns", "readouts", "unspared"),
     ("with residual rows / readouts", "residual", "readouts"),
     ("with SAE / readouts", "sae", "readouts"),
+    ("at another point / resid_post", "point", "readouts"),
 )
 
 
@@ -111,7 +118,7 @@ class Way:
     fields: dict = field(default_factory=dict)
 
 
-def ways(keys: list[str], running: dict[str, Server], concepts: list[str], layers: list[int]) -> list[Way]:
+def ways(keys: list[str], running: dict[str, Server], concepts: list[str], layers: list[int], point: str) -> list[Way]:
     monitors = [{"concept": name, "above": 0.5, "action": "flag"} for name in concepts]
     middle = layers[len(layers) // 2]
     described = {
@@ -127,6 +134,7 @@ def ways(keys: list[str], running: dict[str, Server], concepts: list[str], layer
         # their ranges: each stream's generated tokens (run)
         "residual": (f"readouts + residual rows (layer {middle})", {"residual": {"layers": [middle]}}),
         "sae": ("readouts + SAE top-32 features", {"features": {"k": 32}}),
+        "point": (f"readouts at {point}", {}),
     }
     out = []
     for key in keys:
@@ -194,6 +202,7 @@ async def main() -> None:
     parser.add_argument("--sae", help="the SAE folder (default: a random 8x top-32 SAE at layer 15)")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"the ways to drive, of {','.join(WAYS)}")
     parser.add_argument("--model", type=Path, help="a model folder (default: the embedded default model)")
+    parser.add_argument("--point", default="mlp_out", choices=POINTS, help="the point way's hook point")
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
     keys = picked(parser, args.ways, WAYS, "ways")
@@ -213,12 +222,15 @@ async def main() -> None:
         configs = {key: config for key, config in CONFIGS.items() if key in needed}
         if "sae" in configs:
             configs["sae"] = (configs["sae"][0], ["--sae", args.sae or _random_sae(Path(cache) / "sae")])
+        if "point" in configs:
+            at = await asyncio.to_thread(_at_point, args.model or ensure_default_model(), args.point, Path(cache))
+            configs["point"] = (configs["point"][0], ["--concepts", at])
         say(f"starting {len(configs)} servers on {args.name}, one after another")
         running, cold = start(stack, configs, cache, args.warm, model)
         client = await LmtpClient.connect(running["default"].url)
         manifest = (await client.request("MODEL_INFO"))["model_info"]["readout_manifest"]
         await client.close()
-        driven = ways(keys, running, manifest["concepts"], manifest["layers"])
+        driven = ways(keys, running, manifest["concepts"], manifest["layers"], args.point)
         await measure(driven, counts, args, eos, report.samples)
     tabulate(report, running, driven, counts, args, cold)
     report.emit()
@@ -304,6 +316,19 @@ def _random_sae(folder: Path) -> str:
         model_name="SmolLM2-135M-Instruct",
     )
     return str(folder)
+
+
+def _at_point(model: Path, point: str, folder: Path) -> str:
+    """The model's built-in concept set with its vectors read at `point` of each layer: the same
+    concepts, layers and columns, so only where the taps sit differs from the default server."""
+    import dataclasses
+
+    from salience.core.probes.concepts import ConceptSet
+    from salience.core.serving.default_concepts import default_concepts
+
+    path = folder / f"concepts-{point}.safetensors"
+    dataclasses.replace(ConceptSet.load(default_concepts(model)), point=point).save(path)
+    return str(path)
 
 
 def _eos(model) -> int:
