@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 from salience.auth import ADMIN_TOKEN_ENV, token_from_environment
+from salience.core.models.points import POINTS
 from salience.errors import FailedPrecondition, Unavailable
 
 __all__ = ["add_concepts_parser", "run_concepts"]
@@ -20,6 +21,11 @@ def add_concepts_parser(commands: argparse._SubParsersAction) -> None:
     build.add_argument("spec", type=Path, help="JSON or YAML spec (see salience/concept_specs/default.yaml)")
     build.add_argument("--model", type=Path, help="model folder (default: the embedded model)")
     build.add_argument("-o", "--output", type=Path, required=True)
+    build.add_argument(
+        "--point",
+        choices=POINTS,
+        help="the hook point of each layer the set reads (default: the spec's, or resid_post)",
+    )
     show = concepts.add_parser("show", help="print a concept set's manifest and provenance")
     show.add_argument("file", type=Path)
     save = concepts.add_parser(
@@ -54,6 +60,8 @@ def _build(args: argparse.Namespace) -> int:
     from salience.core.serving.concept_spec import load_spec
 
     spec = load_spec(args.spec)  # a bad spec is refused before anything starts
+    if args.point:
+        spec["point"] = args.point
     # The builder's engine forks from the fork server, which imports vLLM on the other core meanwhile.
     start_early()
     from salience.core.models.default_model import ensure_default_model

@@ -175,8 +175,8 @@ class ConceptSet:
             )
 
 
-def capture_concepts(model: Path, layers: Sequence[int]) -> ConceptSet:
-    """A concept set that puts taps at `layers` and reads nothing else: one zero concept. What an
+def capture_concepts(model: Path, layers: Sequence[int], point: Point = "resid_post") -> ConceptSet:
+    """A concept set that puts taps at `point` of `layers` and reads nothing else: one zero concept. What an
     engine serves that only captures residual rows (`salience capture` in process, the concept
     builder) when the model has no concept set of its own."""
     hidden, num_layers = model_shape(model)
@@ -190,4 +190,5 @@ def capture_concepts(model: Path, layers: Sequence[int]) -> ConceptSet:
         num_layers=num_layers,
         model_fingerprint=model_fingerprint(model),
         provenance={"method": "taps for residual capture only"},
+        point=point,
     )

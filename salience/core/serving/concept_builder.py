@@ -54,6 +54,7 @@ from salience.core.engine.requests import Probes, ResidualRequest
 from salience.core.engine.settings import EngineSettings
 from salience.core.models import folders
 from salience.core.models.folders import model_fingerprint, model_shape
+from salience.core.models.points import Point
 from salience.core.models.reading import text_ids
 from salience.core.probes import fitting
 from salience.core.probes.calibration import calibrated
@@ -77,8 +78,9 @@ async def build_concept_set(spec: dict[str, Any], model: Path, *, source: str = 
     hidden, num_layers = model_shape(model)
     layers = list(range(num_layers)) if spec.get("layers", "all") == "all" else [int(x) for x in spec["layers"]]
     fingerprint = model_fingerprint(model)
+    point = spec.get("point", "resid_post")  # where in each layer the rows are read and the set reads
     started = time.monotonic()
-    engine = await Engine.start(_reading_settings(model, layers))
+    engine = await Engine.start(_reading_settings(model, layers, point))
     try:
         residuals = await _read_residuals(engine, spec, layers)
         fitted = await _fit_concepts(spec, layers, residuals, model, engine.tokenizer, meanwhile=engine.shutdown)
@@ -93,6 +95,7 @@ async def build_concept_set(spec: dict[str, Any], model: Path, *, source: str = 
         num_layers=num_layers,
         model_fingerprint=fingerprint,
         info=tuple(info for _, info in fitted),
+        point=point,
         provenance={
             "method": "per concept: difference of class means or L2 logistic regression of per-text mean residuals "
             "(first token left out), unit-normalised, with token and running logistic calibrations per layer "
@@ -279,15 +282,15 @@ async def _read_residuals(engine: Engine, spec: dict[str, Any], layers: list[int
     return residuals
 
 
-def _reading_settings(model: Path, layers: list[int]) -> EngineSettings:
-    """An engine that only captures residual rows: taps at `layers` (the rows are copied out before
+def _reading_settings(model: Path, layers: list[int], point: Point) -> EngineSettings:
+    """An engine that only captures residual rows: taps at `point` of `layers` (the rows are copied out before
     any projection), no steering, no fair share, room for every example text's rows at every
     layer, and its processes forked from the fork server (`salience concepts build` starts it
     early)."""
     return EngineSettings(
         model=model,
         served_model_name="concept-builder",
-        concepts=capture_concepts(model, layers),
+        concepts=capture_concepts(model, layers, point),
         steering=False,
         spare_concepts=0,
         fair_share=False,
@@ -322,7 +325,7 @@ def describe(concept_set: ConceptSet) -> str:
     lines = [
         f"concepts: {', '.join(manifest.concepts)}",
         f"layers: {len(manifest.layers)} of {concept_set.num_layers} ({manifest.layers[0]}..{manifest.layers[-1]}), "
-        f"hidden_size {manifest.hidden_size}, {manifest.dtype}",
+        f"hidden_size {manifest.hidden_size}, {manifest.dtype}, at {manifest.point}",
         f"model_fingerprint: {concept_set.model_fingerprint}",
         f"provenance: {json.dumps(concept_set.provenance, ensure_ascii=False)}",
     ]

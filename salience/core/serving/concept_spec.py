@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from salience.core.models.points import POINTS
 from salience.core.probes import fitting
 from salience.errors import InvalidArgument
 
@@ -28,6 +29,8 @@ def load_spec(path: Path) -> dict[str, Any]:
         raise InvalidArgument(f"cannot read concept spec {path}: {exc}") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("concepts"), list) or not spec["concepts"]:
         raise InvalidArgument(f"{path}: a spec needs a non-empty 'concepts' list")
+    if spec.get("point", "resid_post") not in POINTS:
+        raise InvalidArgument(f"{path}: point {spec['point']!r} is not one of {', '.join(POINTS)}")
     if spec.get("background") is not None:
         spec["background"] = _background_file(path.parent / spec["background"])
     for i, concept in enumerate(spec["concepts"]):
