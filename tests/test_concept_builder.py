@@ -50,19 +50,22 @@ def _spec(folder: Path) -> dict:
     return load_spec(folder / "spec.json")
 
 
+@pytest.mark.parametrize("point", ["resid_post", "mlp_out"])
 async def test_the_built_set_is_the_fit_of_the_references_residuals(
-    tmp_path: Path, tiny_model: Path, tiny_reference: Reference
+    tmp_path: Path, tiny_model: Path, tiny_reference: Reference, point: str
 ) -> None:
-    spec = _spec(tmp_path)
+    """Fitted on the rows at `point` of each layer (mlp_out: what the MLP adds, read by a tap
+    inside the layer rather than at its output), and reading there."""
+    spec = {**_spec(tmp_path), "point": point}
     built = await build_concept_set(spec, tiny_model, source="spec.json")
-    assert built.concepts == ("short", "long") and built.layers == tuple(LAYERS)
+    assert built.concepts == ("short", "long") and built.layers == tuple(LAYERS) and built.point == point
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     texts = {t for c in spec["concepts"] for side in ("positive", "negative") for t in c[side]}
     texts |= {t for c in spec["concepts"] for pair in c["pairs"] for t in pair}
     texts |= {entry["text"] for entry in spec["background"]}
     residuals = {}
     for text in texts:
-        by_layer = tiny_reference.residuals(tokenizer.encode(text, add_special_tokens=False), LAYERS)
+        by_layer = tiny_reference.residuals(tokenizer.encode(text, add_special_tokens=False), LAYERS, point)
         residuals[text] = torch.stack([by_layer[layer][1:] for layer in LAYERS], dim=1).float()
     for column, concept in enumerate(spec["concepts"]):
         background = background_for(spec, concept["name"])

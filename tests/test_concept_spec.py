@@ -71,6 +71,15 @@ def test_a_bad_background_line_is_refused(tmp_path: Path) -> None:
         load_spec(tmp_path / "spec.yaml")
 
 
+def test_a_spec_names_a_point_of_the_layer_or_is_refused(tmp_path: Path) -> None:
+    concept = {"name": "c", "positive": ["a b"] * 4, "negative": ["c d"] * 4}
+    (tmp_path / "spec.yaml").write_text(json.dumps({"point": "attn_out", "concepts": [concept]}))
+    assert load_spec(tmp_path / "spec.yaml")["point"] == "attn_out"
+    (tmp_path / "spec.yaml").write_text(json.dumps({"point": "hook_z", "concepts": [concept]}))
+    with pytest.raises(InvalidArgument, match=r"spec\.yaml: point 'hook_z' is not one of resid_pre, resid_mid, "):
+        load_spec(tmp_path / "spec.yaml")
+
+
 def test_the_default_spec_holds_its_background_and_pairs() -> None:
     spec = load_spec(DEFAULT)
     by_name = {c["name"]: c for c in spec["concepts"]}
