@@ -19,7 +19,7 @@ from salience.core.probes.readouts import ReadoutHub
 from salience.errors import EngineError
 
 LAYERS, CONCEPTS = (0, 2, 3), ("a", "b")
-SET = SimpleNamespace(layers=LAYERS, concepts=CONCEPTS, info=(), hidden_size=4)
+SET = SimpleNamespace(layers=LAYERS, concepts=CONCEPTS, info=(), point="resid_post", hidden_size=4)
 
 
 def block(rows: dict[int, list[float]]) -> list[bytes]:
