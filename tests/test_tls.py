@@ -444,8 +444,10 @@ async def test_sighup_serves_a_new_certificate_while_a_stream_runs_on(
             os.killpg(process.pid, signal.SIGKILL)
     assert "tls reloaded" in output, output
     assert process.returncode == 0 and "cause=signal" in output, output
-    assert elapsed < 10, f"took {elapsed:.1f} s to stop"
+    # Stopped at once, not drained: every stream ends cancelled. The bound only catches a hang (a
+    # full run's load once made a prompt stop take 11.6 s, past the 10 s this asked before).
     assert ends == ["cancelled"] * 4
+    assert elapsed < 25, f"took {elapsed:.1f} s to stop"
 
 
 async def stop_by_two_sigterms(
