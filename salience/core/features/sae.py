@@ -163,10 +163,7 @@ def check_fits(sae: SparseAutoencoder, *, hidden_size: int, num_layers: int, fam
     if not 0 <= sae.layer < num_layers:
         raise ModelError(f"SAE {sae.name} reads layer {sae.layer} but the model has layers 0..{num_layers - 1}")
     if family is not None:
-        try:
-            family.locate(sae.point)
-        except ModelError as e:
-            raise ModelError(f"SAE {sae.name} reads {sae.hook_name}, but {e}") from None
+        family.locate(sae.point, reader=f"SAE {sae.name} reads {sae.hook_name}")
 
 
 def load_sae(folder: Path, *, name: str | None = None) -> SparseAutoencoder:

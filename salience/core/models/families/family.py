@@ -34,13 +34,14 @@ def points_of(
     mlp_out: str | None = None,
     pair: bool,
     layer_arg: int = 0,
+    without: tuple[Point, ...] = (),
 ) -> Points:
     """A layer laid out as most are: attention's output is `attn_out`'s, the MLP's input and
     output are `mlp`'s (or `mlp_out`'s output, a post-norm), and the residual between them is the
     input of `mid` (the norm before the MLP). With `pair`, the stream is vLLM's (hidden,
     residual) pair at the layer's input and output and at `mid`'s input; the layer takes its
-    hidden states as argument `layer_arg`."""
-    return {
+    hidden states as argument `layer_arg`. Points in `without` are ones the family lacks."""
+    points: dict[Point, Location] = {
         "resid_pre": Location("", "input", pair=pair, arg=layer_arg),
         "resid_mid": Location(mid, "input", pair=pair),
         "attn_out": Location(attn_out, "output"),
@@ -48,6 +49,7 @@ def points_of(
         "mlp_out": Location(mlp_out or mlp, "output"),
         "resid_post": Location("", "output", pair=pair),
     }
+    return {point: where for point, where in points.items() if point not in without}
 
 
 # Llama's layout, which most families copy: vLLM's layer is called (positions, hidden, residual).
@@ -79,12 +81,14 @@ class Family:
     vllm_points: Points = field(default_factory=lambda: VLLM_POINTS)
     hf_points: Points = field(default_factory=lambda: HF_POINTS)
 
-    def locate(self, point: Point, *, hf: bool = False) -> Location:
-        """Where `point` is in vLLM's layer (`hf`: transformers'); ModelError if the family has none."""
+    def locate(self, point: Point, *, hf: bool = False, reader: str = "") -> Location:
+        """Where `point` is in vLLM's layer (`hf`: transformers'); ModelError if the family has none,
+        led by `reader` (what asked for the point) when given."""
         where = (self.hf_points if hf else self.vllm_points).get(point)
         if where is None:
             have = ", ".join(self.vllm_points)
-            raise ModelError(f"{self.name} models have no hook point {point} (they have {have})")
+            lead = f"{reader}, but " if reader else ""
+            raise ModelError(f"{lead}{self.name} models have no hook point {point} (they have {have})")
         return where
 
     def stack(self, model: Any, path: str) -> tuple[Any, Any]:

@@ -8,13 +8,11 @@ from salience.core.models.families.family import Family, points_of
 POST_NORMED = dict(
     attn_out="post_attention_layernorm", mid="pre_feedforward_layernorm", mlp_out="post_feedforward_layernorm"
 )
-VLLM_POINTS = points_of(**POST_NORMED, pair=True, layer_arg=1)
-HF_POINTS = points_of(**POST_NORMED, pair=False)
 
 FAMILY = Family(
     name="Gemma 2",
     architectures=("Gemma2ForCausalLM",),
     norm="rms_plus_one",
-    vllm_points=VLLM_POINTS,
-    hf_points=HF_POINTS,
+    vllm_points=points_of(**POST_NORMED, pair=True, layer_arg=1),
+    hf_points=points_of(**POST_NORMED, pair=False),
 )

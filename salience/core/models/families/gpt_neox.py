@@ -5,7 +5,7 @@ a LayerNorm with a bias, and an untied `embed_out`. vLLM runs transformers' own 
 from salience.core.models.families.family import Family, points_of
 
 # Parallel residual: both branches read the layer's input, so there is no residual between them.
-POINTS = {point: where for point, where in points_of(attn_out="attention", pair=False).items() if point != "resid_mid"}
+POINTS = points_of(attn_out="attention", pair=False, without=("resid_mid",))
 
 FAMILY = Family(
     name="GPT-NeoX",

@@ -3,16 +3,13 @@ applied inside), and the embedding and logits are scaled by config multipliers."
 
 from salience.core.models.families.family import Family, points_of
 
-
-def _unscaled(points: dict) -> dict:
-    """Attention and the MLP add their outputs times residual_multiplier, which no module returns:
-    the points between the adds only."""
-    return {point: where for point, where in points.items() if point not in ("attn_out", "mlp_out")}
-
+# Attention and the MLP add their outputs times residual_multiplier, which no module returns: the
+# points between the adds only.
+UNSCALED = ("attn_out", "mlp_out")
 
 FAMILY = Family(
     name="Granite",
     architectures=("GraniteForCausalLM",),
-    vllm_points=_unscaled(points_of(pair=False, layer_arg=1)),
-    hf_points=_unscaled(points_of(pair=False)),
+    vllm_points=points_of(pair=False, layer_arg=1, without=UNSCALED),
+    hf_points=points_of(pair=False, without=UNSCALED),
 )
