@@ -24,6 +24,7 @@ OPERATIONS: dict[str, tuple[str, ...] | str] = {
     "LMTP DEFINE_CONCEPT": ("define",),
     "LMTP DELETE_CONCEPT": ("define",),
     "LMTP SAVE_CONCEPTS": ("define",),
+    "LMTP PATCH_SWEEP": ("score", "steer"),
     "LMTP MODEL_INFO": (),
     "LMTP STATUS": (),
     "LMTP TOKENIZE": (),
@@ -72,12 +73,12 @@ def needs(operation: str) -> tuple[str, ...]:
 
 def asked(probes: Probes) -> tuple[str, ...]:
     """The scopes a generation's or a score's probes ask for: concept readouts (shown, or read by
-    a concept monitor), steering, residual rows, and SAE features (read, steered along or
-    monitored)."""
+    a concept monitor), steering (patches too: they intervene), residual rows, and SAE features
+    (read, steered along or monitored)."""
     out = []
     if probes.readout_ranges or any(m.feature is None for m in probes.monitors):
         out.append("readouts")
-    if probes.steer:
+    if probes.steer or probes.patch:
         out.append("steer")
     if probes.residual is not None:
         out.append("residual")

@@ -7,11 +7,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from salience.core.engine.requests import Probes, SamplingOptions
 from salience.core.models.families import family_of
-from salience.core.models.points import Point, Site
+from salience.core.models.points import STREAM, Point, Site
+from salience.core.probes.patching import Patch
 
 
 def assert_logprobs_match(events, logprobs: torch.Tensor, k: int, tolerance: float = 1e-4) -> None:
@@ -63,6 +65,39 @@ class Reference:
         """The stream at each site, [positions, hidden]."""
         return site_values(self.model, decoder_layers(self.model), sites, input_ids=torch.tensor([list(ids)]))
 
+    @torch.no_grad()
+    def patched(
+        self, ids: Sequence[int], patches: Sequence[Patch], sites: Sequence[Site] = ()
+    ) -> tuple[torch.Tensor, dict[Site, torch.Tensor]]:
+        """Logprobs of `ids` (row i predicts ids[i + 1]) with each patch's activation set by a hook
+        at its site (TransformerLens's hook returning the new value: later layers see it), and the
+        stream at `sites` under the patches, [positions, hidden]."""
+        decoder = decoder_layers(self.model)
+        hidden = self.model.config.get_text_config().hidden_size
+
+        def setter(patch: Patch) -> Callable[[torch.Tensor], torch.Tensor]:
+            rows = torch.from_numpy(np.frombuffer(patch.rows, dtype=np.float32).copy()).view(-1, hidden)
+
+            def change(value: torch.Tensor) -> torch.Tensor | None:
+                new = value.clone()
+                new[0, list(patch.positions)] = rows.to(new.dtype)
+                return passed_on(patch.point, value, new)
+
+            return change
+
+        captured: dict[Site, torch.Tensor] = {}
+        handles = [hook_site(self.model, decoder, p.site, setter(p)) for p in patches]
+        handles += [  # after the patches' hooks: a site both patched and read is read patched
+            hook_site(self.model, decoder, site, lambda value, site=site: captured.__setitem__(site, value[0].double()))
+            for site in sites
+        ]
+        try:
+            logits = self.model(torch.tensor([list(ids)])).logits[0].double()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return torch.log_softmax(logits, dim=-1), captured
+
 
 def decoder_layers(model) -> torch.nn.ModuleList:
     """A transformers *ForCausalLM's decoder layers, where its family keeps them (`model.layers`,
@@ -109,6 +144,16 @@ def hook_site(model, decoder, site: Site, change: Callable[[torch.Tensor], torch
         return (*args[: where.arg], new, *args[where.arg + 1 :]), kwargs
 
     return module.register_forward_pre_hook(input_hook, with_kwargs=True)
+
+
+def passed_on(point: Point, value: torch.Tensor, new: torch.Tensor) -> torch.Tensor | None:
+    """What a hook_site `change` returns to make the model go on with `new` for `value`: at a
+    resid_* point written into the stream's own tensor, which the layer's residual holds too
+    (transformers' `residual = hidden_states`: STREAM), and at a branch's passed on as a new one."""
+    if point in STREAM:
+        value.copy_(new)
+        return None
+    return new
 
 
 @torch.no_grad()

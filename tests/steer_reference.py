@@ -19,7 +19,7 @@ import torch
 
 from salience.core.engine.generation import Generation
 from salience.core.engine.requests import SamplingOptions, TokenEvent
-from salience.core.models.points import STREAM, Site
+from salience.core.models.points import Site
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.steering import Intervention, Op
 from tests.reference import (
@@ -28,6 +28,7 @@ from tests.reference import (
     assert_readouts_close,
     decoder_layers,
     hook_site,
+    passed_on,
     reference_readouts,
 )
 
@@ -61,8 +62,7 @@ def steered(model, sets: Sequence[ConceptSet], steer: Sequence[Intervention], pr
             by_layer.setdefault(layer, []).append(intervention)
 
     def change(hidden: torch.Tensor, layer: int) -> torch.Tensor | None:
-        """The steered stream: written into the stream's own tensor at a resid_* point, which the
-        layer's residual holds too (STREAM), and passed on as a new one at a branch's."""
+        """The steered stream, passed on (reference.passed_on)."""
         h = hidden[0].double()  # [positions, hidden]
         delta = torch.zeros_like(h)
         for i in by_layer[layer]:
@@ -81,11 +81,7 @@ def steered(model, sets: Sequence[ConceptSet], steer: Sequence[Intervention], pr
                 a, b = {Op.ADD: (i.value, 0.0), Op.SET: (i.value, -1.0), Op.ABLATE: (0.0, -1.0)}[i.op]
                 change = a + b * p
             delta += mask * change[:, None] * d[None, :]
-        new = (h + delta).to(hidden.dtype)[None]
-        if point in STREAM:
-            hidden.copy_(new)
-            return None
-        return new
+        return passed_on(point, hidden, (h + delta).to(hidden.dtype)[None])
 
     layers, point = decoder_layers(model), sets[0].point
     handles = [

@@ -49,7 +49,9 @@ CASES = [
     (lambda: RequestChecks(vocab_size=10, max_model_len=64, max_logprobs=5).tokens("prompt", [1, 2, 10]), "prompt[2]"),
     (lambda: check_client("alice", 0), "weight"),
     (
-        lambda: residual_plan(ResidualRequest(layers=(3,), ranges=((2, 1),)), 9, read=(3,), hidden=4, limit=99),
+        lambda: residual_plan(
+            ResidualRequest(layers=(3,), ranges=((2, 1),)), 9, read=(3,), slots=(0,), hidden=4, limit=99
+        ),
         "residual.ranges[0]",
     ),
 ]

@@ -15,6 +15,7 @@ import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import pytest_asyncio
 import torch
@@ -28,6 +29,7 @@ from salience.core.models.home import salience_home
 from salience.core.models.points import Point, Site
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.monitors import Action, Monitor
+from salience.core.probes.patching import Patch
 from salience.core.probes.steering import Intervention, Op
 from salience.errors import ModelError
 from tests import sae_reference
@@ -141,6 +143,7 @@ async def engine(
         concepts=concepts,
         saes=(family_sae, *point_saes),
         sae_top=SAE_TOP,
+        patch_points=tuple(model_family(family_model).vllm_points),
         compile=True,
     ) as engine:
         yield engine
@@ -158,10 +161,12 @@ async def test_it_runs_compiled(
     family_sae: SparseAutoencoder,
     point_saes: list[SparseAutoencoder],
 ) -> None:
-    """One tap per site read: the concept set's layers at its point, and each SAE's site."""
-    assert model_family(family_model).compiled and engine.compiled
+    """One tap per site read or patched: the concept set's layers at its point, each SAE's site,
+    and every layer of every point (the patch points)."""
+    family = model_family(family_model)
+    assert family.compiled and engine.compiled
     graph = await engine.readouts.graph()
-    sites = {Site(layer, concepts.point) for layer in LAYERS} | {sae.site for sae in (family_sae, *point_saes)}
+    sites = {Site(layer, point) for layer in range(4) for point in family.vllm_points}
     assert graph["taps"] == len(sites) and not graph["graph_breaks"], graph
 
 
@@ -276,6 +281,64 @@ async def test_features_at_every_point_equal_the_reference(
         assert sorted(rows) == list(range(len(ids))), sae.name
         acts = sae_reference.encode(sae_reference.read_folder(sae.folder), want[sae.site].numpy())
         assert_features(rows, torch.from_numpy(acts), SAE_TOP)
+
+
+def random_rows(n: int, seed: int) -> bytes:
+    """`n` rows of the tiny models' hidden size, of a residual's scale."""
+    return (2 * torch.randn(n, 128, generator=torch.Generator().manual_seed(seed))).numpy().tobytes()
+
+
+async def test_patches_at_every_point_move_it_as_the_reference(
+    engine: Engine, reference: Reference, family_model: Path
+) -> None:
+    """At each point the family has, two patches (a row per position at one layer, one row for
+    several positions at the next: a mean ablation), run side by side in one batch: the logprobs
+    and top-k of every position, and the rows read at that point of the last layer, equal
+    transformers' with the same activations set by hooks."""
+    ids = LONG_PROMPT[:24]
+    points = list(model_family(family_model).vllm_points)
+
+    async def run(point: Point, patches: tuple[Patch, ...]):
+        asked = ResidualRequest(layers=(3,), ranges=((0, len(ids)),), point=point)
+        return await engine.prefill(ids, top_logprobs=5, probes=Probes(patch=patches, residual=asked))
+
+    patches = {
+        point: (
+            Patch(point=point, layer=1, positions=(3, 10, 23), rows=random_rows(3, n)),
+            Patch(point=point, layer=2, positions=(5, 6, 7, 8), rows=random_rows(1, 100 + n)),
+        )
+        for n, point in enumerate(points)
+    }
+    results = await asyncio.gather(*(run(point, patches[point]) for point in points))
+    for point, scores in zip(points, results, strict=True):
+        want, at = reference.patched(ids, patches[point], [Site(3, point)])
+        assert (want - reference.logprobs(ids)).abs().max() > 1e-2, f"the patches at {point} change nothing"
+        events = [scores.at(position) for position in range(1, len(ids))]
+        assert_logprobs_match(events, want.float(), 5)
+        rows = scores.residuals
+        assert sorted(rows) == list(range(len(ids))), point
+        for position, row in rows.items():
+            expected = at[Site(3, point)][position].numpy()
+            error = np.abs(row[0] - expected).max() / np.abs(expected).max()
+            assert error < 1e-4, (point, position, error)
+
+
+async def test_restoring_a_stream_point_at_every_position_restores_the_clean_run(
+    engine: Engine, reference: Reference, family_model: Path
+) -> None:
+    """The clean run's rows at resid_pre of layer 2 (read at that point), patched into a corrupted
+    prompt at every position: what follows is the clean run's, logprobs equal within 1e-4; the
+    corrupted run's differ."""
+    clean = LONG_PROMPT[:20]
+    corrupted = [clean[0], *[(t + 7) % 1900 for t in clean[1:6]], *clean[6:]]
+    asked = ResidualRequest(layers=(2,), ranges=((0, len(clean)),), point="resid_pre")
+    rows = (await engine.prefill(clean, top_logprobs=5, probes=Probes(residual=asked))).residuals
+    values = np.stack([rows[p][0] for p in range(len(clean))]).astype(np.float32).tobytes()
+    restore = Patch(point="resid_pre", layer=2, positions=tuple(range(len(clean))), rows=values)
+    restored = await engine.prefill(corrupted, top_logprobs=5, probes=Probes(patch=(restore,)))
+    assert_logprobs_match([restored.at(p) for p in range(1, len(clean))], reference.logprobs(clean).float(), 5)
+    plain = await engine.prefill(corrupted, top_logprobs=5)  # the corrupted run itself differs
+    assert max(abs(plain.at(p).logprob - restored.at(p).logprob) for p in range(6, len(clean))) > 1e-3
 
 
 async def test_rows_after_a_prefix_cache_hit_equal_the_reference(

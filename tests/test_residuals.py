@@ -118,7 +118,9 @@ def test_a_refused_layer_names_the_read_layers_not_a_range_that_holds_it() -> No
         "0..2, 5, 7",
     ]
     with pytest.raises(InvalidArgument, match=r"layer 1 is not read; residual rows come from the read layers 0, 2, 3$"):
-        residual_plan(ResidualRequest(layers=(1,), ranges=((0, 4),)), 10, read=(0, 2, 3), hidden=128, limit=100)
+        residual_plan(
+            ResidualRequest(layers=(1,), ranges=((0, 4),)), 10, read=(0, 2, 3), slots=(0, 1, 2), hidden=128, limit=100
+        )
 
 
 async def test_bad_residual_requests_are_refused_before_anything_runs(

@@ -152,6 +152,7 @@ LMTP_BODIES = {
     "DEFINE_CONCEPT": {"name": "zz", "vector": [1.0]},  # a bad vector: refused after the scope, changes nothing
     "DELETE_CONCEPT": {"name": "zz"},
     "SAVE_CONCEPTS": {},
+    "PATCH_SWEEP": {"clean": [1, 2], "corrupted": [1, 3], "answer": [4]},  # refused after the scope: no patch points
 }
 HTTP_BODIES = {
     "POST /v1/completions": {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1},

@@ -163,6 +163,32 @@ def _readouts(serve: argparse.ArgumentParser) -> None:
         help="steering columns for requests' own vectors: distinct vectors that can steer at once "
         "(default: %(default)s)",
     )
+    group.add_argument(
+        "--patch-points",
+        type=patch_points,
+        default=(),
+        metavar="POINTS",
+        help="hook points requests may patch (replace activations at) and read residual rows at, at every "
+        "layer: comma-separated (resid_pre, resid_mid, attn_out, mlp_in, mlp_out, resid_post), all, or none "
+        "(docs/patching.md) (default: none)",
+    )
+
+
+def patch_points(text: str) -> tuple[str, ...]:
+    """`--patch-points`: hook points by name, comma-separated, `all` or `none`."""
+    from salience.core.models.points import POINTS
+
+    if text == "none":
+        return ()
+    if text == "all":
+        return POINTS
+    points = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [p for p in points if p not in POINTS]
+    if unknown or not points:
+        raise argparse.ArgumentTypeError(
+            f"{unknown[0] if unknown else text!r} is not a hook point ({', '.join(POINTS)})"
+        )
+    return points
 
 
 def _features(serve: argparse.ArgumentParser) -> None:

@@ -91,6 +91,7 @@ def configure(args: argparse.Namespace) -> tuple[EngineSettings, ServeOptions]:
         steer_vectors=args.steer_vectors,
         saes=saes,
         sae_top=args.sae_top,
+        patch_points=args.patch_points,
         max_residual_rows=args.max_residual_rows,
         residual_memory_mib=args.residual_memory,
         fair_share=args.fair_share,

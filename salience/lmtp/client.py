@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Self
 
 import aiohttp
@@ -30,6 +30,7 @@ class LmtpClient:
         self._ids = itertools.count(1)
         self._streams: dict[int, asyncio.Queue[dict | None]] = {}
         self._replies: dict[int, asyncio.Future[dict]] = {}
+        self._progress: dict[int, Callable[[int, int], None]] = {}  # PATCH_SWEEPs' progress callbacks
         self._reader = asyncio.create_task(self._read())
 
     @classmethod
@@ -74,6 +75,9 @@ class LmtpClient:
         stream_id = payload.get("stream_id")
         if kind == "TOKEN" and stream_id in self._streams:
             self._streams[stream_id].put_nowait(payload)
+        elif kind == "MSG" and "progress" in payload:  # a PATCH_SWEEP's, before its reply
+            if stream_id in self._progress:
+                self._progress[stream_id](payload["progress"]["done"], payload["progress"]["total"])
         elif kind == "MSG" and stream_id in self._replies:
             self._replies.pop(stream_id).set_result(payload)
 
@@ -94,11 +98,31 @@ class LmtpClient:
 
     async def request(self, kind: str, **fields: Any) -> dict:
         """Send a message answered by one MSG payload (MODEL_INFO, TOKENIZE, ...)."""
+        return await self._ask(kind, fields)
+
+    async def sweep(self, progress: Callable[[int, int], None] | None = None, **fields: Any) -> dict:
+        """Run a PATCH_SWEEP (docs/patching.md) and return its grid; `progress(done, total)` is
+        called as the server tells it. Cancelling the call cancels the sweep."""
         stream_id = self.next_stream_id()
+        if progress is not None:
+            self._progress[stream_id] = progress
+        try:
+            return (await self._ask("PATCH_SWEEP", fields, stream_id))["sweep"]
+        except asyncio.CancelledError:
+            await self.cancel(stream_id)
+            raise
+        finally:
+            self._progress.pop(stream_id, None)
+
+    async def _ask(self, kind: str, fields: dict[str, Any], stream_id: int | None = None) -> dict:
+        stream_id = stream_id if stream_id is not None else self.next_stream_id()
         future = asyncio.get_running_loop().create_future()
         self._replies[stream_id] = future
-        await self._send(kind, {"stream_id": stream_id, **fields})
-        reply = await future
+        try:
+            await self._send(kind, {"stream_id": stream_id, **fields})
+            reply = await future
+        finally:
+            self._replies.pop(stream_id, None)
         if reply.get("error"):
             raise LmtpStreamError(reply["error"])
         return reply

@@ -18,10 +18,13 @@ from salience import readers, request_ids
 from salience.core.engine.chat_messages import ChatMessage, parse_messages
 from salience.core.engine.constraints import parse_constraint
 from salience.core.engine.requests import Constraint, FeatureRequest, ImageBlock, ResidualRequest
+from salience.core.models.points import POINTS
 from salience.core.probes.calibration import VIEW_NAMES
 from salience.core.probes.monitors import Monitor, parse_monitors
+from salience.core.probes.patching import Patch, parse_patches
 from salience.core.probes.steering import Intervention
 from salience.core.probes.steering_json import parse_interventions, parse_vector
+from salience.core.serving.patch_sweep import METRICS
 from salience.errors import InvalidArgument
 from salience.lmtp.messages import (
     Cancel,
@@ -35,6 +38,7 @@ from salience.lmtp.messages import (
     ImageInfo,
     ModelInfo,
     OpenSession,
+    PatchSweep,
     SaveConcepts,
     Score,
     SessionGenerate,
@@ -136,6 +140,11 @@ def _steer(value: Any, name: str) -> tuple[Intervention, ...]:
     return parse_interventions(value)
 
 
+def _patch(value: Any, name: str) -> tuple[Patch, ...]:
+    """The shape of each patch; sites, positions and rows are the engine's to check."""
+    return parse_patches(value)
+
+
 def _monitors(value: Any, name: str) -> tuple[Monitor, ...]:
     """The shape of each monitor; concepts and layers are the engine's to check."""
     return parse_monitors(value)
@@ -159,13 +168,21 @@ def _one_of(choices: tuple[str, ...]) -> _Reader:
 
 
 def _residual(value: Any, name: str) -> ResidualRequest:
-    """{"layers": [...], "ranges": [[start, end], ...]}; the engine checks them against the model."""
-    if not isinstance(value, dict) or set(value) - {"layers", "ranges"} or "layers" not in value:
-        raise InvalidArgument(f'{name} must be {{"layers": [...], "ranges": [[start, end], ...]}}', field=name)
+    """{"layers": [...], "ranges": [[start, end], ...], "point"?: P}; the engine checks them against
+    the model."""
+    if not isinstance(value, dict) or set(value) - {"layers", "ranges", "point"} or "layers" not in value:
+        raise InvalidArgument(
+            f'{name} must be {{"layers": [...], "ranges": [[start, end], ...], "point"?: POINT}}', field=name
+        )
     layers = value["layers"]
     if not isinstance(layers, list) or not all(type(x) is int for x in layers):
         raise InvalidArgument(f"{name}.layers must be a list of layer indices", field=f"{name}.layers")
-    return ResidualRequest(layers=tuple(layers), ranges=_ranges(value.get("ranges", []), f"{name}.ranges"))
+    point = value.get("point")
+    if point is not None and point not in POINTS:
+        raise InvalidArgument(
+            f"{name}.point must be one of {', '.join(POINTS)}, got {_show(point)}", field=f"{name}.point"
+        )
+    return ResidualRequest(layers=tuple(layers), ranges=_ranges(value.get("ranges", []), f"{name}.ranges"), point=point)
 
 
 def _features(value: Any, name: str) -> FeatureRequest:
@@ -211,6 +228,7 @@ _GENERATE: dict[str, _Reader] = {
     "monitors": _monitors,
     "residual": _residual,
     "features": _features,
+    "patch": _patch,
     "structured_outputs": _constraint,
 }
 _SCORE: dict[str, _Reader] = {
@@ -228,6 +246,7 @@ _SCORE: dict[str, _Reader] = {
     "readout_encoding": _GENERATE["readout_encoding"],
     "residual": _residual,
     "features": _features,
+    "patch": _patch,
 }
 _SESSION_GENERATE: dict[str, _Reader] = {
     "stream_id": _int,
@@ -256,6 +275,7 @@ _SESSION_GENERATE: dict[str, _Reader] = {
             "monitors",
             "residual",
             "features",
+            "patch",
             "structured_outputs",
         )
     },
@@ -269,10 +289,16 @@ def _texts(value: Any, name: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _layer_list(value: Any, name: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(type(x) is int for x in value):
-        raise InvalidArgument(f"{name} must be a list of layer indices", field=name)
-    return tuple(value)
+def _int_list(what: str) -> _Reader:
+    def read(value: Any, name: str) -> tuple[int, ...]:
+        if not isinstance(value, list) or not all(type(x) is int for x in value):
+            raise InvalidArgument(f"{name} must be a list of {what}", field=name)
+        return tuple(value)
+
+    return read
+
+
+_layer_list = _int_list("layer indices")
 
 
 def _vector(value: Any, name: str) -> bytes:
@@ -301,6 +327,25 @@ _DEFINE_CONCEPT: dict[str, _Reader] = {
     "vector": _vector,
     "vectors": _vectors,
 }
+
+
+def _points(value: Any, name: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or any(p not in POINTS for p in value):
+        raise InvalidArgument(f"{name} must be a list of hook points ({', '.join(POINTS)})", field=name)
+    return tuple(value)
+
+
+_PATCH_SWEEP: dict[str, _Reader] = {
+    "stream_id": _int,
+    "clean": _tokens,
+    "corrupted": _tokens,
+    "answer": _tokens,
+    "foil": _tokens,
+    "points": _points,
+    "layers": _layer_list,
+    "positions": _int_list("positions"),
+    "metric": _one_of(METRICS),
+}
 _SESSION_ID = {"stream_id": _int, "session_id": _str}
 TYPES: dict[str, tuple[type, dict[str, _Reader], frozenset[str]]] = {
     "GENERATE": (Generate, _GENERATE, frozenset({"stream_id"})),
@@ -327,6 +372,7 @@ TYPES: dict[str, tuple[type, dict[str, _Reader], frozenset[str]]] = {
     "DEFINE_CONCEPT": (DefineConcept, _DEFINE_CONCEPT, frozenset({"stream_id", "name"})),
     "DELETE_CONCEPT": (DeleteConcept, {"stream_id": _int, "name": _str}, frozenset({"stream_id", "name"})),
     "SAVE_CONCEPTS": (SaveConcepts, {"stream_id": _int}, frozenset({"stream_id"})),
+    "PATCH_SWEEP": (PatchSweep, _PATCH_SWEEP, frozenset({"stream_id", "clean", "corrupted", "answer"})),
     "IMAGE_INFO": (
         ImageInfo,
         {"stream_id": _int, "data": _base64, "mime": _str},

@@ -14,6 +14,7 @@ from types import MappingProxyType
 from salience.core.engine.chat_messages import ChatMessage
 from salience.core.engine.requests import Constraint, FeatureRequest, ImageBlock, ResidualRequest
 from salience.core.probes.monitors import Monitor
+from salience.core.probes.patching import Patch
 from salience.core.probes.steering import Intervention
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "ImageInfo",
     "ModelInfo",
     "OpenSession",
+    "PatchSweep",
     "SaveConcepts",
     "Score",
     "SessionGenerate",
@@ -71,6 +73,7 @@ class Generate:
     readout_encoding: str = "json"  # or "f32": base64 of little-endian float32, as residual rows
     monitors: tuple[Monitor, ...] = ()  # watched on every generated token (docs/readouts.md#monitors)
     residual: ResidualRequest | None = None  # raw residual rows at these layers and positions
+    patch: tuple[Patch, ...] = ()  # activations replaced (docs/patching.md)
     features: FeatureRequest | None = None  # an SAE's top features at these positions
     structured_outputs: Constraint | None = None  # what the text must match (docs/lmtp.md)
 
@@ -92,6 +95,7 @@ class Score:
     readout_format: str = "raw"
     readout_encoding: str = "json"  # or "f32": base64 of little-endian float32, as residual rows
     residual: ResidualRequest | None = None
+    patch: tuple[Patch, ...] = ()
     features: FeatureRequest | None = None
 
 
@@ -155,6 +159,25 @@ class SaveConcepts:
     stream_id: int
 
 
+# ---- causal tracing (docs/patching.md) -----------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class PatchSweep:
+    """A causal-tracing sweep (core/serving/patch_sweep.Sweep): answered by progress messages,
+    then the grid; CANCEL ends it."""
+
+    stream_id: int
+    clean: tuple[int, ...]
+    corrupted: tuple[int, ...]
+    answer: tuple[int, ...]
+    foil: tuple[int, ...] = ()
+    points: tuple[str, ...] = ("resid_pre",)
+    layers: tuple[int, ...] = ()
+    positions: tuple[int, ...] = ()
+    metric: str = "logprob"
+
+
 # ---- sessions: the same core sessions the gRPC service drives (docs/lmtp.md) ----------
 
 
@@ -210,6 +233,7 @@ class SessionGenerate:
     readout_encoding: str = "json"  # or "f32": base64 of little-endian float32, as residual rows
     monitors: tuple[Monitor, ...] = ()
     residual: ResidualRequest | None = None
+    patch: tuple[Patch, ...] = ()
     features: FeatureRequest | None = None
     structured_outputs: Constraint | None = None
 
@@ -238,4 +262,5 @@ ClientMessage = (
     | DefineConcept
     | DeleteConcept
     | SaveConcepts
+    | PatchSweep
 )

@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+from collections.abc import Callable
 
 from salience.auth import Client
 from salience.core.engine.images import Vision
 from salience.core.serving import live_concepts
+from salience.core.serving.patch_sweep import Sweep, sweep
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import Phase, ServerStatus
 from salience.lmtp.messages import (
@@ -24,11 +26,12 @@ from salience.lmtp.messages import (
     ForkSession,
     ImageInfo,
     OpenSession,
+    PatchSweep,
     SaveConcepts,
     Tokenize,
 )
 
-__all__ = ["concepts_call", "image_info", "model_info", "session_call", "tokenizer"]
+__all__ = ["concepts_call", "image_info", "model_info", "session_call", "sweep_call", "tokenizer"]
 
 
 def model_info(status: ServerStatus) -> dict | str:
@@ -93,6 +96,25 @@ async def session_call(
             return {"session_id": sessions.fork(session_id, at, owner, client.limits.sessions), "length": at}
         case DumpSession(session_id=session_id):
             return {"session_id": session_id, "tokens": sessions.tokens(session_id, owner)}
+
+
+async def sweep_call(
+    status: ServerStatus, request: PatchSweep, client: Client, progress: Callable[[int, int], None], *, frontend: str
+) -> dict:
+    """Run a PATCH_SWEEP as one of the client's streams; the reply carries the grid."""
+    asked = Sweep(
+        clean=request.clean,
+        corrupted=request.corrupted,
+        answer=request.answer,
+        foil=request.foil,
+        points=request.points,
+        layers=request.layers,
+        positions=request.positions,
+        metric=request.metric,
+    )
+    with status.admit(frontend, "patch_sweep", **client.admission()) as admitted:
+        grid = await sweep(admitted.engine, asked, progress=progress, client=client.share, weight=client.weight)
+    return {"sweep": grid.to_json()}
 
 
 async def concepts_call(

@@ -53,6 +53,7 @@ from salience.lmtp.messages import (
     ImageInfo,
     ModelInfo,
     OpenSession,
+    PatchSweep,
     SaveConcepts,
     Score,
     SessionGenerate,
@@ -104,6 +105,7 @@ class LmtpSession:
         self._ended = False
         metrics.CONNECTIONS_ACTIVE.labels(frontend).inc()
         self._tasks: set[asyncio.Task] = set()
+        self._sweeps: dict[int, asyncio.Task] = {}  # running PATCH_SWEEPs by stream id, for CANCEL
         self._watcher: asyncio.Task | None = None
         self._outbox = Outbox(config.limits.max_pending, config.limits.send_timeout)
         self.closed = asyncio.Event()
@@ -132,7 +134,11 @@ class LmtpSession:
             self._reject(exc.kind, exc.stream_id, exc.message, exc.request_id, exc.field)
             return
         if isinstance(message, Cancel):  # needs no scope, and only ends what the connection started
-            self._running.cancel(message.stream_id)
+            sweep = self._sweeps.pop(message.stream_id, None)
+            if sweep is not None:
+                sweep.cancel()
+            else:
+                self._running.cancel(message.stream_id)
         elif client is None:
             self._refuse(message, UNAUTHORIZED, _UNAUTHORIZED_KIND)
         else:
@@ -177,10 +183,38 @@ class LmtpSession:
             case DefineConcept() | DeleteConcept() | SaveConcepts():
                 call = replies.concepts_call(self._status, message, frontend=self._frontend)
                 self._spawn(self._answer(message.stream_id, call))
+            case PatchSweep(stream_id=stream_id):
+                self._sweep(message, client)
             case OpenSession() | CloseSession() | ForkSession() | DumpSession():
                 self._spawn(
                     self._answer(message.stream_id, replies.session_call(self._status, self._sessions, message, client))
                 )
+
+    def _sweep(self, message: PatchSweep, client: Client) -> None:
+        """Run a sweep, telling its progress as cells finish (at most every 2%), then its grid;
+        cancelled, it answers with an error saying so."""
+        stream_id = message.stream_id
+        if stream_id in self._sweeps:
+            self._msg(self._failed(stream_id, f"stream_id {stream_id} already runs a sweep", "InvalidArgument"))
+            return
+        told = [0]
+
+        def progress(done: int, total: int) -> None:
+            if done == total or done - told[0] >= max(1, total // 50):
+                told[0] = done
+                self._msg({"stream_id": stream_id, "progress": {"done": done, "total": total}})
+
+        async def run() -> None:
+            try:
+                await self._answer(
+                    stream_id, replies.sweep_call(self._status, message, client, progress, frontend=self._frontend)
+                )
+            except asyncio.CancelledError:
+                self._msg(self._failed(stream_id, "the sweep was cancelled", "Cancelled"))
+            finally:
+                self._sweeps.pop(stream_id, None)
+
+        self._sweeps[stream_id] = self._spawn(run())
 
     def _refuse(self, message: ClientMessage, error: str, kind: str) -> None:
         if isinstance(message, Generate | Score | SessionGenerate):
@@ -232,7 +266,7 @@ class LmtpSession:
             await self._status.changed.wait()
             self._status_reply(stream_id)
 
-    def _spawn(self, work: Coroutine[object, object, None], request_id: str | None = None) -> None:
+    def _spawn(self, work: Coroutine[object, object, None], request_id: str | None = None) -> asyncio.Task:
         """Run a reply that must await, keeping the task referenced until it ends; what it
         logs names `request_id`."""
         context = contextvars.copy_context()
@@ -241,6 +275,7 @@ class LmtpSession:
         task = asyncio.get_running_loop().create_task(work, context=context)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # ---- output ------------------------------------------------------------------------
 
@@ -332,6 +367,8 @@ class LmtpSession:
                 metrics.CONNECTIONS_DROPPED.labels(self._frontend, cause).inc()
                 log.info("connection dropped", extra={"cause": cause, "streams": len(self._running)})
         self._running.cancel_all()
+        for sweep in self._sweeps.values():
+            sweep.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
         self._outbox.close()

@@ -35,6 +35,7 @@ def probes_of(message: Generate | Score | SessionGenerate) -> Probes:
         monitors=getattr(message, "monitors", ()),
         residual=message.residual,
         features=message.features,
+        patch=message.patch,
     )
 
 

@@ -5,12 +5,14 @@
       "features": {"k": 8, "sae": "name", "over": "prompt" | "completion" | "all"},
       "monitors": [{"concept": "code", "above": 0.9, "action": "stop"}, ...],
       "steer": [{"direction": "french", "layers": 15, "value": 8}, ...],
+      "patch": [{"point": "resid_pre", "layer": 3, "positions": [4], "rows": "base64"}, ...],
       "logprobs": "raw" | "processed"
     }
 
 Every part is optional, and so is the object: without it a request is a plain OpenAI request.
-`monitors` and `steer` are LMTP's, read by the core's own parsers (monitors.parse_monitors,
-steering_json.parse_interventions) so their rules live once; `readouts` and `features` name
+`monitors`, `steer` and `patch` are LMTP's, read by the core's own parsers (monitors.parse_monitors,
+steering_json.parse_interventions, patching.parse_patches) so their rules live once (a patch's
+positions are absolute, in the prompt as rendered: the completions API's own tokens); `readouts` and `features` name
 spans of the request (`over`) instead of LMTP's absolute position ranges, which a chat client
 cannot know before the template is rendered. What depends on the served concepts and SAEs
 (names, layers, k) is the engine's check, as for LMTP. See responses.py for what comes back.
@@ -30,6 +32,7 @@ from typing import Any
 from salience.core.engine.requests import FeatureRequest, Probes
 from salience.core.probes.calibration import VIEW_NAMES, ReadoutView
 from salience.core.probes.monitors import Monitor, parse_monitors
+from salience.core.probes.patching import Patch, parse_patches
 from salience.core.probes.steering import Intervention
 from salience.core.probes.steering_json import parse_interventions
 from salience.openai.errors import bad_request, naming
@@ -39,7 +42,7 @@ __all__ = ["FORMATS", "LOGPROBS", "SPANS", "Extension", "Features", "Readouts", 
 FORMATS = VIEW_NAMES  # what a readout value is: core's views, as LMTP's readout_format
 SPANS = ("prompt", "completion", "all")
 LOGPROBS = ("raw", "processed")  # which distribution logprobs describe
-_FIELDS = ("readouts", "features", "monitors", "steer", "logprobs")
+_FIELDS = ("readouts", "features", "monitors", "steer", "patch", "logprobs")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +64,7 @@ class Extension:
     features: Features | None = None
     monitors: tuple[Monitor, ...] = ()
     steer: tuple[Intervention, ...] = ()
+    patch: tuple[Patch, ...] = ()
     logprobs: str | None = None  # one of LOGPROBS; None: raw when sampling, processed when greedy
 
     def raw_logprobs(self, temperature: float) -> bool:
@@ -81,6 +85,7 @@ class Extension:
             else None,
             monitors=self.monitors,
             steer=self.steer,
+            patch=self.patch,
         )
 
     @property
@@ -114,6 +119,9 @@ def parse_extension(value: Any, name: str = "salience") -> Extension:
     if value.get("steer") is not None:
         with naming(f"{name}.steer", fields={"steer": name}):
             parts["steer"] = parse_interventions(value["steer"])
+    if value.get("patch") is not None:
+        with naming(f"{name}.patch", fields={"patch": name}):
+            parts["patch"] = parse_patches(value["patch"])
     if value.get("logprobs") is not None:
         parts["logprobs"] = _choice(value, "logprobs", LOGPROBS, "raw", name)
     return Extension(**parts)

@@ -58,7 +58,7 @@ _FIELDS = {
             "tools",
         )
     },
-    **{name: "salience" for name in ("steer", "features", "monitors")},
+    **{name: "salience" for name in ("steer", "patch", "features", "monitors")},
 }
 
 

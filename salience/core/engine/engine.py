@@ -55,6 +55,7 @@ from salience.core.probes.calibration import Calibration, Presenter, ReadoutView
 from salience.core.probes.concepts import ReadoutManifest
 from salience.core.probes.live import ConceptView
 from salience.core.probes.monitors import Monitor, MonitorState
+from salience.core.probes.patching import PatchSites
 from salience.core.probes.readouts import READ_TO_END, ReadoutHub, check_ranges, each_engine
 from salience.core.probes.steering import Directions
 from salience.errors import InvalidArgument, under
@@ -87,6 +88,7 @@ class Engine:
         self.block_size: int = llm.vllm_config.cache_config.block_size  # the prefix cache's unit
         self.readouts: ReadoutHub | None = None
         self.steering: Directions | None = None  # what requests may steer along; None: no steering
+        self.patching: PatchSites | None = None  # where requests may patch; None: nowhere (--patch-points)
         self.saes: list[ServedSAE] = []  # the sparse autoencoders the taps encode with (--sae)
         self.live = LiveConcepts(None, None, self._rpc, None)  # set up by start
         self.compiled = False  # set by start: whether vLLM runs the model compiled
@@ -234,7 +236,7 @@ class Engine:
             params.prompt_logprobs = prompt_logprobs
         scored_from = logprobs_from if prompt_logprobs is not None else None  # None: no prompt logprob wanted
         monitors, features = probes.monitors, probes.features
-        hold = self.preparation.hold(probes.steer, len(prompt))
+        hold = self.preparation.hold(probes.steer, len(prompt), probes.patch, len(prompt) + options.max_tokens)
         try:
             text = self._reply_text(monitors, options, prompt)
             with under("monitors"):

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from salience.core.engine.settings import EngineSettings
-from salience.core.engine.start.tap_config import spare_columns, steers
+from salience.core.engine.start.tap_config import capture_base, spare_columns, steers
 from salience.core.engine.start.transport import readouts_with_output
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.live import ConceptTable, ConceptView, LiveConcept, VectorColumns, check_vectors
+from salience.core.probes.patching import NO_PATCHES, PatchSites, ResolvedPatches
 from salience.core.probes.readouts import ReadoutHub
 from salience.core.probes.steering import Directions, ResolvedSteer
 from salience.errors import EngineError, FailedPrecondition
@@ -39,10 +40,12 @@ Rpc = Callable[[str, tuple], Awaitable[object]]
 
 @dataclass(eq=False)
 class Hold:
-    """What a request holds while it runs: the concepts it sees, and columns for its own vectors."""
+    """What a request holds while it runs: the concepts it sees, columns for its own vectors, and
+    its patches (a generation's last-token pass runs under the same)."""
 
     view: ConceptView | None
     steer: ResolvedSteer
+    patch: ResolvedPatches = NO_PATCHES
     _release: Callable[[Hold], None] | None = None
 
     def release(self) -> None:
@@ -63,13 +66,13 @@ class LiveConcepts:
         self._zeroing: set[asyncio.Task] = set()
         self._clearing: set[int] = set()  # columns being zeroed
 
-    def hold(self, steer: ResolvedSteer) -> Hold:
+    def hold(self, steer: ResolvedSteer, patch: ResolvedPatches = NO_PATCHES) -> Hold:
         """The current view, and `steer` with its vectors' columns claimed (ResourceExhausted if none
         is free). The caller releases the Hold when the request is over."""
         if self._vectors is not None and any(i.vector is not None for i in steer.interventions):
             steer = self._vectors.claim(steer)
         view = self.table.acquire() if self.table is not None else None
-        return Hold(view, steer, self._release)
+        return Hold(view, steer, patch, self._release)
 
     def view(self) -> ConceptView | None:
         return self.table.view if self.table is not None else None
@@ -166,11 +169,11 @@ class LiveConcepts:
 
 async def install_probes(
     llm: AsyncLLM, settings: EngineSettings, cpu: bool, compiled: bool, rpc: Rpc
-) -> tuple[ReadoutHub | None, Directions | None, LiveConcepts]:
-    """Set the workers' taps up: readouts with a concept set, steering unless it is off, their
-    failures failing requests instead of the engine (probes/faults.py), and the live concepts'
-    bookkeeping over both."""
-    readouts = steering = None
+) -> tuple[ReadoutHub | None, Directions | None, PatchSites | None, LiveConcepts]:
+    """Set the workers' taps up: readouts with a concept set, steering unless it is off, patching
+    at the patch points, their failures failing requests instead of the engine (probes/faults.py),
+    and the live concepts' bookkeeping over readouts and steering."""
+    readouts = steering = patching = None
     if settings.concepts is not None:
         readouts = await ReadoutHub.install(
             llm,
@@ -195,7 +198,9 @@ async def install_probes(
             vectors=settings.steer_vectors,
         )
         steering = await _install_steering(llm, directions)
-    if readouts is not None or steering is not None:  # last: it wraps what their setups wrapped
+    if settings.patch_points:
+        patching = await _install_patching(llm, settings)
+    if readouts is not None or steering is not None or patching is not None:  # last: it wraps what they wrapped
         await rpc("salience_faults_setup", ())
     live = LiveConcepts(
         readouts.table if readouts else None,
@@ -203,7 +208,23 @@ async def install_probes(
         rpc,
         VectorColumns(steering.vector_columns) if steering else None,
     )
-    return readouts, steering, live
+    return readouts, steering, patching, live
+
+
+async def _install_patching(llm: AsyncLLM, settings: EngineSettings) -> PatchSites:
+    model_config = llm.model_config
+    sites = PatchSites(
+        settings.patch_points,
+        model_config.get_total_num_hidden_layers(),
+        model_config.get_hidden_size(),
+        capture_base(settings),
+    )
+    # Every worker that holds a layer patches it (each pipeline stage its own layers).
+    held = sorted({slot for slots in await llm.collective_rpc("salience_patch_setup") if slots for slot in slots})
+    if held != list(range(len(sites))):
+        raise EngineError(f"the workers' patch taps hold slots {held}, not 0..{len(sites) - 1}")
+    log.info("patching on", extra={"points": list(sites.points), "layers": sites.num_layers})
+    return sites
 
 
 async def _install_steering(llm: AsyncLLM, directions: Directions) -> Directions:

@@ -173,7 +173,7 @@ class Passes:
         )
         plans = engine.preparation.row_plans(probes.residual, probes.features, len(ids))
         own = hold is None
-        hold = engine.preparation.hold(probes.steer, len(ids)) if hold is None else hold
+        hold = engine.preparation.hold(probes.steer, len(ids), probes.patch) if hold is None else hold
         try:
             present = engine.presenter(hold.view, probes.readout_view)
             scored_from = None if top_logprobs is None else logprobs_from

@@ -15,6 +15,9 @@ from salience.core.engine.feature_steering import resolve_features
 from salience.core.engine.newcomer_scheduler import NEWCOMER
 from salience.core.engine.prompts import submission
 from salience.core.engine.rows import feature_plan, residual_plan
+from salience.core.models.points import Site
+from salience.core.probes.patch_worker import TAG as PATCH_TAG
+from salience.core.probes.patching import NO_PATCHES, ResolvedPatches, patch_salt
 from salience.core.probes.readout_worker import TAG
 from salience.core.probes.readouts import check_ranges
 from salience.core.probes.steering import ResolvedSteer
@@ -34,7 +37,9 @@ if TYPE_CHECKING:
     from salience.core.engine.rows import RowPlan
     from salience.core.engine.settings import EngineSettings
     from salience.core.features.served import ServedSAE
+    from salience.core.models.points import Point
     from salience.core.probes.live import ConceptView
+    from salience.core.probes.patching import Patch, PatchSites
     from salience.core.probes.readouts import ReadoutHub
     from salience.core.probes.steering import Directions, Intervention
 
@@ -55,6 +60,7 @@ class Parts(Protocol):
     live: LiveConcepts
     saes: list[ServedSAE]
     steering: Directions | None
+    patching: PatchSites | None
     readouts: ReadoutHub | None
     fair_share: FairShare | None
 
@@ -78,9 +84,23 @@ class Preparation:
             _tag(params, NEWCOMER, True)
         return slot
 
-    def hold(self, steer: Sequence[Intervention], prompt_len: int) -> Hold:
-        """The concepts a request starting now sees, and its interventions checked against them."""
-        return self._engine.live.hold(self.resolve_steer(steer, prompt_len))
+    def hold(
+        self, steer: Sequence[Intervention], prompt_len: int, patch: Sequence[Patch] = (), end: int | None = None
+    ) -> Hold:
+        """The concepts a request starting now sees, its interventions checked against them, and its
+        patches checked against positions below `end` (default: the prompt's)."""
+        patches = self.resolve_patches(patch, prompt_len if end is None else end)
+        return self._engine.live.hold(self.resolve_steer(steer, prompt_len), patches)
+
+    def resolve_patches(self, patch: Sequence[Patch], end: int) -> ResolvedPatches:
+        """The patches checked against the sites this server patches (patching.PatchSites.resolve)."""
+        if not patch:
+            return NO_PATCHES
+        if self._engine.patching is None:
+            raise InvalidArgument(
+                "patching was asked for, but this server patches nowhere (start it with --patch-points)", field="patch"
+            )
+        return self._engine.patching.resolve(patch, end)
 
     def prepare(
         self,
@@ -112,11 +132,15 @@ class Preparation:
                 min(needed, default=len(tokens)), len(tokens)
             )
             submitted = submission(engine.vision, engine.model_name, tokens, images)
-            steering = hold.steer
+            steering, patches = hold.steer, hold.patch
             if steering:
                 _tag(params, STEER_TAG, steering.payload())
-                # KV computed under these interventions is found only by requests stating the same ones.
-                submitted["cache_salt"] = steering.cache_salt()
+            if patches:
+                _tag(params, PATCH_TAG, patches.payload())
+            # KV computed under these interventions and patches is found only by requests stating the same.
+            salt = patch_salt(steering.cache_salt(), patches.cache_salt())
+            if salt is not None:
+                submitted["cache_salt"] = salt
             return key, ranges, submitted
         except BaseException:
             engine.inflight.release(key)
@@ -148,14 +172,32 @@ class Preparation:
                 "residual rows and features need concept readouts (a concept set) on one pipeline stage"
             )
         if residual is not None:
-            read = engine.readouts.table.loaded.layers
+            read, slots = self._residual_sites(residual.point)
             limit = engine.settings.max_residual_rows
-            plan = residual_plan(residual, end, read=read, hidden=engine.hidden_size, limit=limit)
+            plan = residual_plan(residual, end, read=read, slots=slots, hidden=engine.hidden_size, limit=limit)
             engine.row_budget.check(plan.held, f"{plan.held // plan.layers} positions x {plan.layers} layers")
             plans.append(plan)
         if features is not None:
             plans.append(feature_plan(features, engine.saes))
         return plans
+
+    def _residual_sites(self, point: Point | None) -> tuple[Sequence[int], Sequence[int]]:
+        """The layers residual rows at `point` come from, and their capture slots: the patch taps'
+        at a patch point (every layer), else the readout taps' at the readouts' point (the read
+        layers; None is that point). Both read the stream after steering and patches."""
+        engine = self._engine
+        loaded, patching = engine.readouts.table.loaded, engine.patching
+        if point is None or (point == loaded.point and (patching is None or point not in patching.points)):
+            return loaded.layers, range(len(loaded.layers))
+        if patching is None or point not in patching.points:
+            served = [loaded.point, *(p for p in (patching.points if patching else ()) if p != loaded.point)]
+            raise InvalidArgument(
+                f"residual rows at {point} were asked for; this server reads them at {', '.join(served)} "
+                "(--patch-points adds points)",
+                field="residual.point",
+            )
+        layers = range(patching.num_layers)
+        return layers, [patching.capture_slot(Site(layer, point)) for layer in layers]
 
     def cache_serves_none_of(self, first: int, length: int) -> bool:
         """Whether vLLM's prefix cache cannot serve position `first` of a `length`-token prompt, so

@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from salience.core.models.points import Point
 from salience.core.probes.calibration import ReadoutView
 from salience.core.probes.monitors import Action, Monitor, MonitorEvent
+from salience.core.probes.patching import Patch
 from salience.core.probes.steering import Intervention
 
 Features = tuple[tuple[int, float], ...]  # (feature id, activation), largest activation first
@@ -102,12 +104,14 @@ class ImageBlock:
 
 @dataclass(frozen=True, kw_only=True)
 class ResidualRequest:
-    """Raw residual rows a request asks for: the residual stream after each of `layers` (read
-    layers), at the absolute positions `ranges` cover ([start, end)). The same point readouts
-    read: after the decoder layer, before the final norm, after any steering."""
+    """Raw residual rows a request asks for: the activation at `point` of each of `layers`, at the
+    absolute positions `ranges` cover ([start, end)), after any steering and patching. None is
+    the point readouts read (the readout layers); another point is one the server patches at
+    (every layer: --patch-points)."""
 
     layers: tuple[int, ...]
     ranges: tuple[tuple[int, int], ...]
+    point: Point | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,7 +134,8 @@ class Probes:
     `readout_ranges` ([start, end), absolute positions) are where concept readouts are shown, in
     `readout_view`; `steer` intervenes on the residual stream (steering.py); `monitors` watch every
     generated token (monitors.py); `residual` and `features` ask for raw residual rows and an SAE's
-    top features. Checked against what the engine serves when the request starts."""
+    top features; `patch` replaces activations (patching.py). Checked against what the engine
+    serves when the request starts."""
 
     readout_ranges: tuple[tuple[int, int], ...] = ()
     readout_view: ReadoutView = ReadoutView.RAW
@@ -138,10 +143,11 @@ class Probes:
     monitors: tuple[Monitor, ...] = ()
     residual: ResidualRequest | None = None
     features: FeatureRequest | None = None
+    patch: tuple[Patch, ...] = ()
 
     def __post_init__(self) -> None:
         # Callers hand lists; a frozen value holds tuples (hashable, and never changed under it).
-        for name in ("readout_ranges", "steer", "monitors"):
+        for name in ("readout_ranges", "steer", "monitors", "patch"):
             value = getattr(self, name)
             if not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))

@@ -67,9 +67,12 @@ def layer_names(layers: Sequence[int]) -> str:
     return ", ".join(f"{r[0]}..{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
 
 
-def residual_plan(residual: ResidualRequest, end: int, *, read: Sequence[int], hidden: int, limit: int) -> RowPlan:
-    """Residual rows checked against the read layers `read` and the rows one request may ask for
-    (`limit`), with `end` the first position the request cannot reach."""
+def residual_plan(
+    residual: ResidualRequest, end: int, *, read: Sequence[int], slots: Sequence[int], hidden: int, limit: int
+) -> RowPlan:
+    """Residual rows checked against the layers `read` at the asked point (whose capture slots
+    are `slots`, in the same order) and the rows one request may ask for (`limit`), with `end`
+    the first position the request cannot reach."""
     layers = residual.layers
     if not layers or len(set(layers)) != len(layers):
         raise InvalidArgument("residual.layers must name one or more distinct layers", field="residual.layers")
@@ -87,8 +90,8 @@ def residual_plan(residual: ResidualRequest, end: int, *, read: Sequence[int], h
             "rows per request (--max-residual-rows): ask in several requests, or for fewer layers",
             field="residual",
         )
-    slots = [list(read).index(layer) for layer in layers]
-    return RowPlan("residual", RESIDUAL_TAG, ranges, [slots], len(layers), hidden, held=positions * len(layers))
+    picked = [slots[list(read).index(layer)] for layer in layers]
+    return RowPlan("residual", RESIDUAL_TAG, ranges, [picked], len(layers), hidden, held=positions * len(layers))
 
 
 def feature_plan(features: FeatureRequest, saes: Sequence[ServedSAE]) -> RowPlan:

@@ -11,6 +11,7 @@ from salience.core.probes.concepts import ConceptSet
 if TYPE_CHECKING:
     from salience.core.engine.chat import ChatTemplate
     from salience.core.features.sae import SparseAutoencoder
+    from salience.core.models.points import Point
 
 __all__ = ["EngineSettings"]
 
@@ -52,6 +53,7 @@ class EngineSettings:
     spare_concepts: int = 16  # readout and steering columns for live concepts (needs a concept set)
     steer_vectors: int = 16  # steering columns for requests' own vectors, distinct ones running at once
     saes: tuple[SparseAutoencoder, ...] = ()  # sparse autoencoders the taps encode with (needs a concept set)
+    patch_points: tuple[Point, ...] = ()  # points patched at every layer (--patch-points; probes/patching.py)
     max_residual_rows: int = 16384  # residual rows (positions x layers) one request may ask for
     residual_memory_mib: int = 512  # residual rows all requests may hold at once (row_budget.py)
     sae_top: int = 32  # features per token the graph keeps of each SAE: the most a request may ask for

@@ -1,4 +1,4 @@
-"""The vLLM worker extension Salience loads: readouts, steering, their failures contained, and raw
+"""The vLLM worker extension Salience loads: readouts, steering, patching, their failures contained, and raw
 logprobs, driven through collective_rpc."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 from salience.core.engine.logprobs_worker import LogprobsWorker
 from salience.core.engine.start.orphans import watch_server
 from salience.core.probes.faults import FaultWorker
+from salience.core.probes.patch_worker import PatchWorker
 from salience.core.probes.readout_worker import ReadoutWorker
 from salience.core.probes.steering_worker import SteeringWorker
 from salience.core.probes.taps import taps
@@ -13,7 +14,7 @@ from salience.core.probes.taps import taps
 __all__ = ["SalienceWorker"]
 
 
-class SalienceWorker(ReadoutWorker, SteeringWorker, FaultWorker, LogprobsWorker):
+class SalienceWorker(ReadoutWorker, SteeringWorker, PatchWorker, FaultWorker, LogprobsWorker):
     """Mixed into vLLM's worker class (`worker_extension_cls`)."""
 
     def salience_column_norms(self) -> dict[str, list[float]]:

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 FAULTS = "salience_faults"  # the ModelRunnerOutput attribute: {vLLM request id: what failed}
 # The ops a test may make fail (FaultWorker.salience_test_fault), as tap_ops.Faults names them.
-INJECTABLE = frozenset({"steer", "readout_project", "readout_store", "residual_capture", "feature_store"})
+INJECTABLE = frozenset({"steer", "patch", "readout_project", "readout_store", "residual_capture", "feature_store"})
 
 
 def taken(ops: frozenset[str]) -> list[tuple[str, int, Exception]]:

@@ -106,8 +106,9 @@ class ReadoutWorker:
         self._ro_feature_values = _host(self._ro_features) if self._ro_features is not None else None
         # Per SAE slot, the features its rows hold: ids in [0, top), activations in [top, 2 * top).
         self._ro_feature_tops = {e.slot: e.width for tap in taps(model) for e in tap.encoders}
-        # The layer of each readout slot and of each SAE slot: what a fault names.
+        # The layer of each readout (and residual-capture) slot and of each SAE slot: what a fault names.
         self._ro_layers = {t.readout_slot: t.site.layer for t in taps(model) if t.readout_slot is not None}
+        self._ro_layers.update({t.capture_slot: t.site.layer for t in taps(model) if t.patch_slot is not None})
         self._ro_sae_layers = {e.slot: t.site.layer for t in taps(model) for e in t.encoders}
         runner.execute_model = self._ro_after(runner.execute_model, file=True, send=with_output)
         runner._model_forward = self._ro_capturing(runner._model_forward)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch.library import Library
 
-__all__ = ["STAGED_ROWS", "Capture", "Faults", "Reading", "Steered", "steering_delta"]
+__all__ = ["STAGED_ROWS", "Capture", "Faults", "Patched", "Reading", "Steered", "steering_delta"]
 
 
 class Capture:
@@ -47,6 +47,14 @@ class Steered:
     before it (steering_worker.py). On CPU a tap whose slot is not here skips its steering code."""
 
     slots: ClassVar[frozenset[int]] = frozenset()
+
+
+class Patched:
+    """The rows the next forward patches, per patch slot (site): the step's token rows (ascending)
+    and their float32 values [rows, hidden] as the stream takes them, set by the worker before it
+    (patch_worker.py). Empty, every patch tap only checks."""
+
+    plans: ClassVar[dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
 class Faults:
@@ -85,6 +93,28 @@ def steer(
         hidden.copy_((hidden.float() + steering_delta(state, directions, add, scale, lo, hi, slot)).to(hidden.dtype))
     except Exception as exc:
         Faults.raised.append(("steer", slot, exc))
+
+
+def patch(hidden: torch.Tensor, residual: torch.Tensor | None, slot: int, capture_slot: int) -> torch.Tensor:
+    """The activation at a patch site with the worker's values at its rows (Patched): `hidden`,
+    or where the stream is a (hidden, residual) pair, hidden such that hidden + residual is the
+    value; a new tensor (the tap copies it back). Residual rows asked at this site are copied
+    out (Capture, under `capture_slot`), patched as the model goes on with them."""
+    out = hidden.clone()
+    plan = Patched.plans.get(slot) if Patched.plans else None
+    if plan is not None:
+        try:
+            if Faults.injected is not None:
+                _inject("patch", slot)
+            rows, values = plan
+            if residual is not None:
+                values = values - residual.index_select(0, rows).float()
+            out.index_copy_(0, rows, values.to(out.dtype))
+        except Exception as exc:
+            Faults.raised.append(("patch", slot, exc))
+    if Capture.rows is not None and capture_slot in Capture.slots:
+        _capture(out.float() if residual is None else out.float() + residual.float(), capture_slot)
+    return out
 
 
 def steering_delta(
@@ -194,8 +224,12 @@ def _no_output(*args: Any) -> None:
     return None
 
 
+def _like_hidden(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+    return torch.empty_like(hidden)
+
+
 def _register_ops() -> Library:
-    """The stores, the gated projection and the steering gate as `torch.ops.salience.*`, registered
+    """The stores, the gated projection, the steering gate and the patch as `torch.ops.salience.*`, registered
     straight with the dispatcher as vLLM registers its attention ops: `torch.library.custom_op`'s
     own Python wrapping costs ~15 us more per call, and the compiled graph calls them at every
     tapped layer of every step."""
@@ -205,6 +239,7 @@ def _register_ops() -> Library:
     ops = ((readout_store, "buffer"), (readout_project, "buffer"), (feature_store, "buffer"), (steer, "hidden"))
     for op, mutated in ops:
         direct_register_custom_op(op.__name__, op, mutates_args=[mutated], fake_impl=_no_output, target_lib=library)
+    direct_register_custom_op("patch", patch, mutates_args=[], fake_impl=_like_hidden, target_lib=library)
     return library
 
 

@@ -35,6 +35,9 @@ part of the model the compiler sees:
   each token's `top` largest feature activations and their ids, written into
   slot i of a second buffer `[max_tokens, SAEs, 2 * top]` through
   `salience::feature_store`. Only those 2 * top floats per token leave the graph.
+- A tap at a patch site (`--patch-points`: every layer of those points) sets the activation to
+  the values the worker gives for the step's patched rows through `salience::patch`, after any
+  steering there, and copies residual rows asked at its site out (patching.py).
 - After each step the worker copies the rows requests asked for out of the
   buffers (readout_worker.py); rows past the step's real tokens (padding to a
   compiled or captured batch size) are never read, and their steering
@@ -63,20 +66,24 @@ from salience.core.models.points import STREAM, Location, Site
 from salience.core.probes.compile_cache import load_inductor_artifacts
 from salience.core.probes.compile_threads import compile_on_every_core
 from salience.core.probes.concepts import ConceptSet
+from salience.core.probes.patching import PatchSites
 from salience.core.probes.steering import Directions
 from salience.core.probes.tap_ops import STAGED_ROWS, steering_delta
 from salience.core.probes.warm_up import shorten_warm_up
 
 __all__ = [
+    "CODE_KEY",
     "CONFIG_KEY",
     "FAMILY_ATTRIBUTE",
     "FEATURES_KEY",
     "LOAD_FORMAT",
+    "PATCH_KEY",
     "STEERING_KEY",
     "Tap",
     "decoder_stack",
     "feature_buffer",
     "file_digest",
+    "patch_taps",
     "readout_buffer",
     "steering_buffers",
     "steering_taps",
@@ -96,6 +103,10 @@ STEERING_KEY = "salience_steering"
 STEERING_BUFFERS = ("steer_add", "steer_scale", "steer_lo", "steer_hi")  # a, b, lo, hi (Tap)
 # {"saes": [{"path", "sha256", "top"}, ...]}: the sparse autoencoders to encode with, in slot order.
 FEATURES_KEY = "salience_features"
+# The digest of the traced tap code (start/tap_config.py): only keys the compile cache.
+CODE_KEY = "salience_tap_code"
+# {"points": [...], "capture_base": int}: patch taps at every layer of these points (patching.py).
+PATCH_KEY = "salience_patching"
 
 
 class Tap(nn.Module):
@@ -109,7 +120,9 @@ class Tap(nn.Module):
     (steering_worker.py). The delta goes into the point's first tensor (vLLM's `hidden` where
     the stream is a (hidden, residual) pair), so what reads the point next (the module, for an
     input; the rest of the layer, for an output) sees h'; an unsteered row has a = b = 0,
-    lo = -inf and hi = inf and gets exactly 0.0 added. The readout and the SAEs read h'.
+    lo = -inf and hi = inf and gets exactly 0.0 added. A patch at the site then sets the rows it
+    names (tap_ops.patch): the patched value is the one given. The readout and the SAEs read the
+    result.
     Columns of D and of the readout matrix that hold no direction are zero and contribute
     exactly nothing; the worker writes live concepts and request vectors into them between
     steps (the graph reads these buffers, never copies them).
@@ -129,6 +142,8 @@ class Tap(nn.Module):
         self.readout_slot: int | None = None
         self.steering_slot: int | None = None
         self.gated = False  # steering through the gated op (CPU), not traced math
+        self.patch_slot: int | None = None
+        self.capture_slot = -1  # the residual-capture slot of a patch tap (tap_ops.patch)
         self.encoders = nn.ModuleList()  # the SAEs at this site
 
     def encode_into(self, encoder: SAEEncoder, buffer: torch.Tensor) -> None:
@@ -163,12 +178,19 @@ class Tap(nn.Module):
         for name, buffer in zip(STEERING_BUFFERS, coefficients, strict=True):
             self.register_buffer(name, buffer, persistent=False)
 
+    def patch_at(self, slot: int, capture_slot: int) -> None:
+        """Patch this site through slot `slot` of the worker's plans (tap_ops.Patched), and copy
+        its residual rows out under `capture_slot`."""
+        self.patch_slot = slot
+        self.capture_slot = capture_slot
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.where.side == "output":
             return self._at(self.module(*args, **kwargs))
         keyword = "hidden_states" in kwargs
         given = kwargs["hidden_states"] if keyword else args[self.where.arg]
-        if self.steering_slot is not None and self.site.point not in STREAM:
+        writes = self.steering_slot is not None or self.patch_slot is not None
+        if writes and self.site.point not in STREAM:
             given = given.clone()  # a branch's input may be the stream's own tensor (STREAM)
         residual = args[self.where.arg + 1] if self.where.pair else None
         hidden = self._at(given if residual is None else (given, residual))
@@ -199,6 +221,13 @@ class Tap(nn.Module):
             state = state + delta
             whole = (hidden.float() + delta).to(hidden.dtype).view_as(whole)
             value = (whole, *value[1:]) if isinstance(value, tuple) else whole
+            hidden = whole.view(-1, whole.shape[-1])
+        if self.patch_slot is not None:  # last: the patched value is the one given
+            # Computed out of place and copied back: the custom op writing `hidden` in place after a
+            # tap had read it made Inductor compute that read before the tensor was written
+            # (tests/test_families.py, Gemma with an SAE); aten's copy_ it orders as it should.
+            hidden.copy_(torch.ops.salience.patch(hidden, residual, self.patch_slot, self.capture_slot))
+            state = hidden.float() if residual is None else hidden.float() + residual.float()
         if self.readout_slot is not None and self.gated_read:
             torch.ops.salience.readout_project(
                 state, self.out, self.staging, self.matrices, self.readout_slot, *self.readout_held
@@ -241,6 +270,11 @@ def steering_taps(model: nn.Module) -> dict[int, Tap]:
     return {tap.site.layer: tap for tap in taps(model) if tap.steering_slot is not None}
 
 
+def patch_taps(model: nn.Module) -> dict[int, Tap]:
+    """The patch taps this stage holds, by patch slot."""
+    return {tap.patch_slot: tap for tap in taps(model) if tap.patch_slot is not None}
+
+
 def steering_buffers(model: nn.Module) -> tuple[tuple[torch.Tensor, ...], dict[int, int]] | None:
     """The coefficient buffers (a, b, lo, hi) and each steerable layer's slot in them, or None
     without steering."""
@@ -263,9 +297,18 @@ def _wrap(layers: nn.ModuleList, site: Site, where: Location) -> Tap:
     *path, name = where.module.split(".")
     for part in path:
         owner = getattr(owner, part)
+    # Two points at one module's input (OLMo 2's resid_mid and mlp_in): the stream's tap outside,
+    # writing the stream's own tensor, and the branch's inside it, writing its own copy.
+    while site.point not in STREAM and _streams_into(getattr(owner, name), where):
+        owner, name = getattr(owner, name), "module"
     tap = Tap(getattr(owner, name), site, where)
     setattr(owner, name, tap)
     return tap
+
+
+def _streams_into(module: nn.Module, where: Location) -> bool:
+    """Whether `module` is a stream point's tap at the input `where` also names."""
+    return isinstance(module, Tap) and module.where.side == where.side == "input" and module.site.point in STREAM
 
 
 def file_digest(path: Path) -> str:
@@ -281,10 +324,11 @@ def _load_checked(spec: dict) -> ConceptSet:
 
 def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch.device) -> None:
     family: Family = getattr(model, FAMILY_ATTRIBUTE)
-    readout_spec, steering_spec, features_spec = (
+    readout_spec, steering_spec, features_spec, patch_spec = (
         config.get(CONFIG_KEY),
         config.get(STEERING_KEY),
         config.get(FEATURES_KEY),
+        config.get(PATCH_KEY),
     )
     concepts = _load_checked(readout_spec) if readout_spec is not None else None
     directions = None
@@ -340,6 +384,12 @@ def _install_taps(model: nn.Module, config: dict, max_tokens: int, device: torch
                 encoder = SAEEncoder(sae, spec["top"], slot).to(device)
                 encoder.prepack()
                 tap(sae.site).encode_into(encoder, buffer)
+    if patch_spec is not None:
+        sites = PatchSites(patch_spec["points"], len(layers), 0, patch_spec["capture_base"])
+        for point in sites.points:
+            for index in held:
+                site = Site(index, point)
+                tap(site).patch_at(sites.slot(site), sites.capture_slot(site))
     log.debug("taps installed", extra={"sites": [str(site) for site in sorted(tapped)], "rows": max_tokens})
 
 
@@ -362,7 +412,7 @@ def _register_loader() -> None:
                 shorten_warm_up()
             model = super().load_model(vllm_config, model_config, prefix)
             config = vllm_config.additional_config or {}
-            if CONFIG_KEY in config or STEERING_KEY in config or FEATURES_KEY in config:
+            if any(key in config for key in (CONFIG_KEY, STEERING_KEY, FEATURES_KEY, PATCH_KEY)):
                 setattr(model, FAMILY_ATTRIBUTE, family_of(model_config.architectures))
                 # Every rank taps and steers (the same values); rank 0's readouts are read.
                 rows = vllm_config.scheduler_config.max_num_batched_tokens

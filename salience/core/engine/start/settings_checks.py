@@ -14,14 +14,13 @@ __all__ = ["check", "check_executor", "check_saes"]
 
 def check(settings: EngineSettings) -> None:
     """Refuse, before anything starts, settings this start cannot serve."""
-    if settings.concepts is not None or settings.steering_set is not None:
+    if settings.concepts is not None or settings.steering_set is not None or settings.patch_points:
         family = model_family(settings.model)  # taps go where the family says
         for kind, read in (("concept set", settings.concepts), ("steering set", settings.steering_set)):
             if read is not None:
-                try:
-                    family.locate(read.point)
-                except ModelError as e:
-                    raise ModelError(f"the {kind} reads {read.point}, but {e}") from None
+                family.locate(read.point, reader=f"the {kind} reads {read.point}")
+        for point in settings.patch_points:
+            family.locate(point, reader=f"--patch-points names {point}")
     check_executor(settings)
     check_saes(settings)
     if settings.max_running is not None and settings.max_running < 1:

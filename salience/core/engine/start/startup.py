@@ -45,7 +45,8 @@ async def start(cls: type[E], settings: EngineSettings) -> E:
         engine.fair_share = admission(settings, llm.vllm_config.scheduler_config.max_num_seqs)
         if settings.pipeline_parallel_size > 1:
             await llm.collective_rpc("salience_pipeline_setup")
-        engine.readouts, engine.steering, engine.live = await install_probes(llm, settings, cpu, compiled, engine._rpc)
+        probes = await install_probes(llm, settings, cpu, compiled, engine._rpc)
+        engine.readouts, engine.steering, engine.patching, engine.live = probes
         engine.saes = served_saes(settings)
         await _warm_up(engine)
     except BaseException:
