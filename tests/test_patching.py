@@ -239,3 +239,29 @@ async def test_a_server_without_patch_points_refuses_a_patch(read_engine: Engine
     with pytest.raises(InvalidArgument, match="patches nowhere"):
         patch = Patch(point="resid_pre", layer=0, positions=(1,), rows=bytes(512))
         await read_engine.prefill(CLEAN, probes=Probes(patch=(patch,)))
+
+
+async def test_salience_patch_prints_the_grid_and_draws_it(
+    engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The command line against a running server: texts tokenized there, the grid printed as the
+    share restored (0 at the corrupted run), and a PNG heatmap written."""
+    from PIL import Image
+
+    from salience.cli import main
+
+    clean, corrupted = "a b c d", "a e c d"
+    tokens = engine.tokenizer.encode
+    assert len(tokens(clean)) == len(tokens(corrupted))
+    png = tmp_path / "grid.png"
+    async with frontends(engine) as served:
+        argv = ["patch", clean, "--corrupted", corrupted, "--answer", " c", "--points", "resid_pre,mlp_out"]
+        code = await asyncio.to_thread(main, [*argv, "--layers", "0-2", "--png", str(png), "--url", served.ws])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "answer logprob: clean" in out and "resid_pre" in out and "mlp_out" in out
+    rows = [line.split() for line in out.splitlines() if line[:5].strip().isdigit()]
+    assert [int(row[0]) for row in rows] == [0, 1, 2, 0, 1, 2]  # two panels of three layers
+    assert all(len(row) == 1 + len(tokens(clean)) for row in rows)
+    with Image.open(png) as image:
+        assert image.width > 100 and image.height > 100

@@ -15,6 +15,7 @@ from salience.auth import AUTH_TOKEN_ENV, token_from_environment
 from salience.capture.commands import add_capture_parsers, run_capture, run_features
 from salience.cli.concepts import add_concepts_parser, run_concepts
 from salience.cli.convert import add_convert_parser, run_convert
+from salience.cli.patch import add_patch_parser, run_patch
 from salience.cli.serve import run_serve
 from salience.cli.serve_flags import add_serve_parser
 from salience.cli.tokens import add_tokens_parser, run_tokens
@@ -36,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     repl = commands.add_parser("repl", help="interactive prompt against a running server")
     repl.add_argument("url", nargs="?", default="ws://127.0.0.1:8080/", help="LMTP WebSocket URL (wss:// for TLS)")
     add_client_flags(repl)
+    add_patch_parser(commands, add_client_flags)
     return parser
 
 
@@ -86,14 +88,16 @@ def _run(argv: list[str]) -> int:
     from salience.logs import setup_logging
 
     setup_logging(getattr(args, "log_level", "info"))
-    if args.command == "repl":
-        from salience.repl.console import run_repl
-
+    if args.command in ("repl", "patch"):
         try:
             tls = ClientTls(ca=args.ca, cert=args.cert, key=args.key)
+            if args.command == "patch":
+                return asyncio.run(run_patch(args, tls))
         except SalienceError as exc:
             print(f"salience: error: {exc}", file=sys.stderr)
             return 2
+        from salience.repl.console import run_repl
+
         return run_repl(args.url, tls=tls, token=args.token)
     try:
         if args.command == "capture":

@@ -7,7 +7,8 @@ clean run's activation at that point, layer and position put back (probes/patchi
 are submitted together, so the engine batches them as it batches any concurrent requests (within
 the fair-share rules: they are one client's). Each cell's metric is read from the answer's
 logprobs: `logprob`, the answer's (its tokens' summed), or `logit_diff`, the answer's minus the
-foil's (for single tokens exactly their logits' difference; a second pass per cell).
+foil's (for single tokens exactly their logits' difference; a second pass per cell). A one-token
+answer is read from one decode step's raw logprobs, a longer one from a score of its tokens.
 
 The grid is the metric per point, layer and position, with the clean and corrupted baselines; the
 share of the clean run's metric a cell restores is (cell - corrupted) / (clean - corrupted), as
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from salience.core.engine.fair_share import ANONYMOUS
-from salience.core.engine.requests import Probes, ResidualRequest
+from salience.core.engine.requests import Probes, ResidualRequest, SamplingOptions
 from salience.core.models.points import Point
 from salience.core.probes.patching import Patch
 from salience.errors import InvalidArgument
@@ -139,11 +140,19 @@ async def sweep(
 async def _answer_logprob(
     engine: Engine, prompt: Sequence[int], answer: Sequence[int], patches: tuple[Patch, ...], options: dict
 ) -> float:
-    """The answer's logprob after `prompt` (its tokens' summed), under `patches`."""
+    """The answer's logprob after `prompt` (its tokens' summed), under `patches`. One token is
+    the model's raw logprob of it as the next token, decoded with it the only one allowed: the
+    logits of the last position only (a score computes every prompt position's: a fifth of a
+    small model's work on a short prompt)."""
+    probes = Probes(patch=patches)
+    if len(answer) == 1:
+        forced = SamplingOptions(
+            max_tokens=1, temperature=0.0, allowed_token_ids=tuple(answer), raw_logprobs=True, ignore_eos=True
+        )
+        events = [event async for event in engine.generate(prompt, forced, probes=probes, **options)]
+        return events[0].logprob
     ids = [*prompt, *answer]
-    scores = await engine.prefill(
-        ids, top_logprobs=0, logprobs_from=len(prompt), probes=Probes(patch=patches), **options
-    )
+    scores = await engine.prefill(ids, top_logprobs=0, logprobs_from=len(prompt), probes=probes, **options)
     return float(sum(scores.at(p).logprob for p in range(len(prompt), len(ids))))
 
 
