@@ -23,14 +23,14 @@ def write_heatmap(
     label_width = max(int(font.getlength(text)) for text in labels) + MARGIN
     row_label = int(font.getlength(str(max(layers)))) + MARGIN
     panel_width = row_label + CELL * len(labels)
-    height = 2 * MARGIN + 24 + CELL * len(layers) + label_width
+    height = 2 * MARGIN + 32 + CELL * len(layers) + label_width
     width = MARGIN + len(panels) * (panel_width + 2 * MARGIN)
     image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
     draw.text((MARGIN, MARGIN), title, fill="black", font=font)
     for k, (point, grid) in enumerate(panels.items()):
         left = MARGIN + k * (panel_width + 2 * MARGIN)
-        top = MARGIN + 24
+        top = MARGIN + 32
         draw.text((left + row_label, top - 12), point, fill="black", font=font)
         for i, layer in enumerate(layers):
             y = top + i * CELL
