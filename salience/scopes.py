@@ -59,6 +59,7 @@ OPERATIONS: dict[str, tuple[str, ...] | str] = {
     "salience.ext.v1.SalienceExtensions/DefineConcept": ("define",),
     "salience.ext.v1.SalienceExtensions/DeleteConcept": ("define",),
     "salience.ext.v1.SalienceExtensions/SaveConcepts": ("define",),
+    "salience.ext.v1.SalienceExtensions/PatchSweep": ("score", "steer"),
     "grpc.health.v1.Health/Check": OPEN,
     "grpc.health.v1.Health/Watch": OPEN,
     "grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": (),

@@ -2,7 +2,8 @@
 float32 with the same activations set by hooks (tests/reference.Reference.patched): a sweep's grid
 cell by cell with its baselines, both metrics, on LMTP with progress and CANCEL; patches on the
 LMTP and OpenAI wires; the prefix cache kept apart from unpatched requests; every bad input's
-error. Each family's points are patched in tests/test_families.py."""
+error; a failing patch op failing its request alone. Each family's points are patched in
+tests/test_families.py."""
 
 from __future__ import annotations
 
@@ -13,17 +14,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import pytest_asyncio
+import torch
 
 from salience.core.engine.engine import Engine
 from salience.core.engine.requests import Probes, SamplingOptions
 from salience.core.models.points import POINTS, Point, Site
+from salience.core.probes import tap_ops
 from salience.core.probes.concepts import ConceptSet
 from salience.core.probes.patching import Patch
 from salience.core.serving.patch_sweep import Sweep, sweep
-from salience.errors import InvalidArgument
+from salience.errors import EngineError, InvalidArgument
 from salience.lmtp.client import LmtpClient, LmtpStreamError
 from tests.inprocess import frontends
 from tests.reference import LONG_PROMPT, Reference, assert_logprobs_match
+from tests.test_steering import in_one_step
 
 CLEAN = [0, 17, 301, 45, 988, 12, 640, 77, 5, 1203]
 CORRUPTED = [0, 17, 301, 1500, 1501, 12, 640, 77, 5, 1203]  # positions 3 and 4 replaced
@@ -265,3 +269,102 @@ async def test_salience_patch_prints_the_grid_and_draws_it(
     assert all(len(row) == 1 + len(tokens(clean)) for row in rows)
     with Image.open(png) as image:
         assert image.width > 100 and image.height > 100
+
+
+async def test_a_failed_patch_fails_the_request_patching_there_alone(engine: Engine, tiny_reference: Reference) -> None:
+    """The patch op made to fail at one site: the request patching there fails naming it, the one
+    beside it in the step keeps its exact numbers, and the engine serves on, the same patch
+    included."""
+    patch = clean_patch(tiny_reference, "mlp_out", 2, 4)
+    slot = engine.patching.slot(patch.site)
+
+    async def score(patches: tuple[Patch, ...]):
+        return await engine.prefill(CORRUPTED, top_logprobs=3, probes=Probes(patch=patches))
+
+    async def fails(run) -> EngineError:
+        with pytest.raises(EngineError) as caught:
+            await run
+        return caught.value
+
+    await engine._rpc("salience_test_fault", ("patch", slot))
+    try:
+        failed, plain = await in_one_step(engine, [fails(score((patch,))), score(())])
+    finally:
+        await engine._rpc("salience_test_fault", (None,))
+    assert str(failed).startswith(
+        "salience::patch at blocks.2.hook_mlp_out failed (RuntimeError: patch failed on purpose"
+    )
+    want = tiny_reference.logprobs(CORRUPTED).float()
+    assert_logprobs_match([plain.at(p) for p in range(1, len(CORRUPTED))], want, 3)
+    patched = await score((patch,))
+    want, _ = tiny_reference.patched(CORRUPTED, [patch])
+    assert_logprobs_match([patched.at(p) for p in range(1, len(CORRUPTED))], want.float(), 3)
+    assert (await engine._llm.collective_rpc("salience_patch_plans"))[0] == 0
+
+
+def test_a_patch_op_that_fails_records_it_and_leaves_the_activation() -> None:
+    """Values of the wrong width, as the graph calls the op: nothing raises, the activation comes
+    back as it was."""
+    hidden = torch.ones(3, 8)
+    tap_ops.Patched.plans = {0: (torch.tensor([1]), torch.zeros(1, 5))}
+    try:
+        out = tap_ops.patch(hidden, None, 0, -1)
+        raised, tap_ops.Faults.raised = tap_ops.Faults.raised, []
+    finally:
+        tap_ops.Patched.plans = {}
+    assert [(op, slot, type(exc)) for op, slot, exc in raised] == [("patch", 0, RuntimeError)]
+    assert torch.equal(out, hidden)
+
+
+async def test_patches_and_sweeps_on_grpc(engine: Engine, tiny_reference: Reference) -> None:
+    """PatchSweep through the Python client (progress, the grid, INVALID_ARGUMENT naming the field),
+    and ExtendedGenerate with a patch and residual rows at a patch point: the reference's."""
+    import grpc
+
+    from salience.grpc_frontend.client import AsyncSalienceClient
+    from salience.proto.salience.ext.v1 import extensions_pb2 as ext
+    from salience.proto.salience.v1 import salience_pb2 as pb
+
+    answer = tiny_reference.greedy(CLEAN, 1)
+    patch = clean_patch(tiny_reference, "attn_out", 1, 3)
+    prompt = LONG_PROMPT[:12]
+    async with frontends(engine) as served, AsyncSalienceClient(served.grpc_target) as client:
+        told: list[tuple[int, int]] = []
+        grid = await client.sweep(
+            progress=lambda done, total: told.append((done, total)),
+            clean=CLEAN,
+            corrupted=CORRUPTED,
+            answer=answer,
+            points=["attn_out"],
+            positions=[3, 4],
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.sweep(clean=CLEAN, corrupted=CORRUPTED[:4], answer=answer)
+        session = await client.open_session("tiny")
+        rows = np.random.default_rng(6).normal(0, 2, (1, 128)).astype(np.float32)
+        events = [
+            e
+            async for e in session.extended(
+                prompt,
+                max_tokens=2,
+                top_k=1,
+                patches=[ext.Patch(point="mlp_in", layer=2, positions=[4, 7], rows=rows.tobytes())],
+                residual=ext.Residual(layers=[3], ranges=[pb.PositionRange(start=0, end=20)], point="resid_mid"),
+            )
+        ]
+    assert told == [(n, 8) for n in range(1, 9)]
+    assert (list(grid.points), list(grid.layers), list(grid.positions)) == (["attn_out"], [0, 1, 2, 3], [3, 4])
+    want = answer_logprob(tiny_reference, CORRUPTED, answer, [patch])
+    assert grid.grids[0].values[1 * 2 + 0] == pytest.approx(want, abs=1e-4)
+    assert grid.clean == pytest.approx(answer_logprob(tiny_reference, CLEAN, answer), abs=1e-4)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "same length" in refused.value.details()
+    tokens = [e for e in events if e.event.HasField("token")]
+    ids = prompt + [e.event.token.id for e in tokens if e.event.token.position >= len(prompt)]
+    mine = Patch(point="mlp_in", layer=2, positions=(4, 7), rows=rows.tobytes())
+    logprobs, at = tiny_reference.patched(ids, [mine], [Site(3, "resid_mid")])
+    assert ids[len(prompt) :] == [int(logprobs[p - 1].argmax()) for p in range(len(prompt), len(ids))]
+    read = {e.event.token.position: np.frombuffer(e.residual, dtype="<f4") for e in tokens if e.residual}
+    assert sorted(read) == list(range(len(ids)))
+    for position, row in read.items():
+        expected = at[Site(3, "resid_mid")][position].numpy()
+        assert np.abs(row - expected).max() / np.abs(expected).max() < 1e-4, position

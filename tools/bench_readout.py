@@ -10,6 +10,8 @@ Up to five servers on the default model, started once, driven over LMTP in one r
   16 zero columns cost);
 - `--point P` (default mlp_out): the built-in concept set's vectors read at another hook point of
   each layer (docs/readouts.md), its taps around a module inside the layer instead of the layer;
+- `--patch-points all`: readouts plus a patch tap at every point of every layer (docs/patching.md),
+  driven with readouts and no patch: what a server that can patch costs a request that does not;
 - `--sae DIR`: readouts plus a sparse autoencoder's encoder at a middle layer (docs/features.md),
   driven with readouts and the top 32 features on every generated token. DIR is `--sae` here, by
   default a random top-k SAE of the shape tools/train_sae.py makes (8x, k = 32): the cost
@@ -32,7 +34,7 @@ less memory.
     .venv/bin/python -m tools.bench_readout [--model DIR] [--streams 1,8,16] [--tokens 64] [--repeats 3]
         [--warm] [--sae DIR] [--json PATH]
         [--point P] [--ways fastest,idle,readouts,f32,probabilities,probabilities-f32,monitors,eager,unspared,
-        residual,sae,point]
+        residual,sae,point,patching]
 
 `--warm` skips the start with empty compile caches (the first start's cost). `--model DIR` measures
 another model (its default concept set, built once by its first start; the `sae` way there needs
@@ -77,6 +79,7 @@ CONFIGS = {  # the servers, by key: name and flags
     "unspared": ("readouts, no spare columns", ["--spare-concepts", "0"]),
     "sae": ("readouts + SAE", ["--sae"]),  # the folder is appended
     "point": ("readouts at another point", ["--concepts"]),  # the set's file is appended
+    "patching": ("readouts + patch taps", ["--patch-points", "all"]),
 }
 # The ways to drive them, by key: the server and whether every generated token asks for readouts.
 WAYS = {
@@ -92,6 +95,7 @@ WAYS = {
     "residual": ("default", True),
     "sae": ("sae", True),
     "point": ("point", True),
+    "patching": ("patching", True),
 }
 WARM_BATCHES = 4  # batches of the most streams each way runs before the rounds
 # Ratios between two ways besides "/ first": (title, numerator, denominator).
@@ -103,6 +107,7 @@ EXTRA = (
     ("with residual rows / readouts", "residual", "readouts"),
     ("with SAE / readouts", "sae", "readouts"),
     ("at another point / resid_post", "point", "readouts"),
+    ("with patch taps / readouts", "patching", "readouts"),
 )
 
 
@@ -135,6 +140,7 @@ def ways(keys: list[str], running: dict[str, Server], concepts: list[str], layer
         "residual": (f"readouts + residual rows (layer {middle})", {"residual": {"layers": [middle]}}),
         "sae": ("readouts + SAE top-32 features", {"features": {"k": 32}}),
         "point": (f"readouts at {point}", {}),
+        "patching": ("readouts, --patch-points all (none patched)", {}),
     }
     out = []
     for key in keys:

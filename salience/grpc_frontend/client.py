@@ -19,7 +19,7 @@ Errors come as grpc.RpcError; `field_of(error)` names the request field at fault
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import grpc
 
@@ -208,16 +208,18 @@ class AsyncSession:
         residual: ext.Residual | None = None,
         features: ext.Features | None = None,
         constraint: ext.Constraint | None = None,
+        patches: Sequence[ext.Patch] = (),
         **params,
     ) -> AsyncIterator[ext.ExtendedGenerateEvent]:
         """stream() through ExtendedGenerate: each event with its residual rows and SAE features;
-        under `constraint`, the text matches it."""
+        under `constraint`, the text matches it; `patches` replace activations."""
         request = ext.ExtendedGenerateRequest(
             generate=await self._request(append, truncate_to, params),
             interventions=interventions_proto(steer),
             residual=residual,
             features=features,
             constraint=constraint,
+            patches=patches,
         )
         call = self._client._extensions.ExtendedGenerate(request, metadata=self._client._metadata)
         async for event in self._follow(call, lambda e: e.event):
@@ -366,6 +368,18 @@ class AsyncSalienceClient:
         """The server's concepts, live ones included, as a concept-set file's bytes."""
         reply = await self._extensions.SaveConcepts(ext.SaveConceptsRequest(), metadata=self._metadata)
         return reply.concept_set
+
+    async def sweep(self, progress: Callable[[int, int], None] | None = None, **fields) -> ext.SweepGrid:
+        """PatchSweep (docs/patching.md): `clean`, `corrupted`, `answer` token ids and the rest of
+        PatchSweepRequest's fields; `progress(done, total)` as cells finish. Cancelling the call
+        cancels the sweep."""
+        call = self._extensions.PatchSweep(ext.PatchSweepRequest(**fields), metadata=self._metadata)
+        async for event in call:
+            if event.HasField("grid"):
+                return event.grid
+            if progress is not None:
+                progress(event.progress.done, event.progress.total)
+        raise ConnectionError("the sweep ended without its grid")
 
     async def close(self) -> None:
         await self._channel.close()

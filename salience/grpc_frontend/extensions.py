@@ -11,17 +11,21 @@ import grpc
 from salience.core.engine.constraints import KINDS, parse_constraint
 from salience.core.engine.images import Vision
 from salience.core.engine.requests import Constraint, FeatureRequest, Probes, ResidualRequest
+from salience.core.models.points import POINTS
 from salience.core.probes.calibration import ReadoutView, calibrated
 from salience.core.probes.monitors import Action, Monitor, MonitorEvent, parse_monitors
+from salience.core.probes.patching import Patch
 from salience.core.probes.steering import Intervention, Op
 from salience.core.probes.steering import manifest as steering_manifest
 from salience.core.serving import live_concepts
 from salience.core.serving.conversations import ChatTurn
 from salience.core.serving.live_concepts import ConceptDefinition
+from salience.core.serving.patch_sweep import Sweep, SweepGrid, sweep
 from salience.core.serving.sessions import SessionStore
 from salience.core.serving.status import ServerStatus
 from salience.core.serving.turns import SessionToken, Turn, TurnDone
 from salience.errors import InvalidArgument, under
+from salience.grpc_frontend.auth import CLIENT
 from salience.grpc_frontend.chat import chat_message, chat_messages, run_chat
 from salience.grpc_frontend.service import SEED_FIELDS, run_turn, seed_event, turn_from
 from salience.grpc_frontend.status_codes import translating, translating_stream
@@ -126,6 +130,46 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
                         event.reply.CopyFrom(chat_message(chat.reply))
                     yield event
 
+    @translating_stream
+    async def PatchSweep(
+        self, request: ext.PatchSweepRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ext.PatchSweepEvent]:
+        asked = Sweep(
+            clean=tuple(request.clean),
+            corrupted=tuple(request.corrupted),
+            answer=tuple(request.answer),
+            foil=tuple(request.foil),
+            points=tuple(request.points) or ("resid_pre",),
+            layers=tuple(request.layers),
+            positions=tuple(request.positions),
+            metric=request.metric or "logprob",
+        )
+        client = CLIENT.get()
+        told: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+        with self._status.admit("grpc", "patch_sweep", **client.admission()) as admitted:
+            running = asyncio.ensure_future(
+                sweep(
+                    admitted.engine,
+                    asked,
+                    progress=lambda done, total: told.put_nowait((done, total)),
+                    client=client.share,
+                    weight=client.weight,
+                )
+            )
+            try:
+                while not running.done() or not told.empty():
+                    waiting = asyncio.ensure_future(told.get())
+                    await asyncio.wait({waiting, running}, return_when=asyncio.FIRST_COMPLETED)
+                    if waiting.done():
+                        done, total = waiting.result()
+                        yield ext.PatchSweepEvent(progress=ext.PatchSweepEvent.Progress(done=done, total=total))
+                    else:
+                        waiting.cancel()
+                grid = await running
+            finally:
+                running.cancel()
+        yield ext.PatchSweepEvent(grid=sweep_grid(grid))
+
     @translating
     async def GetConceptManifest(self, request: ext.GetConceptManifestRequest, context: grpc.aio.ServicerContext):
         view = self._status.serving_engine().concept_view()
@@ -219,8 +263,15 @@ def extended_turn(request: ext.ExtendedGenerateRequest) -> Turn:
     """The core Turn an ExtendedGenerateRequest asks for."""
     residual = None
     if request.HasField("residual"):
+        point = request.residual.point or None
+        if point is not None and point not in POINTS:
+            raise InvalidArgument(
+                f"residual.point must be one of {', '.join(POINTS)}, got {point!r}", field="residual.point"
+            )
         residual = ResidualRequest(
-            layers=tuple(request.residual.layers), ranges=tuple((r.start, r.end) for r in request.residual.ranges)
+            layers=tuple(request.residual.layers),
+            ranges=tuple((r.start, r.end) for r in request.residual.ranges),
+            point=point,
         )
     features = None
     if request.HasField("features"):
@@ -238,9 +289,37 @@ def extended_turn(request: ext.ExtendedGenerateRequest) -> Turn:
         monitors=monitors(request.monitors),
         residual=residual,
         features=features,
+        patch=patches(request.patches),
     )
     constraint = structured_outputs(request.constraint) if request.HasField("constraint") else None
     return turn_from(request.generate, REQUEST_ID.get(), probes, constraint)
+
+
+def patches(messages) -> tuple[Patch, ...]:
+    """Core patches from their protobuf form; the engine checks points, layers, positions and rows."""
+    out = []
+    for n, m in enumerate(messages):
+        if m.point not in POINTS:
+            raise InvalidArgument(
+                f"patches[{n}]: point must be one of {', '.join(POINTS)}, got {m.point!r}", field=f"patch[{n}].point"
+            )
+        out.append(Patch(point=m.point, layer=m.layer, positions=tuple(m.positions), rows=m.rows))
+    return tuple(out)
+
+
+def sweep_grid(grid: SweepGrid) -> ext.SweepGrid:
+    return ext.SweepGrid(
+        metric=grid.metric,
+        points=grid.points,
+        layers=grid.layers,
+        positions=grid.positions,
+        clean=grid.clean,
+        corrupted=grid.corrupted,
+        grids=[
+            ext.SweepGrid.PointGrid(point=point, values=[v for row in grid.values[point] for v in row])
+            for point in grid.points
+        ],
+    )
 
 
 def structured_outputs(message: ext.Constraint) -> Constraint:

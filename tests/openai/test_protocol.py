@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import openai
 import orjson
 import pytest
@@ -21,6 +22,7 @@ from salience.core.engine.chat_messages import ChatMessage
 from salience.core.engine.requests import Constraint, FinishReason, TokenEvent
 from salience.core.probes.live import ConceptView
 from salience.core.probes.monitors import Action, Monitor, MonitorEvent
+from salience.core.probes.patching import Patch
 from salience.core.probes.steering import Intervention, Op
 from salience.openai.choices import Choice
 from salience.openai.errors import ApiError, from_salience, naming, unauthorized
@@ -176,6 +178,8 @@ BAD = [
     ),
     (CHAT, {**CHAT_BASE, "salience": {"steer": [{"direction": "d", "op": "spin"}]}}, "salience.steer[0]"),
     (CHAT, {**CHAT_BASE, "salience": {"steer": "d"}}, "salience.steer"),
+    (CHAT, {**CHAT_BASE, "salience": {"patch": [{"point": "nowhere", "layer": 1}]}}, "salience.patch[0].point"),
+    (CHAT, {**CHAT_BASE, "salience": {"patch": {"layer": 1}}}, "salience.patch"),
     (CHAT, {**CHAT_BASE, "salience": {"logprobs": "sampled"}}, "salience.logprobs"),
     (COMPLETION, {"prompt": "hi"}, "model"),
     (COMPLETION, {"model": "m"}, "prompt"),
@@ -350,6 +354,7 @@ def test_the_extension_reads_its_parts_with_the_cores_parsers() -> None:
             "features": {"k": 4, "sae": "s"},
             "monitors": [{"concept": "code", "above": 0.9, "action": "stop"}],
             "steer": [{"direction": "french", "layers": 3, "value": 8}],
+            "patch": [{"hook": "blocks.2.hook_mlp_out", "positions": [4], "rows": [1.0, 2.0]}],
         },
     }
     extension = parse_chat(orjson.dumps(body)).salience
@@ -358,7 +363,9 @@ def test_the_extension_reads_its_parts_with_the_cores_parsers() -> None:
         features=Features(k=4, sae="s", over="completion"),
         monitors=(Monitor(concept="code", above=0.9, action=Action.STOP),),
         steer=(Intervention(direction="french", layers=(3,), op=Op.ADD, value=8, generated=True),),
+        patch=(Patch(point="mlp_out", layer=2, positions=(4,), rows=np.array([1, 2], "<f4").tobytes()),),
     )
+    assert extension.probes().patch == extension.patch
     assert parse_extension({}) == Extension()
     assert parse_extension({"readouts": {}}).readouts == Readouts(format="raw", over="completion")
 

@@ -8,6 +8,78 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Patch(_message.Message):
+    __slots__ = ("point", "layer", "positions", "rows")
+    POINT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    point: str
+    layer: int
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    rows: bytes
+    def __init__(self, point: _Optional[str] = ..., layer: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., rows: _Optional[bytes] = ...) -> None: ...
+
+class PatchSweepRequest(_message.Message):
+    __slots__ = ("clean", "corrupted", "answer", "foil", "points", "layers", "positions", "metric")
+    CLEAN_FIELD_NUMBER: _ClassVar[int]
+    CORRUPTED_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    FOIL_FIELD_NUMBER: _ClassVar[int]
+    POINTS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    clean: _containers.RepeatedScalarFieldContainer[int]
+    corrupted: _containers.RepeatedScalarFieldContainer[int]
+    answer: _containers.RepeatedScalarFieldContainer[int]
+    foil: _containers.RepeatedScalarFieldContainer[int]
+    points: _containers.RepeatedScalarFieldContainer[str]
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    metric: str
+    def __init__(self, clean: _Optional[_Iterable[int]] = ..., corrupted: _Optional[_Iterable[int]] = ..., answer: _Optional[_Iterable[int]] = ..., foil: _Optional[_Iterable[int]] = ..., points: _Optional[_Iterable[str]] = ..., layers: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., metric: _Optional[str] = ...) -> None: ...
+
+class PatchSweepEvent(_message.Message):
+    __slots__ = ("progress", "grid")
+    class Progress(_message.Message):
+        __slots__ = ("done", "total")
+        DONE_FIELD_NUMBER: _ClassVar[int]
+        TOTAL_FIELD_NUMBER: _ClassVar[int]
+        done: int
+        total: int
+        def __init__(self, done: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    GRID_FIELD_NUMBER: _ClassVar[int]
+    progress: PatchSweepEvent.Progress
+    grid: SweepGrid
+    def __init__(self, progress: _Optional[_Union[PatchSweepEvent.Progress, _Mapping]] = ..., grid: _Optional[_Union[SweepGrid, _Mapping]] = ...) -> None: ...
+
+class SweepGrid(_message.Message):
+    __slots__ = ("metric", "points", "layers", "positions", "clean", "corrupted", "grids")
+    class PointGrid(_message.Message):
+        __slots__ = ("point", "values")
+        POINT_FIELD_NUMBER: _ClassVar[int]
+        VALUES_FIELD_NUMBER: _ClassVar[int]
+        point: str
+        values: _containers.RepeatedScalarFieldContainer[float]
+        def __init__(self, point: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    POINTS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    CLEAN_FIELD_NUMBER: _ClassVar[int]
+    CORRUPTED_FIELD_NUMBER: _ClassVar[int]
+    GRIDS_FIELD_NUMBER: _ClassVar[int]
+    metric: str
+    points: _containers.RepeatedScalarFieldContainer[str]
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    clean: float
+    corrupted: float
+    grids: _containers.RepeatedCompositeFieldContainer[SweepGrid.PointGrid]
+    def __init__(self, metric: _Optional[str] = ..., points: _Optional[_Iterable[str]] = ..., layers: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., clean: _Optional[float] = ..., corrupted: _Optional[float] = ..., grids: _Optional[_Iterable[_Union[SweepGrid.PointGrid, _Mapping]]] = ...) -> None: ...
+
 class DefineConceptRequest(_message.Message):
     __slots__ = ("name", "positive", "negative", "method", "layers", "vector", "vectors")
     class VectorsEntry(_message.Message):
@@ -70,7 +142,7 @@ class SaveConceptsResponse(_message.Message):
     def __init__(self, concept_set: _Optional[bytes] = ..., concepts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ExtendedGenerateRequest(_message.Message):
-    __slots__ = ("generate", "interventions", "readout_format", "monitors", "residual", "features", "constraint")
+    __slots__ = ("generate", "interventions", "readout_format", "monitors", "residual", "features", "constraint", "patches")
     class ReadoutFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         READOUT_FORMAT_RAW: _ClassVar[ExtendedGenerateRequest.ReadoutFormat]
@@ -88,6 +160,7 @@ class ExtendedGenerateRequest(_message.Message):
     RESIDUAL_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    PATCHES_FIELD_NUMBER: _ClassVar[int]
     generate: _salience_pb2.GenerateRequest
     interventions: _containers.RepeatedCompositeFieldContainer[Intervention]
     readout_format: ExtendedGenerateRequest.ReadoutFormat
@@ -95,7 +168,8 @@ class ExtendedGenerateRequest(_message.Message):
     residual: Residual
     features: Features
     constraint: Constraint
-    def __init__(self, generate: _Optional[_Union[_salience_pb2.GenerateRequest, _Mapping]] = ..., interventions: _Optional[_Iterable[_Union[Intervention, _Mapping]]] = ..., readout_format: _Optional[_Union[ExtendedGenerateRequest.ReadoutFormat, str]] = ..., monitors: _Optional[_Iterable[_Union[Monitor, _Mapping]]] = ..., residual: _Optional[_Union[Residual, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+    patches: _containers.RepeatedCompositeFieldContainer[Patch]
+    def __init__(self, generate: _Optional[_Union[_salience_pb2.GenerateRequest, _Mapping]] = ..., interventions: _Optional[_Iterable[_Union[Intervention, _Mapping]]] = ..., readout_format: _Optional[_Union[ExtendedGenerateRequest.ReadoutFormat, str]] = ..., monitors: _Optional[_Iterable[_Union[Monitor, _Mapping]]] = ..., residual: _Optional[_Union[Residual, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., patches: _Optional[_Iterable[_Union[Patch, _Mapping]]] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("json", "regex", "choice", "grammar", "json_object")
@@ -232,12 +306,14 @@ class SAEInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., layer: _Optional[int] = ..., d_in: _Optional[int] = ..., d_sae: _Optional[int] = ..., architecture: _Optional[str] = ..., k: _Optional[int] = ..., top: _Optional[int] = ..., hook_name: _Optional[str] = ..., sha256: _Optional[str] = ..., point: _Optional[str] = ..., transcoder: _Optional[str] = ..., hook_name_out: _Optional[str] = ..., d_out: _Optional[int] = ...) -> None: ...
 
 class Residual(_message.Message):
-    __slots__ = ("layers", "ranges")
+    __slots__ = ("layers", "ranges", "point")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
+    POINT_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedScalarFieldContainer[int]
     ranges: _containers.RepeatedCompositeFieldContainer[_salience_pb2.PositionRange]
-    def __init__(self, layers: _Optional[_Iterable[int]] = ..., ranges: _Optional[_Iterable[_Union[_salience_pb2.PositionRange, _Mapping]]] = ...) -> None: ...
+    point: str
+    def __init__(self, layers: _Optional[_Iterable[int]] = ..., ranges: _Optional[_Iterable[_Union[_salience_pb2.PositionRange, _Mapping]]] = ..., point: _Optional[str] = ...) -> None: ...
 
 class Monitor(_message.Message):
     __slots__ = ("concept", "layer", "above", "below", "action", "feature", "path")

@@ -85,6 +85,11 @@ class SalienceExtensionsStub:
                 request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SaveConceptsRequest.SerializeToString,
                 response_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SaveConceptsResponse.FromString,
                 _registered_method=True)
+        self.PatchSweep = channel.unary_stream(
+                '/salience.ext.v1.SalienceExtensions/PatchSweep',
+                request_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.PatchSweepRequest.SerializeToString,
+                response_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.PatchSweepEvent.FromString,
+                _registered_method=True)
 
 
 class SalienceExtensionsServicer:
@@ -189,6 +194,16 @@ class SalienceExtensionsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PatchSweep(self, request, context):
+        """Causal tracing (docs/patching.md): the corrupted prompt once per point x layer x position with
+        the clean run's activation put back, all at once. Progress events as cells finish, then the
+        grid; cancelling the call cancels the sweep. INVALID_ARGUMENT names a bad field (prompts of
+        different lengths, a point the server does not patch, a layer or position out of range).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SalienceExtensionsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -241,6 +256,11 @@ def add_SalienceExtensionsServicer_to_server(servicer, server):
                     servicer.SaveConcepts,
                     request_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SaveConceptsRequest.FromString,
                     response_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SaveConceptsResponse.SerializeToString,
+            ),
+            'PatchSweep': grpc.unary_stream_rpc_method_handler(
+                    servicer.PatchSweep,
+                    request_deserializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.PatchSweepRequest.FromString,
+                    response_serializer=salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.PatchSweepEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -513,6 +533,33 @@ class SalienceExtensions:
             '/salience.ext.v1.SalienceExtensions/SaveConcepts',
             salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SaveConceptsRequest.SerializeToString,
             salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.SaveConceptsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PatchSweep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/salience.ext.v1.SalienceExtensions/PatchSweep',
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.PatchSweepRequest.SerializeToString,
+            salience_dot_proto_dot_salience_dot_ext_dot_v1_dot_extensions__pb2.PatchSweepEvent.FromString,
             options,
             channel_credentials,
             insecure,
