@@ -22,11 +22,11 @@ Everything is checked here, before a request reaches vLLM: InvalidArgument names
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from salience.core.models.points import POINTS, Point, Site, parse_hook
-from salience.core.probes.steering_json import parse_vector
+from salience.core.probes.steering_json import object_of, parse_vector
 from salience.errors import InvalidArgument, ModelError, under
 
 __all__ = [
@@ -206,11 +206,7 @@ def parse_patches(data: object) -> tuple[Patch, ...]:
 
 def _parse_one(n: int, item: object) -> Patch:
     where = f"patch[{n}]"
-    if not isinstance(item, Mapping):
-        raise InvalidArgument(f"{where} must be an object", field=where)
-    unknown = sorted(set(item) - _FIELDS)
-    if unknown:
-        raise InvalidArgument(f"{where}: unknown field {unknown[0]!r}", field=where)
+    item = object_of(where, item, _FIELDS)
     if "hook" in item:
         if "point" in item or "layer" in item:
             raise InvalidArgument(f"{where}: give hook, or point and layer, not both", field=where)

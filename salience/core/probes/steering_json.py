@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from salience.core.probes.steering import MAX_RANGES, Intervention, Op, Range, check_count
 from salience.errors import InvalidArgument, under
 
-__all__ = ["parse_interventions", "parse_layers", "parse_vector"]
+__all__ = ["object_of", "parse_interventions", "parse_layers", "parse_vector"]
 
 
 _FIELDS = {"direction", "vector", "feature", "sae", "layers", "layer", "op", "value", "lo", "hi", "positions"}
@@ -31,13 +31,20 @@ def parse_interventions(data: object) -> tuple[Intervention, ...]:
     return tuple(_parse_one(n, item) for n, item in enumerate(data))
 
 
-def _parse_one(n: int, item: object) -> Intervention:
-    where = f"steer[{n}]"
+def object_of(where: str, item: object, known: set[str]) -> Mapping:
+    """`item` as a JSON object holding only `known` fields (an intervention, a patch), else
+    InvalidArgument naming `where`."""
     if not isinstance(item, Mapping):
         raise InvalidArgument(f"{where} must be an object", field=where)
-    unknown = sorted(set(item) - _FIELDS)
+    unknown = sorted(set(item) - known)
     if unknown:
         raise InvalidArgument(f"{where}: unknown field {unknown[0]!r}", field=where)
+    return item
+
+
+def _parse_one(n: int, item: object) -> Intervention:
+    where = f"steer[{n}]"
+    item = object_of(where, item, _FIELDS)
     direction = item.get("direction", "")
     vector = None
     if "vector" in item:
