@@ -28,6 +28,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from salience.core.probes.step_requests import tagged
+
 __all__ = ["RAW_LOGPROBS", "LogprobsWorker"]
 
 RAW_LOGPROBS = "salience_raw_logprobs"  # SamplingParams.extra_args key
@@ -54,7 +56,7 @@ def _with_raw_rows(forward: Callable, runner: Any) -> Callable:
         k = sampling_metadata.max_num_logprobs
         # Top-k logprobs asked for (not the whole vocabulary, -1, nor chosen ids, which Salience never asks).
         asked = k is not None and k >= 0 and not sampling_metadata.logprob_token_ids
-        rows = _tagged(runner) if asked else None
+        rows = [i for i, _, _ in tagged(runner, RAW_LOGPROBS)] if asked else None
         if not rows:
             return forward(logits, sampling_metadata, *args, **kwargs)
         index = torch.tensor(rows, device=logits.device)
@@ -69,15 +71,3 @@ def _with_raw_rows(forward: Callable, runner: Any) -> Callable:
 
     run.salience_raw = True  # type: ignore[attr-defined]
     return run
-
-
-def _tagged(runner: Any) -> list[int]:
-    """The batch rows whose request asked for raw logprobs."""
-    batch, requests = runner.input_batch, runner.requests
-    rows = []
-    for i, request_id in enumerate(batch.req_ids[: batch.num_reqs]):
-        state = requests.get(request_id)
-        extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
-        if extra and RAW_LOGPROBS in extra:
-            rows.append(i)
-    return rows

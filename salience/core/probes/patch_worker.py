@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from salience.core.probes.faults import taken
+from salience.core.probes.step_requests import step_rows, tagged
 from salience.core.probes.tap_ops import Patched
 from salience.core.probes.taps import patch_taps
 
@@ -53,7 +54,11 @@ class PatchWorker:
     def _pa_around(self, model_forward):
         @functools.wraps(model_forward)
         def run(*args, **kwargs):
-            self._pa_write()
+            try:
+                self._pa_write()
+            except Exception as exc:  # not one request's: every patched request of the step fails
+                Patched.plans = {}
+                self._ft_fail([r for _, r, _ in tagged(self.model_runner, TAG)], "planning the step's patches", exc)
             try:
                 return model_forward(*args, **kwargs)
             finally:
@@ -62,35 +67,29 @@ class PatchWorker:
                         patching = [r for r, slots in self._pa_patching.items() if slot in slots]
                         self._ft_fail(patching, f"salience::{op} at {self._pa_sites[slot]}", exc)
                     Patched.plans = {}
-                    self._pa_patching = {}
+                self._pa_patching = {}
 
         return run
 
     def _pa_write(self) -> None:
         """This step's rows and values per slot (tap_ops.Patched), from every patched request."""
         runner = self.model_runner
-        batch = runner.input_batch
-        n = batch.num_reqs
-        starts = positions = None
+        step = None
         rows: dict[int, list[np.ndarray]] = {}
         values: dict[int, list[torch.Tensor]] = {}
-        for i, request_id in enumerate(batch.req_ids[:n]):
-            extra = getattr(getattr(runner.requests.get(request_id), "sampling_params", None), "extra_args", None)
-            if not extra or TAG not in extra:
-                continue
-            if starts is None:
-                starts = runner.query_start_loc.cpu[: n + 1].numpy()
-                positions = runner.positions[: int(starts[n])].cpu().numpy()
-            s, e = int(starts[i]), int(starts[i + 1])
+        for i, request_id, extra in tagged(runner, TAG):
+            if step is None:
+                step = step_rows(runner)
+            starts, positions = step
+            at, first = positions[starts[i] : starts[i + 1]], int(starts[i])
             try:
                 mine: set[int] = set()
                 for slot, wanted, table in self._pa_plan(request_id, extra[TAG]):
-                    at = positions[s:e]
                     hit = np.isin(at, wanted)
                     if not hit.any():
                         continue
                     index = np.searchsorted(wanted, at[hit]) if len(table) > 1 else np.zeros(int(hit.sum()), int)
-                    rows.setdefault(slot, []).append(np.nonzero(hit)[0] + s)
+                    rows.setdefault(slot, []).append(np.nonzero(hit)[0] + first)
                     values.setdefault(slot, []).append(table[torch.from_numpy(index)])
                     mine.add(slot)
             except Exception as exc:  # its own patches: it alone fails

@@ -52,13 +52,13 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Iterator
 
 import numpy as np
 import torch
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 from salience.core.probes.faults import taken
+from salience.core.probes.step_requests import tagged
 from salience.core.probes.tap_ops import Capture, Reading
 from salience.core.probes.taps import (
     feature_buffer,
@@ -227,7 +227,7 @@ class ReadoutWorker:
     def _ro_asking(self) -> list[str]:
         """This step's requests asking for readouts, residual rows or features."""
         tags = (TAG, RESIDUAL_TAG, FEATURE_TAG)
-        return list(dict.fromkeys(request_id for tag in tags for _, request_id, _ in self._ro_tagged(tag)))
+        return list(dict.fromkeys(request_id for tag in tags for _, request_id, _ in tagged(self.model_runner, tag)))
 
     def _ro_faulted(self) -> None:
         """Fail the requests whose rows an op of the forward failed to write: every request reading
@@ -256,16 +256,6 @@ class ReadoutWorker:
         if self._ro_features is not None:
             self._ro_picks[FEATURE_TAG] = self._ro_rows(FEATURE_TAG)
         Reading.columns = max((max(extra[TAG][2], default=-1) + 1 for _, extra, _, _ in self._ro_picks[TAG]), default=0)
-
-    def _ro_tagged(self, tag: str) -> Iterator[tuple[int, str, dict]]:
-        """This step's requests tagged `tag`: batch index, vLLM request id, extra_args."""
-        runner = self.model_runner
-        batch = runner.input_batch
-        for i, request_id in enumerate(batch.req_ids[: batch.num_reqs]):
-            state = runner.requests.get(request_id)
-            extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
-            if extra and tag in extra:
-                yield i, request_id, extra
 
     def _ro_plan_capture(self) -> None:
         picks = [
@@ -306,7 +296,7 @@ class ReadoutWorker:
         n = runner.input_batch.num_reqs
         out: list[tuple[str, dict, np.ndarray, np.ndarray]] = []
         starts = None
-        for i, request_id, extra in self._ro_tagged(tag):
+        for i, request_id, extra in tagged(self.model_runner, tag):
             if starts is None:
                 starts = runner.query_start_loc.cpu[: n + 1].tolist()
                 # A copy: blocks hold views of it, and may wait for a fetch past the next step,

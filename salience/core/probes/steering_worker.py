@@ -37,6 +37,7 @@ import torch
 
 from salience.core.probes.faults import taken
 from salience.core.probes.steering import unit
+from salience.core.probes.step_requests import step_rows, tagged
 from salience.core.probes.tap_ops import Steered
 from salience.core.probes.taps import steering_buffers, steering_taps
 
@@ -112,22 +113,16 @@ class SteeringWorker:
     def _st_write(self) -> int:
         """Fill this step's coefficients; returns how many rows may be non-zero."""
         runner = self.model_runner
-        batch = runner.input_batch
-        n = batch.num_reqs
         steered = []
-        for i, request_id in enumerate(batch.req_ids[:n]):
-            state = runner.requests.get(request_id)
-            extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
-            if extra and TAG in extra:
-                try:
-                    steered.append((request_id, i, self._st_plan(request_id, extra[TAG])))
-                except Exception as exc:  # its own payload: it alone fails
-                    self._ft_fail([request_id], "reading the steering interventions", exc)
+        for i, request_id, extra in tagged(runner, TAG):
+            try:
+                steered.append((request_id, i, self._st_plan(request_id, extra[TAG])))
+            except Exception as exc:  # its own payload: it alone fails
+                self._ft_fail([request_id], "reading the steering interventions", exc)
         if not steered:
             return 0
-        starts = runner.query_start_loc.cpu[: n + 1].numpy()
-        total = int(starts[n])
-        positions = runner.positions[:total].cpu().numpy()
+        starts, positions = step_rows(runner)
+        total = len(positions)
         slots: set[int] = set()
         for request_id, i, plan in steered:
             s, e = int(starts[i]), int(starts[i + 1])
@@ -171,14 +166,7 @@ class SteeringWorker:
 
     def _st_steered(self) -> list[str]:
         """This step's requests that asked to be steered."""
-        runner = self.model_runner
-        batch = runner.input_batch
-        steered = []
-        for request_id in batch.req_ids[: batch.num_reqs]:
-            extra = getattr(getattr(runner.requests.get(request_id), "sampling_params", None), "extra_args", None)
-            if extra and TAG in extra:
-                steered.append(request_id)
-        return steered
+        return [request_id for _, request_id, _ in tagged(self.model_runner, TAG)]
 
     def _st_faulted(self) -> None:
         """Fail the requests steering where the op failed: at that slot, in this step."""
