@@ -145,7 +145,7 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
             metric=request.metric or "logprob",
         )
         client = CLIENT.get()
-        told: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+        told: asyncio.Queue[tuple[int, int] | None] = asyncio.Queue()  # progress, then None at the end
         with self._status.admit("grpc", "patch_sweep", **client.admission()) as admitted:
             running = asyncio.ensure_future(
                 sweep(
@@ -156,16 +156,12 @@ class ExtensionsService(extensions_pb2_grpc.SalienceExtensionsServicer):
                     weight=client.weight,
                 )
             )
+            running.add_done_callback(lambda _: told.put_nowait(None))
             try:
-                while not running.done() or not told.empty():
-                    waiting = asyncio.ensure_future(told.get())
-                    await asyncio.wait({waiting, running}, return_when=asyncio.FIRST_COMPLETED)
-                    if waiting.done():
-                        done, total = waiting.result()
-                        yield ext.PatchSweepEvent(progress=ext.PatchSweepEvent.Progress(done=done, total=total))
-                    else:
-                        waiting.cancel()
-                grid = await running
+                while (progress := await told.get()) is not None:
+                    done, total = progress
+                    yield ext.PatchSweepEvent(progress=ext.PatchSweepEvent.Progress(done=done, total=total))
+                grid = running.result()
             finally:
                 running.cancel()
         yield ext.PatchSweepEvent(grid=sweep_grid(grid))

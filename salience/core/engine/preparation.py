@@ -187,17 +187,17 @@ class Preparation:
         layers; None is that point). Both read the stream after steering and patches."""
         engine = self._engine
         loaded, patching = engine.readouts.table.loaded, engine.patching
-        if point is None or (point == loaded.point and (patching is None or point not in patching.points)):
+        patched = patching.points if patching is not None else ()
+        if point is not None and point in patched:
+            layers = range(patching.num_layers)
+            return layers, [patching.capture_slot(Site(layer, point)) for layer in layers]
+        if point is None or point == loaded.point:
             return loaded.layers, range(len(loaded.layers))
-        if patching is None or point not in patching.points:
-            served = [loaded.point, *(p for p in (patching.points if patching else ()) if p != loaded.point)]
-            raise InvalidArgument(
-                f"residual rows at {point} were asked for; this server reads them at {', '.join(served)} "
-                "(--patch-points adds points)",
-                field="residual.point",
-            )
-        layers = range(patching.num_layers)
-        return layers, [patching.capture_slot(Site(layer, point)) for layer in layers]
+        served = ", ".join(dict.fromkeys((loaded.point, *patched)))
+        raise InvalidArgument(
+            f"residual rows at {point} were asked for; this server reads them at {served} (--patch-points adds points)",
+            field="residual.point",
+        )
 
     def cache_serves_none_of(self, first: int, length: int) -> bool:
         """Whether vLLM's prefix cache cannot serve position `first` of a `length`-token prompt, so

@@ -98,11 +98,13 @@ async def sweep(
     cells finish. Cancelling the call cancels every cell still running."""
     layers, positions = _check(engine, request)
     options = {"client": client, "weight": weight}
-    clean_rows = {}
-    for point in request.points:  # the clean run's activations, each point's every swept layer
+
+    async def clean_rows_at(point: Point) -> dict:
+        """The clean run's activations at `point`, every swept layer: {position: [layers, hidden]}."""
         asked = ResidualRequest(layers=layers, ranges=((0, len(request.clean)),), point=point)
-        rows = (await engine.prefill(request.clean, probes=Probes(residual=asked), **options)).residuals
-        clean_rows[point] = rows
+        return (await engine.prefill(request.clean, probes=Probes(residual=asked), **options)).residuals
+
+    clean_rows = dict(zip(request.points, await asyncio.gather(*map(clean_rows_at, request.points)), strict=True))
 
     async def metric(prompt: Sequence[int], patches: tuple[Patch, ...] = ()) -> float:
         value = await _answer_logprob(engine, prompt, request.answer, patches, options)
@@ -111,19 +113,20 @@ async def sweep(
         return value
 
     clean, corrupted = await asyncio.gather(metric(request.clean), metric(request.corrupted))
-    cells = list(itertools.product(request.points, range(len(layers)), positions))
+    cells = list(itertools.product(request.points, range(len(layers)), range(len(positions))))
     grid = {point: [[0.0] * len(positions) for _ in layers] for point in request.points}
     done = 0
     gate = asyncio.Semaphore(RUNNING)
 
     import numpy as np
 
-    async def cell(point: Point, i: int, position: int) -> None:
+    async def cell(point: Point, i: int, j: int) -> None:
+        """Layer layers[i] at position positions[j] put back."""
         nonlocal done
-        row = np.ascontiguousarray(clean_rows[point][position][i], dtype=np.float32)
-        patch = Patch(point=point, layer=layers[i], positions=(position,), rows=row.tobytes())
+        row = np.ascontiguousarray(clean_rows[point][positions[j]][i], dtype=np.float32)
+        patch = Patch(point=point, layer=layers[i], positions=(positions[j],), rows=row.tobytes())
         async with gate:
-            grid[point][i][positions.index(position)] = await metric(request.corrupted, (patch,))
+            grid[point][i][j] = await metric(request.corrupted, (patch,))
         done += 1
         if progress is not None:
             progress(done, len(cells))
