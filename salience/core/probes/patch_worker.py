@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from salience.core.probes.faults import taken
-from salience.core.probes.step_requests import step_rows, tagged
+from salience.core.probes.step_requests import Plans, step_rows, tagged
 from salience.core.probes.tap_ops import Patched
 from salience.core.probes.taps import patch_taps
 
@@ -41,14 +41,14 @@ class PatchWorker:
         self._pa_sites = {slot: str(tap.site) for slot, tap in found.items()}  # what a fault names
         self._pa_device = next(runner.get_model().parameters()).device
         self._pa_hidden = runner.model_config.get_hidden_size()
-        self._pa_plans: dict[str, tuple[object, list]] = {}
+        self._pa_plans = Plans(runner, self._pa_parse)
         self._pa_patching: dict[str, frozenset[int]] = {}  # this step's patched requests: their slots
         runner._model_forward = self._pa_around(runner._model_forward)
         return sorted(found)
 
     def salience_patch_plans(self) -> int:
         """Requests whose parsed patches this worker holds (tests: nothing stays behind)."""
-        self._pa_forget()
+        self._pa_plans.forget()
         return len(self._pa_plans)
 
     def _pa_around(self, model_forward):
@@ -84,7 +84,7 @@ class PatchWorker:
             at, first = positions[starts[i] : starts[i + 1]], int(starts[i])
             try:
                 mine: set[int] = set()
-                for slot, wanted, table in self._pa_plan(request_id, extra[TAG]):
+                for slot, wanted, table in self._pa_plans.of(request_id, extra[TAG]):
                     hit = np.isin(at, wanted)
                     if not hit.any():
                         continue
@@ -105,14 +105,9 @@ class PatchWorker:
             for slot in rows
         }
 
-    def _pa_plan(self, request_id: str, payload: list) -> list:
+    def _pa_parse(self, payload: list) -> list:
         """The payload as (slot, sorted positions, [rows, hidden] float32 values in their order),
-        slots this stage holds only, parsed once per request."""
-        cached = self._pa_plans.get(request_id)
-        if cached is not None and cached[0] is payload:
-            return cached[1]
-        if len(self._pa_plans) > 4 * self.model_runner.max_num_reqs:
-            self._pa_forget()
+        slots this stage holds only."""
         plan = []
         for slot, positions, data in payload:
             if slot not in self._pa_sites:  # another pipeline stage's
@@ -124,11 +119,4 @@ class PatchWorker:
             if len(table) > 1:
                 table = table[torch.from_numpy(order)]
             plan.append((slot, wanted[order], table))
-        self._pa_plans[request_id] = (payload, plan)
         return plan
-
-    def _pa_forget(self) -> None:
-        """Drop the plans of requests the runner no longer holds."""
-        live = self.model_runner.requests
-        for request_id in [r for r in self._pa_plans if r not in live]:
-            del self._pa_plans[request_id]

@@ -37,7 +37,7 @@ import torch
 
 from salience.core.probes.faults import taken
 from salience.core.probes.steering import unit
-from salience.core.probes.step_requests import step_rows, tagged
+from salience.core.probes.step_requests import Plans, step_rows, tagged
 from salience.core.probes.tap_ops import Steered
 from salience.core.probes.taps import steering_buffers, steering_taps
 
@@ -67,7 +67,7 @@ class SteeringWorker:
         self._st_taps = steering_taps(runner.get_model())
         self._st_layers = {slot: index for index, slot in slots.items()}  # what a fault names
         self._st_steering: dict[str, frozenset[int]] = {}  # this step's steered requests: the slots each steers at
-        self._st_plans: dict[str, tuple[object, list]] = {}
+        self._st_plans = Plans(runner, self._st_parse)
         self._st_vectors: dict[int, str] = {}  # vector column -> the identity of the vector it holds
         runner._model_forward = self._st_around(runner._model_forward)
         return list(buffers[0].shape)
@@ -88,7 +88,7 @@ class SteeringWorker:
 
     def salience_steering_plans(self) -> int:
         """Requests whose parsed interventions this worker holds (tests: nothing stays behind)."""
-        self._st_forget()
+        self._st_plans.forget()
         return len(self._st_plans)
 
     def _st_around(self, model_forward):
@@ -116,7 +116,7 @@ class SteeringWorker:
         steered = []
         for i, request_id, extra in tagged(runner, TAG):
             try:
-                steered.append((request_id, i, self._st_plan(request_id, extra[TAG])))
+                steered.append((request_id, i, self._st_plans.of(request_id, extra[TAG])))
             except Exception as exc:  # its own payload: it alone fails
                 self._ft_fail([request_id], "reading the steering interventions", exc)
         if not steered:
@@ -186,24 +186,12 @@ class SteeringWorker:
             for device, fill in zip(self._st_buffers, RESET, strict=True):
                 device[:rows].fill_(fill)
 
-    def _st_plan(self, request_id: str, payload: list) -> list:
-        """The payload with layers mapped to buffer slots, parsed once per request."""
-        cached = self._st_plans.get(request_id)
-        if cached is not None and cached[0] is payload:
-            return cached[1]
-        if len(self._st_plans) > 4 * self.model_runner.max_num_reqs:
-            self._st_forget()
+    def _st_parse(self, payload: list) -> list:
+        """The payload with layers mapped to buffer slots."""
         plan = []
         for layers, column, a, b, ranges, lo, hi, vector in payload:
             # Under pipeline parallelism a stage holds some layers only; the others' stages steer those.
             slots = [self._st_slots[layer] for layer in layers if layer in self._st_slots]
             if slots:
                 plan.append((np.array(slots, dtype=np.int64), column, a, b, ranges, lo, hi, vector))
-        self._st_plans[request_id] = (payload, plan)
         return plan
-
-    def _st_forget(self) -> None:
-        """Drop the plans of requests the runner no longer holds."""
-        live = self.model_runner.requests
-        for request_id in [r for r in self._st_plans if r not in live]:
-            del self._st_plans[request_id]
