@@ -17,7 +17,7 @@ import pytest_asyncio
 import torch
 
 from salience.core.engine.engine import Engine
-from salience.core.engine.requests import Probes, SamplingOptions
+from salience.core.engine.requests import Probes, ResidualRequest, SamplingOptions
 from salience.core.models.points import POINTS, Point, Site
 from salience.core.probes import tap_ops
 from salience.core.probes.concepts import ConceptSet
@@ -368,3 +368,33 @@ async def test_patches_and_sweeps_on_grpc(engine: Engine, tiny_reference: Refere
     for position, row in read.items():
         expected = at[Site(3, "resid_mid")][position].numpy()
         assert np.abs(row - expected).max() / np.abs(expected).max() < 1e-4, position
+
+
+async def test_patches_and_rows_at_a_point_in_the_eager_graph(
+    engines, tiny_model: Path, tiny_concepts: ConceptSet, tiny_reference: Reference
+) -> None:
+    """The same taps run eagerly: a patch at a stream point and at a branch point, side by side,
+    and rows read at a patch point, equal the reference's."""
+    async with engines.engine(
+        tiny_model,
+        ("patch_engine_eager",),
+        served_model_name="tiny",
+        max_model_len=1024,
+        concepts=tiny_concepts,
+        patch_points=("resid_pre", "mlp_out"),
+    ) as eager:
+        assert not eager.compiled
+        ids = LONG_PROMPT[:16]
+        rows = np.random.default_rng(8).normal(0, 2, (2, 128)).astype(np.float32)
+        patches = (
+            Patch(point="resid_pre", layer=1, positions=(2, 9), rows=rows.tobytes()),
+            Patch(point="mlp_out", layer=2, positions=(5,), rows=rows[:1].tobytes()),
+        )
+        asked = ResidualRequest(layers=(3,), ranges=((0, len(ids)),), point="mlp_out")
+        scores = await eager.prefill(ids, top_logprobs=5, probes=Probes(patch=patches, residual=asked))
+    want, at = tiny_reference.patched(ids, patches, [Site(3, "mlp_out")])
+    assert_logprobs_match([scores.at(p) for p in range(1, len(ids))], want.float(), 5)
+    assert sorted(scores.residuals) == list(range(len(ids)))
+    for position, row in scores.residuals.items():
+        expected = at[Site(3, "mlp_out")][position].numpy()
+        assert np.abs(row[0] - expected).max() / np.abs(expected).max() < 1e-4, position
